@@ -1,0 +1,29 @@
+"""megatron-ext: pipeline features for megatron-core, installed next to the release you run.
+
+``install()`` applies the plugin's patches to megatron-core (idempotently) and
+``uninstall()`` restores every original. The patches themselves are declared, with their
+reasons and verified versions, in :mod:`megatron_ext.registry`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from megatron_ext import registry
+
+
+def install() -> None:
+    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly)."""
+    registry.apply("core")
+
+
+def uninstall() -> None:
+    """Undo everything megatron-ext applied, the CPU runtime included."""
+    from megatron_ext import runtime
+
+    runtime.stop_cpu()
+    registry.undo("core")
+
+
+def installed() -> bool:
+    return all(registry.is_applied(p.target) for p in registry.patches("core"))

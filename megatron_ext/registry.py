@@ -1,0 +1,220 @@
+"""The one registry of replaced megatron-core (and torch) attributes.
+
+Everything megatron-ext swaps out at runtime is declared here as a :class:`Patch`:
+the target (``module:attribute``), how to build the replacement from the original,
+the megatron-core versions it was verified against, and why it is needed. Nothing
+else in the package assigns attributes on foreign modules.
+
+Patches come in groups. ``"core"`` patches are what :func:`megatron_ext.install`
+applies on any machine; ``"cpu"`` patches are the CPU runtime's redirections and are
+applied only by :func:`megatron_ext.runtime.use_cpu`. Applying is idempotent and
+every original is kept so that it can be restored exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Callable
+
+VERIFIED_MEGATRON_CORE = ("0.19.2",)
+ALLOW_UNVERIFIED_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED"
+
+
+class UnverifiedMegatronCoreError(RuntimeError):
+    """The installed megatron-core is not one megatron-ext's patches were verified on."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replaced attribute.
+
+    ``make`` receives the original attribute and returns the replacement, so a patch
+    can wrap the original instead of re-implementing it.
+    """
+
+    target: str
+    make: Callable[[Any], Any]
+    why: str
+    group: str = "core"
+    verified: tuple[str, ...] = VERIFIED_MEGATRON_CORE
+
+    @property
+    def module_name(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.target.split(":", 1)[1]
+
+
+_PATCHES: list[Patch] = []
+# target -> (original, replacement) of every patch currently applied.
+_applied: dict[str, tuple[Any, Any]] = {}
+
+
+def register(patch: Patch) -> Patch:
+    """Add a patch to the registry; a target may be registered only once."""
+    if any(p.target == patch.target for p in _PATCHES):
+        raise ValueError(f"patch target {patch.target!r} is registered twice")
+    if ":" not in patch.target:
+        raise ValueError(f"patch target {patch.target!r} must look like 'module:attribute'")
+    _PATCHES.append(patch)
+    return patch
+
+
+def patches(group: str | None = None) -> list[Patch]:
+    """The registered patches, optionally only those of one group."""
+    return [p for p in _PATCHES if group is None or p.group == group]
+
+
+def is_applied(target: str) -> bool:
+    return target in _applied
+
+
+def applied_targets() -> list[str]:
+    return list(_applied)
+
+
+def megatron_core_version() -> str:
+    return metadata.version("megatron-core")
+
+
+def check_megatron_core_version(group_patches: list[Patch]) -> None:
+    """Refuse to patch a megatron-core version the patches were not verified on."""
+    version = megatron_core_version()
+    unverified = [p.target for p in group_patches if version not in p.verified]
+    if not unverified:
+        return
+    message = (
+        f"megatron-ext's patches are verified on megatron-core {', '.join(VERIFIED_MEGATRON_CORE)}, "
+        f"but megatron-core {version} is installed (unverified targets: {', '.join(unverified)}). "
+        f"Install megatron-core=={VERIFIED_MEGATRON_CORE[-1]}, or set {ALLOW_UNVERIFIED_ENV}=1 "
+        "to apply them anyway at your own risk."
+    )
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        warnings.warn(message, stacklevel=3)
+        return
+    raise UnverifiedMegatronCoreError(message)
+
+
+def _owner_and_name(target: str) -> tuple[Any, str]:
+    module_name, attribute = target.split(":", 1)
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def apply(group: str) -> None:
+    """Apply every patch of ``group``; patches already applied are left alone."""
+    group_patches = patches(group)
+    check_megatron_core_version(group_patches)
+    for patch in group_patches:
+        if patch.target in _applied:
+            continue
+        owner, name = _owner_and_name(patch.target)
+        original = getattr(owner, name)
+        replacement = patch.make(original)
+        setattr(owner, name, replacement)
+        _applied[patch.target] = (original, replacement)
+
+
+def undo(group: str) -> None:
+    """Restore the original of every applied patch of ``group`` (in reverse order)."""
+    for patch in reversed(patches(group)):
+        if patch.target not in _applied:
+            continue
+        original, _ = _applied.pop(patch.target)
+        owner, name = _owner_and_name(patch.target)
+        setattr(owner, name, original)
+
+
+def original(target: str) -> Any:
+    """The attribute a patch replaced (or the current one when not patched)."""
+    if target in _applied:
+        return _applied[target][0]
+    owner, name = _owner_and_name(target)
+    return getattr(owner, name)
+
+
+# --------------------------------------------------------------------------------------
+# "core" patches: applied by megatron_ext.install() on every machine.
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target="megatron.core.datasets.utils:compile_helpers",
+        make=lambda _original: _skip_compile_helpers,
+        why=(
+            "The megatron-core wheel ships the prebuilt helpers_cpp extension but not the "
+            "Makefile that compile_helpers() runs; megatron.training's initialisation calls it "
+            "on rank 0 and exits when make fails. The shipped extension is what it would build."
+        ),
+    )
+)
+
+
+def _skip_compile_helpers() -> None:
+    """The wheel's prebuilt dataset helpers are used as they are."""
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+
+
+# --------------------------------------------------------------------------------------
+# "cpu" patches: the CPU runtime (megatron_ext.runtime.use_cpu), never on a GPU machine.
+# Together with runtime.cpu.CudaToCpuMode these are everything the runtime redirects.
+# --------------------------------------------------------------------------------------
+def _cpu(target: str, replacement_name: str, why: str, wraps: bool = False) -> None:
+    """Register a CPU-runtime patch whose replacement lives in megatron_ext.runtime.cpu."""
+
+    def make(original: Any) -> Any:
+        replacement = getattr(importlib.import_module("megatron_ext.runtime.cpu"), replacement_name)
+        return replacement(original) if wraps else replacement
+
+    register(Patch(target=target, make=make, why=why, group="cpu"))
+
+
+_cpu("torch.cuda:current_device", "current_device",
+     "megatron allocates P2P, shape-exchange and grad buffers on torch.cuda.current_device().")
+_cpu("torch.cuda:device_count", "device_count",
+     "megatron.training initialises its model-parallel groups only when a device is counted.")
+_cpu("torch.cuda:set_device", "set_device",
+     "megatron.training binds each rank to a GPU at start-up.")
+_cpu("torch.cuda:synchronize", "synchronize",
+     "P2P communication and DDP synchronise the GPU; CPU work is already ordered.")
+_cpu("torch.cuda:get_rng_state", "get_rng_state",
+     "megatron's CUDA RNG tracker saves generator states; the CPU generator stands in.")
+_cpu("torch.cuda:set_rng_state", "set_rng_state",
+     "megatron's CUDA RNG tracker restores generator states; the CPU generator stands in.")
+_cpu("torch.cuda:manual_seed", "manual_seed",
+     "model_parallel_cuda_manual_seed seeds the tracker's per-TP-rank streams through it.")
+_cpu("torch.cuda:manual_seed_all", "manual_seed",
+     "Same as torch.cuda.manual_seed, for callers that seed every device.")
+_cpu("megatron.core.tensor_parallel.random:_get_cuda_rng_state", "megatron_get_rng_state",
+     "The tracker's fork() reads the CUDA default generator directly.")
+_cpu("megatron.core.tensor_parallel.random:_set_cuda_rng_state", "megatron_set_rng_state",
+     "The tracker's fork() writes the CUDA default generator directly (lazily, via CUDA init).")
+_cpu("torch.cuda:Stream", "FakeStream",
+     "DDP and megatron.training create side streams for communication and model wrapping.")
+_cpu("torch.cuda:Event", "FakeEvent",
+     "Timers and DDP record CUDA events.")
+_cpu("torch.cuda:current_stream", "current_stream",
+     "DDP's grad buffers order their collectives after the current stream.")
+_cpu("torch.cuda:default_stream", "current_stream",
+     "Some paths wait on the default stream.")
+_cpu("torch.cuda:stream", "stream",
+     "megatron.training wraps DDP construction in `with torch.cuda.stream(s)`.")
+_cpu("megatron.training.training:initialize_megatron", "allow_no_cuda",
+     "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
+     wraps=True)
+_cpu("megatron.training.training:set_jit_fusion_options", "skip_jit_warmup",
+     "The fused-kernel warm-up compiles CUDA kernels; on CPU it costs ~30 s and gains nothing.",
+     wraps=True)
+_cpu("megatron.training.training:build_train_valid_test_data_iterators",
+     "keep_rng_across_data_iterators",
+     "Data-iterator construction draws from the CPU generator, which is also the stand-in "
+     "CUDA generator here; forking keeps dropout identical between resumed and continuous runs.",
+     wraps=True)

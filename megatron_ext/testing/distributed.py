@@ -1,0 +1,81 @@
+"""Process-group and model-parallel set-up for tests (one pytest session per rank).
+
+Under ``torchrun`` every rank runs the same pytest session; each test enters
+:func:`model_parallel` with the sizes it needs and leaves it torn down, like megatron-core's
+``Utils.initialize_model_parallel``. Without torchrun the process is a world of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+# A rank that fails before a collective makes the others time out instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("MEGATRON_EXT_TEST_TIMEOUT_S", "180")))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialise the default gloo group from torchrun's environment (or a world of one),
+    switching the CPU runtime on where no GPU exists."""
+    if not torch.cuda.is_available():
+        from megatron_ext import runtime
+
+        runtime.use_cpu()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    seed: int = 1234,
+) -> Iterator[None]:
+    """megatron-core's model-parallel state for one test; data parallel takes the rest."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    init_distributed()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,33 @@
+"""megatron-ext: pipeline features for megatron-core 0.19.2, as a plugin."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', Path("megatron_ext/__init__.py").read_text(), re.M
+).group(1)
+
+setup(
+    name="megatron-ext",
+    version=VERSION,
+    description="mHC, mHC under pipeline parallelism and multi-module pipelines for megatron-core",
+    long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    install_requires=[
+        "megatron-core==0.19.2",
+        "torch>=2.6,<=2.14.1",
+        "numpy",
+        "psutil",  # megatron's torch_dist checkpoint writer imports it
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
+        "te": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
+)
