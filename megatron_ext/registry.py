@@ -158,6 +158,22 @@ register(
 )
 
 
+register(
+    Patch(
+        target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
+        make=lambda _original: importlib.import_module(
+            "megatron_ext.pipeline.p2p"
+        ).batched_p2p_ops_forward_first,
+        why=(
+            "With batch_p2p_comm=True and PP=2 the previous and next rank coincide, and the "
+            "upstream posting order (send_prev, recv_prev, send_next, recv_next) matches a "
+            "gradient with the peer's activation receive: interleaved (VPP) runs get silently "
+            "wrong gradients. Forward messages are posted before backward ones instead."
+        ),
+    )
+)
+
+
 def _skip_compile_helpers() -> None:
     """The wheel's prebuilt dataset helpers are used as they are."""
     importlib.import_module("megatron.core.datasets.helpers_cpp")
@@ -207,6 +223,11 @@ _cpu("torch.cuda:default_stream", "current_stream",
      "Some paths wait on the default stream.")
 _cpu("torch.cuda:stream", "stream",
      "megatron.training wraps DDP construction in `with torch.cuda.stream(s)`.")
+_cpu("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+     "host_copy_as_on_gpu",
+     "The alltoall MoE dispatcher expects its split sizes as host numpy arrays after this call; "
+     "on CPU it would leave torch tensors, which all_to_all_single's binding rejects.",
+     wraps=True)
 _cpu("megatron.training.training:initialize_megatron", "allow_no_cuda",
      "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
      wraps=True)

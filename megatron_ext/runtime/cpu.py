@@ -150,6 +150,20 @@ def keep_rng_across_data_iterators(build_iterators):
     return build
 
 
+# ---- MoE -----------------------------------------------------------------------------------------
+def host_copy_as_on_gpu(_original):
+    """The alltoall dispatcher moves its split sizes to the host as numpy arrays, which
+    all_to_all_single accepts as a sequence; its helper skips tensors already on the CPU,
+    leaving torch tensors that the collective's binding rejects. Convert those too."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    return maybe_move_tensor_to_cpu
+
+
 # ---- tensors ----------------------------------------------------------------------------
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):

@@ -1,0 +1,1 @@
+"""Pipeline-parallel communication: what megatron-ext changes in how stages exchange tensors."""
