@@ -1,0 +1,29 @@
+# The two commands of the README: `make run` and `make test` (both set up .venv when needed).
+PY        := .venv/bin/python
+TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
+# Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test test-single test-2ranks test-4ranks doctor clean
+
+setup:
+	@scripts/bootstrap.sh
+
+# Unit tests first in one process, then as one pytest session per rank under torchrun:
+# each session runs the tests marked for its world size (tests/conftest.py).
+test: setup test-single test-2ranks test-4ranks
+
+test-single:
+	$(PY) -m pytest tests
+
+test-2ranks:
+	$(TORCHRUN) --nproc_per_node 2 -m pytest tests/unit_tests
+
+test-4ranks:
+	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests
+
+doctor: setup
+	.venv/bin/megatron-ext doctor
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,41 @@
+"""Test-session set-up shared by unit and functional tests.
+
+Distributed tests run as one pytest session per rank under torchrun, e.g.
+``torchrun --nproc_per_node 4 -m pytest tests/unit_tests``. A test declares the world it
+needs with ``@pytest.mark.world_size(N)``; a session collects exactly the tests written for
+its world (``WORLD_SIZE`` from torchrun, 1 without it) and deselects the rest, so every
+test runs once, in the world it was written for, and none is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import pytest
+
+
+def _session_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "world_size(n): run this test only in an n-rank torchrun session"
+    )
+    # megatron-core is chatty about optional dependencies that a CPU machine never has.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|MimoModelConfig).*")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    world = _session_world_size()
+    selected, deselected = [], []
+    for item in items:
+        marker = item.get_closest_marker("world_size")
+        wanted = marker.args[0] if marker else 1
+        (selected if wanted == world else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected

@@ -1,0 +1,28 @@
+"""`megatron-ext --version` and `megatron-ext doctor` as a user runs them."""
+
+import subprocess
+import sys
+
+import megatron_ext
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_ext.cli", *args],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+
+
+def test_version():
+    assert _run("--version").strip() == f"megatron-ext {megatron_ext.__version__}"
+
+
+def test_doctor_reports_versions_runtime_and_patches():
+    from megatron_ext import registry
+
+    report = _run("doctor")
+    assert "megatron-core     0.19.2" in report
+    assert "cpu runtime       active" in report
+    assert "backend           gloo" in report
+    for patch in registry.patches():
+        assert f"active   {patch.target}" in report

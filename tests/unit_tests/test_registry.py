@@ -1,0 +1,76 @@
+"""The patch registry: install is idempotent, uninstall restores every original, and an
+unverified megatron-core is refused unless explicitly allowed."""
+
+import importlib
+
+import pytest
+
+import megatron_ext
+from megatron_ext import registry
+
+
+def _current(target):
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+@pytest.fixture
+def clean_registry():
+    megatron_ext.uninstall()
+    originals = {p.target: _current(p.target) for p in registry.patches()}
+    yield originals
+    megatron_ext.uninstall()
+
+
+def test_every_patch_names_target_versions_and_reason():
+    for patch in registry.patches():
+        assert ":" in patch.target
+        assert patch.verified and all(v.count(".") == 2 for v in patch.verified)
+        assert len(patch.why) > 20
+        assert patch.group in {"core", "cpu"}
+
+
+def test_install_is_idempotent_and_uninstall_restores(clean_registry):
+    megatron_ext.install()
+    first = {p.target: _current(p.target) for p in registry.patches("core")}
+    megatron_ext.install()
+    assert {p.target: _current(p.target) for p in registry.patches("core")} == first
+    assert all(first[t] is not clean_registry[t] for t in first)
+    assert megatron_ext.installed()
+    megatron_ext.uninstall()
+    assert not megatron_ext.installed()
+    for target, original in clean_registry.items():
+        assert _current(target) is original, target
+
+
+def test_cpu_runtime_is_undone_by_uninstall(clean_registry):
+    from megatron_ext import runtime
+
+    runtime.use_cpu()
+    assert runtime.cpu_active()
+    megatron_ext.uninstall()
+    assert not runtime.cpu_active()
+    for target, original in clean_registry.items():
+        assert _current(target) is original, target
+
+
+def test_unverified_megatron_core_is_refused(clean_registry, monkeypatch):
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(registry.UnverifiedMegatronCoreError, match=r"megatron-core 0\.99\.0.*MEGATRON_EXT_ALLOW_UNVERIFIED=1"):
+        megatron_ext.install()
+    assert not megatron_ext.installed()
+
+
+def test_unverified_megatron_core_allowed_by_environment_with_a_warning(clean_registry, monkeypatch):
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.setenv(registry.ALLOW_UNVERIFIED_ENV, "1")
+    with pytest.warns(UserWarning, match="0.99.0"):
+        megatron_ext.install()
+    assert megatron_ext.installed()
+
+
+def test_a_target_cannot_be_registered_twice():
+    existing = registry.patches()[0]
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register(registry.Patch(existing.target, lambda o: o, "a second replacement"))
