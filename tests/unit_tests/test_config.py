@@ -1,0 +1,202 @@
+"""MHCTransformerConfig: upstream's mHC fields and defaults, "mhc" accepted as a recompute
+module, and every mHC guard failing with a message that names the field."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.config import MHCTransformerConfig
+
+BASE = dict(num_layers=2, hidden_size=8, num_attention_heads=2)
+MHC_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mhc"])
+
+
+def _config(**fields):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return MHCTransformerConfig(**BASE, **fields)
+
+
+def test_defaults_match_upstream():
+    config = _config()
+    assert config.enable_mhc_connections is False
+    assert config.mhc_num_residual_streams == 4
+    assert config.mhc_sinkhorn_iterations == 20
+    assert config.mhc_init_gating_factor == 0.01
+    assert config.mhc_recompute_layer_num is None
+    assert config.recompute_modules == ["core_attn"]
+    assert not config.mhc_recompute_enabled
+
+
+def test_disabled_mhc_is_exactly_transformer_config():
+    ours = dataclasses.asdict(_config())
+    core = dataclasses.asdict(TransformerConfig(**BASE))
+    mhc_fields = {name for name in ours if name not in core}
+    assert mhc_fields == {
+        "enable_mhc_connections",
+        "mhc_num_residual_streams",
+        "mhc_sinkhorn_iterations",
+        "mhc_init_gating_factor",
+        "mhc_recompute_layer_num",
+    }
+    # repr: the init-method partials are fresh objects per config and compare by identity.
+    assert {k: repr(v) for k, v in ours.items() if k not in mhc_fields} == {
+        k: repr(v) for k, v in core.items()
+    }
+
+
+def test_megatron_core_itself_rejects_mhc_as_a_recompute_module():
+    """Why MHCTransformerConfig hides "mhc" from the base validation (0.19.2 behaviour)."""
+    with pytest.raises(AssertionError, match="recompute_modules"):
+        TransformerConfig(**BASE, recompute_granularity="selective", recompute_modules=["mhc"])
+
+
+@pytest.mark.parametrize("modules", [["mhc"], ["core_attn", "mhc"], ["mhc", "layernorm"]])
+def test_mhc_is_accepted_in_selective_recompute_modules(modules):
+    requested = list(modules)
+    config = _config(
+        enable_mhc_connections=True,
+        recompute_granularity="selective",
+        recompute_modules=requested,
+        mhc_recompute_layer_num=2,
+    )
+    assert sorted(config.recompute_modules) == sorted(modules)
+    assert config.mhc_recompute_enabled
+    assert requested == modules  # the caller's list is left alone
+
+
+def test_mhc_recompute_survives_dataclasses_replace():
+    config = _config(enable_mhc_connections=True, **MHC_RECOMPUTE)
+    copy = dataclasses.replace(config, hidden_size=16)
+    assert copy.recompute_modules.count("mhc") == 1 and copy.mhc_recompute_enabled
+
+
+def test_pipeline_parallel_and_mtp_are_not_rejected_here():
+    """megatron-ext supports mHC under PP; MTP rules live with the MTP wiring."""
+    config = _config(
+        enable_mhc_connections=True,
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        mtp_num_layers=1,
+        **MHC_RECOMPUTE,
+    )
+    assert config.pipeline_model_parallel_size == 2 and config.mtp_num_layers == 1
+
+
+def test_enabling_without_mhc_recompute_warns():
+    with pytest.warns(UserWarning, match="'mhc' in recompute_modules"):
+        MHCTransformerConfig(**BASE, enable_mhc_connections=True)
+
+
+def test_enabling_with_mhc_recompute_does_not_warn_about_it():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MHCTransformerConfig(**BASE, enable_mhc_connections=True, **MHC_RECOMPUTE)
+    assert not [w for w in caught if "mhc" in str(w.message)]
+
+
+GUARDS = {
+    "mhc recompute without mHC": (
+        dict(**MHC_RECOMPUTE),
+        ValueError,
+        "enable_mhc_connections",
+    ),
+    "mhc with mlp recompute": (
+        dict(
+            enable_mhc_connections=True,
+            recompute_granularity="selective",
+            recompute_modules=["mlp", "mhc"],
+        ),
+        ValueError,
+        "'mlp'",
+    ),
+    "layer_num zero": (
+        dict(enable_mhc_connections=True, mhc_recompute_layer_num=0, **MHC_RECOMPUTE),
+        ValueError,
+        "mhc_recompute_layer_num",
+    ),
+    "layer_num bool": (
+        dict(enable_mhc_connections=True, mhc_recompute_layer_num=True, **MHC_RECOMPUTE),
+        ValueError,
+        "mhc_recompute_layer_num",
+    ),
+    "layer_num float": (
+        dict(enable_mhc_connections=True, mhc_recompute_layer_num=1.5, **MHC_RECOMPUTE),
+        ValueError,
+        "mhc_recompute_layer_num",
+    ),
+    "mhc recompute with fine-grained offloading": (
+        dict(
+            enable_mhc_connections=True,
+            fine_grained_activation_offloading=True,
+            offload_modules=["core_attn"],
+            **MHC_RECOMPUTE,
+        ),
+        NotImplementedError,
+        "fine_grained_activation_offloading",
+    ),
+    "full recompute": (
+        dict(
+            enable_mhc_connections=True,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        ),
+        NotImplementedError,
+        "recompute_granularity",
+    ),
+    "fused inference TP communication": (
+        dict(
+            enable_mhc_connections=True,
+            inference_fuse_tp_communication=True,
+            transformer_impl="inference_optimized",
+            normalization="RMSNorm",
+            add_bias_linear=False,
+        ),
+        NotImplementedError,
+        "inference_fuse_tp_communication",
+    ),
+    "fp32 residual": (
+        dict(enable_mhc_connections=True, fp32_residual_connection=True),
+        NotImplementedError,
+        "fp32_residual_connection",
+    ),
+    "zero sinkhorn iterations": (
+        dict(enable_mhc_connections=True, mhc_sinkhorn_iterations=0),
+        ValueError,
+        "mhc_sinkhorn_iterations",
+    ),
+    "negative gating factor": (
+        dict(enable_mhc_connections=True, mhc_init_gating_factor=-0.1),
+        ValueError,
+        "mhc_init_gating_factor",
+    ),
+    "zero streams": (
+        dict(enable_mhc_connections=True, mhc_num_residual_streams=0),
+        ValueError,
+        "mhc_num_residual_streams",
+    ),
+}
+
+
+@pytest.mark.parametrize("fields, error, field_named", GUARDS.values(), ids=GUARDS.keys())
+def test_guard_raises_naming_the_field(fields, error, field_named):
+    with pytest.raises(error, match=field_named):
+        _config(**fields)
+
+
+@pytest.mark.parametrize("fields, error, field_named", GUARDS.values(), ids=GUARDS.keys())
+def test_guarded_settings_are_otherwise_valid_for_megatron_core(fields, error, field_named):
+    """Each guard case differs from a valid config only in its mHC part, so it is our guard,
+    not megatron-core's validation, that fires above."""
+    core_fields = {k: v for k, v in fields.items() if not k.startswith(("enable_mhc", "mhc_"))}
+    if "recompute_modules" in core_fields:
+        core_fields["recompute_modules"] = [
+            m for m in core_fields["recompute_modules"] if m != "mhc"
+        ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        TransformerConfig(**BASE, **core_fields)
