@@ -9,6 +9,10 @@ export OMP_NUM_THREADS ?= 1
 setup:
 	@scripts/bootstrap.sh
 
+# Until the recipes land: a tiny GPT, PP=2 on 2 CPU ranks, through megatron.training.pretrain.
+run: setup
+	$(PY) -m megatron_ext.launch.demo
+
 # Unit tests first in one process, then as one pytest session per rank under torchrun:
 # each session runs the tests marked for its world size (tests/conftest.py).
 test: setup test-single test-2ranks test-4ranks
