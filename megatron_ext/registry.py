@@ -231,6 +231,9 @@ _cpu("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
 _cpu("megatron.training.training:initialize_megatron", "allow_no_cuda",
      "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
      wraps=True)
+_cpu("megatron.training.arguments:get_device_arch_version", "no_device_architecture",
+     "validate_args asks the GPU for its architecture when TP/CP > 1; there is no driver to ask.",
+     wraps=True)
 _cpu("megatron.training.training:set_jit_fusion_options", "skip_jit_warmup",
      "The fused-kernel warm-up compiles CUDA kernels; on CPU it costs ~30 s and gains nothing.",
      wraps=True)

@@ -16,6 +16,7 @@ It refuses to start where CUDA is available: on a GPU the real calls must run.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -42,6 +43,9 @@ def use_cpu() -> None:
 
     install()
     registry.apply("cpu")
+    # megatron.training asserts this for TP/CP > 1 on pre-Blackwell GPUs (the architecture
+    # the runtime reports); it only orders CUDA work queues, so it is inert here.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if _mode is None:
         _mode = CudaToCpuMode()
         _mode.__enter__()

@@ -126,6 +126,19 @@ def allow_no_cuda(initialize_megatron):
     return functools.partial(initialize_megatron, allow_no_cuda=True)
 
 
+def no_device_architecture(_original):
+    """validate_args reads the GPU's compute capability (with TP/CP > 1, FSDP, GTP remat).
+
+    Architecture 0 is the conservative answer: megatron then takes its pre-Blackwell path,
+    which only asks for CUDA_DEVICE_MAX_CONNECTIONS=1 (set by use_cpu; meaningless on CPU).
+    """
+
+    def get_device_arch_version() -> int:
+        return 0
+
+    return get_device_arch_version
+
+
 def skip_jit_warmup(_original):
     """The fused-kernel warm-up torch.compiles CUDA kernels: about 30 s on CPU, for nothing."""
 

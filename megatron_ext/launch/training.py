@@ -1,0 +1,195 @@
+"""What every megatron-ext training entry point shares, from runtime choice to ``pretrain()``.
+
+An entry point (for example :mod:`megatron_ext.pretrain_gpt`) does four things in order:
+
+1. :func:`select_runtime` runs before megatron initialises. It switches the CPU runtime on
+   where no GPU exists and applies ``megatron_ext.install()`` otherwise.
+2. :func:`parse_megatron_args` runs Megatron's own parser with the entry's extra argument
+   groups. Defaults that the machine requires (:func:`machine_defaults`) replace Megatron's,
+   and flags that the user passes still win.
+3. The entry builds its model, data and step functions from the parsed ``args``.
+4. :func:`run_pretrain` hands everything to ``megatron.training.pretrain`` in the form that
+   megatron-core 0.19.2 expects: a ``PretrainConfigContainer`` first, then the model
+   provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from megatron_ext.launch import silence_warnings_off_rank_zero
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+# Megatron-LM's eval interval before 0.19 made it optional. Since then, leaving it unset
+# crashes get_train_valid_test_num_samples (train_iters // None) instead of skipping eval.
+DEFAULT_EVAL_INTERVAL = 1000
+
+
+# ---- what this machine has -------------------------------------------------------------------
+def gpu_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # a broken install (missing CUDA libraries) counts as absent
+        return False
+    return True
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    return _importable("transformer_engine.pytorch")
+
+
+@functools.cache
+def apex_available() -> bool:
+    return _importable("apex")
+
+
+@functools.cache
+def gradient_accumulation_fusion_kernel_available() -> bool:
+    # Megatron's own linear layers raise at construction when this Apex kernel is missing.
+    return _importable("fused_weight_gradient_mlp_cuda")
+
+
+# ---- 1. runtime --------------------------------------------------------------------------------
+def select_runtime() -> str:
+    """Apply megatron-ext's patches for this machine, and return "cpu" or "gpu".
+
+    This must run before megatron initialises. On CPU, ``initialize_megatron`` must already
+    accept a machine without CUDA, and the model-parallel groups must see a device.
+    """
+    from megatron_ext import install, runtime
+
+    silence_warnings_off_rank_zero()
+    if gpu_available():
+        install()
+        return "gpu"
+    runtime.use_cpu()
+    return "cpu"
+
+
+# ---- 2. arguments ------------------------------------------------------------------------------
+def machine_defaults(on_cpu: bool) -> dict[str, Any]:
+    """Parser defaults that this machine needs. Each one replaces a Megatron default that
+    would fail here, and an explicit flag still overrides it."""
+    defaults: dict[str, Any] = {}
+    if not transformer_engine_available():
+        # Megatron defaults to TE layers; without TE, megatron-core's own layers are the only option.
+        defaults["transformer_impl"] = "local"
+    if not gradient_accumulation_fusion_kernel_available():
+        defaults["gradient_accumulation_fusion"] = False
+    if not apex_available():
+        # The torch norm that megatron falls back to without Apex asserts on persist_layer_norm.
+        defaults["no_persist_layer_norm"] = True
+    if on_cpu:
+        defaults["distributed_backend"] = "gloo"  # NCCL needs GPUs
+        # These fused kernels exist only for CUDA. On CPU, megatron torch.compiles stand-ins
+        # for some of them, which costs about 25 s in the first iterations and gains nothing.
+        defaults.update(
+            masked_softmax_fusion=False,
+            bias_gelu_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+        )
+    return defaults
+
+
+def _with_parser_defaults(
+    providers: Iterable[Optional[ArgsProvider]], parser_defaults: dict[str, Any]
+) -> ArgsProvider:
+    """One extra_args_provider that adds every entry-specific group and then the defaults."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for provider in providers:
+            if provider is not None:
+                parser = provider(parser)
+        unknown = sorted(key for key in parser_defaults if not _parser_has_dest(parser, key))
+        if unknown:
+            raise ValueError(f"parser defaults name arguments the parser does not have: {unknown}")
+        parser.set_defaults(**parser_defaults)
+        _repair_help_strings(parser)
+        return parser
+
+    return provide
+
+
+def _repair_help_strings(parser: argparse.ArgumentParser) -> None:
+    """Make ``--help`` work. In megatron-core 0.19.2, one help string contains a bare "%"
+    ("1.10 = 10%"), so argparse's %-formatting fails and ``--help`` crashes for every
+    script. Escape the "%" in any help string that does not format."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
+def _parser_has_dest(parser: argparse.ArgumentParser, dest: str) -> bool:
+    return any(action.dest == dest for action in parser._actions)
+
+
+def parse_megatron_args(
+    extra_args_providers: Iterable[Optional[ArgsProvider]] = (),
+    args_defaults: Optional[dict[str, Any]] = None,
+    parser_defaults: Optional[dict[str, Any]] = None,
+) -> argparse.Namespace:
+    """Parse and validate Megatron's flags from ``sys.argv``, and set megatron's global args.
+
+    ``parser_defaults`` replace argparse defaults before parsing; unlike ``args_defaults``
+    (Megatron's post-parse defaults for arguments still None) they do not warn each time the
+    user's flag overrides them.
+    """
+    from megatron.training.arguments import parse_and_validate_args
+
+    defaults = {"eval_interval": DEFAULT_EVAL_INTERVAL, **(parser_defaults or {})}
+    provider = _with_parser_defaults(extra_args_providers, defaults)
+    return parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+
+
+# ---- 4. pretrain ---------------------------------------------------------------------------------
+def pretrain_config(args: argparse.Namespace):
+    """The PretrainConfigContainer for ``args``, on the model-provider path (no ModelConfig)."""
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    with warnings.catch_warnings():
+        # It warns that a ModelConfig is recommended; entry points use a model provider on purpose.
+        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
+        return pretrain_cfg_container_from_args(args)
+
+
+def run_pretrain(
+    args: argparse.Namespace,
+    train_valid_test_datasets_provider: Callable,
+    model_type: Any,
+    forward_step: Callable,
+    model_provider: Callable,
+    **pretrain_kwargs: Any,
+) -> None:
+    """``megatron.training.pretrain`` with ``args`` as parsed by :func:`parse_megatron_args`."""
+    from megatron.training import inprocess_restart, pretrain
+
+    store = None
+    if getattr(args, "inprocess_restart", False):
+        pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    pretrain(
+        pretrain_config(args),
+        train_valid_test_datasets_provider,
+        model_type,
+        forward_step,
+        model_provider=model_provider,
+        store=store,
+        **pretrain_kwargs,
+    )
