@@ -134,12 +134,17 @@ def undo(group: str) -> None:
         setattr(owner, name, original)
 
 
+def current(target: str) -> Any:
+    """What ``target`` is right now (patched or not)."""
+    owner, name = _owner_and_name(target)
+    return getattr(owner, name)
+
+
 def original(target: str) -> Any:
     """The attribute a patch replaced (or the current one when not patched)."""
     if target in _applied:
         return _applied[target][0]
-    owner, name = _owner_and_name(target)
-    return getattr(owner, name)
+    return current(target)
 
 
 # --------------------------------------------------------------------------------------
@@ -169,6 +174,22 @@ register(
             "upstream posting order (send_prev, recv_prev, send_next, recv_next) matches a "
             "gradient with the peer's activation receive: interleaved (VPP) runs get silently "
             "wrong gradients. Forward messages are posted before backward ones instead."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.pipeline.shapes"
+        ).communicate_with_pipeline_width(original),
+        why=(
+            "With mHC and PP > 1 every inter-stage tensor is the n-stream residual [s, b, n*h], "
+            "but both schedules size fixed receive buffers from hidden_size (1F1B through "
+            "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
+            "passes through _communicate, the one place both can be widened."
         ),
     )
 )

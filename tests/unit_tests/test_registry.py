@@ -1,23 +1,16 @@
 """The patch registry: install is idempotent, uninstall restores every original, and an
 unverified megatron-core is refused unless explicitly allowed."""
 
-import importlib
-
 import pytest
 
 import megatron_ext
 from megatron_ext import registry
 
 
-def _current(target):
-    module_name, attribute = target.split(":")
-    return getattr(importlib.import_module(module_name), attribute)
-
-
 @pytest.fixture
 def clean_registry():
     megatron_ext.uninstall()
-    originals = {p.target: _current(p.target) for p in registry.patches()}
+    originals = {p.target: registry.current(p.target) for p in registry.patches()}
     yield originals
     megatron_ext.uninstall()
 
@@ -32,15 +25,15 @@ def test_every_patch_names_target_versions_and_reason():
 
 def test_install_is_idempotent_and_uninstall_restores(clean_registry):
     megatron_ext.install()
-    first = {p.target: _current(p.target) for p in registry.patches("core")}
+    first = {p.target: registry.current(p.target) for p in registry.patches("core")}
     megatron_ext.install()
-    assert {p.target: _current(p.target) for p in registry.patches("core")} == first
+    assert {p.target: registry.current(p.target) for p in registry.patches("core")} == first
     assert all(first[t] is not clean_registry[t] for t in first)
     assert megatron_ext.installed()
     megatron_ext.uninstall()
     assert not megatron_ext.installed()
     for target, original in clean_registry.items():
-        assert _current(target) is original, target
+        assert registry.current(target) is original, target
 
 
 def test_cpu_runtime_is_undone_by_uninstall(clean_registry):
@@ -51,7 +44,7 @@ def test_cpu_runtime_is_undone_by_uninstall(clean_registry):
     megatron_ext.uninstall()
     assert not runtime.cpu_active()
     for target, original in clean_registry.items():
-        assert _current(target) is original, target
+        assert registry.current(target) is original, target
 
 
 def test_unverified_megatron_core_is_refused(clean_registry, monkeypatch):

@@ -1,0 +1,48 @@
+"""How wide the tensors exchanged between pipeline stages are.
+
+With mHC the residual that crosses every stage boundary is the flattened n-stream tensor
+``[s, b, n*h]``; megatron-core 0.19.2 sizes its fixed P2P receive buffers from
+``config.hidden_size``. Every schedule (1F1B's ``get_tensor_shapes`` and the interleaved
+schedule's inline shape) ends up in ``P2PCommunicator._communicate``, so that is where the
+width is corrected, once, for every communicating edge, the interleaved wrap-around from the
+last physical rank to the first rank's next virtual chunk included. Sends and receives that
+megatron suppresses at the model's true ends allocate nothing, so no single-stream buffer is
+needed there. The sequence axis is left as megatron computed it (divided by CP, and by TP
+under sequence parallelism); with ``variable_seq_lengths`` megatron exchanges the actual
+shapes and ignores the fixed ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+
+def pipeline_hidden_size(config: Any, pipeline_parallel_size: int) -> int:
+    """The last dimension of every tensor exchanged between pipeline stages."""
+    if getattr(config, "enable_mhc_connections", False) and pipeline_parallel_size > 1:
+        return config.hidden_size * config.mhc_num_residual_streams
+    return config.hidden_size
+
+
+def pipeline_tensor_shape(
+    config: Any, tensor_shape: Optional[Sequence[int]], pipeline_parallel_size: int
+) -> Optional[Sequence[int]]:
+    """``tensor_shape`` as megatron sized it ([s', b, hidden_size]) with the pipeline width."""
+    if tensor_shape is None or len(tensor_shape) == 0:
+        return tensor_shape
+    width = pipeline_hidden_size(config, pipeline_parallel_size)
+    if width == tensor_shape[-1] or tensor_shape[-1] != config.hidden_size:
+        return tensor_shape
+    return [*tensor_shape[:-1], width]
+
+
+def communicate_with_pipeline_width(communicate):
+    """Wraps ``P2PCommunicator._communicate`` so its receive buffers have the pipeline width."""
+
+    @functools.wraps(communicate)
+    def _communicate(self, *, tensor_shape, **kwargs):
+        shape = pipeline_tensor_shape(self.config, tensor_shape, self.pp_group.size())
+        return communicate(self, tensor_shape=shape, **kwargs)
+
+    return _communicate
