@@ -195,6 +195,25 @@ register(
 )
 
 
+register(
+    Patch(
+        target=(
+            "megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper:"
+            "AbstractModelInferenceWrapper.__init__"
+        ),
+        make=lambda original: importlib.import_module(
+            "megatron_ext.guards"
+        ).inference_wrapper_rejecting_mhc_pipeline(original),
+        why=(
+            "Inference wrappers receive pipeline activations into single-stream "
+            "(hidden_size) buffers; with mHC and an inference pipeline group larger than one "
+            "they would fail or misread. The group is resolved inside __init__ (inference "
+            "config first, training groups otherwise), so the check runs right after it."
+        ),
+    )
+)
+
+
 def _skip_compile_helpers() -> None:
     """The wheel's prebuilt dataset helpers are used as they are."""
     importlib.import_module("megatron.core.datasets.helpers_cpp")

@@ -15,6 +15,8 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext import guards
+
 # Our entry in TransformerConfig.recompute_modules: output-discarding selective recompute of
 # the mHC aggregate / layernorm / bias-dropout-add outputs.
 MHC_RECOMPUTE_MODULE = "mhc"
@@ -69,6 +71,7 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             self._validate_mhc_values()
             self._reject_mhc_incompatible_features()
+            guards.check_mhc_pipeline(self)
 
     def _validate_mhc_recompute(self) -> None:
         layer_num = self.mhc_recompute_layer_num
