@@ -1,19 +1,26 @@
-"""megatron-core's GPTModel with a decoder whose final norm works under sequence parallelism."""
+"""megatron-core's GPTModel with a decoder whose final norm works under sequence parallelism,
+and, with ``config.enable_mhc_connections``, n mHC residual streams between its layers."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel as _CoreGPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core import parallel_state
 
+from megatron_ext import guards
+from megatron_ext.mhc.transformer_block import (
+    HyperConnectionTransformerBlock,
+    check_layers_support_mhc,
+)
 from megatron_ext.models.norms import LocalNorm
 
 
@@ -34,11 +41,36 @@ def _decoder_block_spec(config, layer_spec, vp_stage, pg_collection) -> Any:
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=LocalNorm)
 
 
+def _layer_specs(spec: Any) -> list:
+    """The layer specs a decoder spec (layer spec, block submodules or block spec) builds."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        return list(spec.layer_specs or [])
+    if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(
+        spec.module, TransformerBlock
+    ):
+        return _layer_specs(spec.submodules)
+    return [spec]
+
+
 class GPTModel(_CoreGPTModel):
-    """megatron-core's GPTModel; same constructor, same parameters and outputs."""
+    """megatron-core's GPTModel; same constructor, same parameters and outputs.
+
+    With ``config.enable_mhc_connections=True`` the layer spec must build mHC layers
+    (``get_gpt_layer_local_spec(enable_mhc_connections=True)``; checked before anything is
+    built) and the decoder is a :class:`HyperConnectionTransformerBlock`: it expands the
+    embedding output into n streams and contracts them before the final layernorm.
+    """
 
     def __init__(self, config, transformer_layer_spec, *args: Any, **kwargs: Any) -> None:
         spec = _decoder_block_spec(
             config, transformer_layer_spec, kwargs.get("vp_stage"), kwargs.get("pg_collection")
         )
+        mhc = bool(getattr(config, "enable_mhc_connections", False))
+        if mhc:
+            guards.check_gpt_mhc_mtp(config)
+            check_layers_support_mhc(config, _layer_specs(spec), "the GPTModel layer spec")
         super().__init__(config, spec, *args, **kwargs)
+        if mhc:
+            # megatron-core's GPTModel builds a plain TransformerBlock with no way to choose
+            # the class; give the block its mHC behaviour in place (nothing is rebuilt).
+            HyperConnectionTransformerBlock.adopt(self.decoder)

@@ -1,4 +1,5 @@
-"""Layer specs for GPT: megatron-core's, with the local norm swapped in where needed."""
+"""Layer specs for GPT: megatron-core's, with the local norm swapped in where needed and,
+with ``enable_mhc_connections=True``, the mHC layer and its two hyper connections."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Any
 from megatron.core.models.gpt import gpt_layer_specs as upstream
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_ext.mhc.hyper_connection import HyperConnectionModule
+from megatron_ext.mhc.transformer_layer import (
+    HyperConnectionTransformerLayer,
+    HyperConnectionTransformerLayerSubmodules,
+)
 from megatron_ext.models.norms import LocalNorm
 
 
@@ -28,6 +35,47 @@ def _with_local_norm(value: Any) -> Any:
     return value
 
 
-def get_gpt_layer_local_spec(**kwargs: Any) -> ModuleSpec:
-    """megatron-core's ``get_gpt_layer_local_spec`` (same arguments), sequence-parallel safe."""
-    return _with_local_norm(upstream.get_gpt_layer_local_spec(**kwargs))
+def with_hyper_connections(spec: ModuleSpec) -> ModuleSpec:
+    """A TransformerLayer spec turned into the same layer with mHC residual streams:
+    the module becomes :class:`HyperConnectionTransformerLayer` and the attention and MLP
+    each get a :class:`HyperConnectionModule`. Every other submodule is kept."""
+    if not (isinstance(spec, ModuleSpec) and spec.module is TransformerLayer):
+        raise TypeError(
+            f"with_hyper_connections expects a ModuleSpec of megatron-core's TransformerLayer, "
+            f"got {spec!r}"
+        )
+    fields = {f.name: getattr(spec.submodules, f.name) for f in dataclasses.fields(spec.submodules)}
+    submodules = HyperConnectionTransformerLayerSubmodules(
+        **fields,
+        self_attention_hyper_connection=HyperConnectionModule,
+        mlp_hyper_connection=HyperConnectionModule,
+    )
+    return dataclasses.replace(spec, module=HyperConnectionTransformerLayer, submodules=submodules)
+
+
+def get_gpt_layer_local_spec(*, enable_mhc_connections: bool = False, **kwargs: Any) -> ModuleSpec:
+    """megatron-core's ``get_gpt_layer_local_spec`` (same keyword arguments), sequence-parallel
+    safe; ``enable_mhc_connections=True`` gives the mHC layer (config must enable mHC too)."""
+    spec = _with_local_norm(upstream.get_gpt_layer_local_spec(**kwargs))
+    return with_hyper_connections(spec) if enable_mhc_connections else spec
+
+
+def transformer_engine_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+    *, enable_mhc_connections: bool = False, **kwargs: Any
+) -> ModuleSpec:
+    """megatron-core's ``get_gpt_layer_with_transformer_engine_spec`` (same keyword
+    arguments); ``enable_mhc_connections=True`` gives the mHC layer. Needs Transformer Engine."""
+    if not transformer_engine_available():
+        raise ImportError(
+            "get_gpt_layer_with_transformer_engine_spec needs transformer_engine, which does not "
+            "import here; install Transformer Engine, or use "
+            "get_gpt_layer_local_spec(enable_mhc_connections=...) instead"
+        )
+    spec = upstream.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return with_hyper_connections(spec) if enable_mhc_connections else spec

@@ -1,0 +1,159 @@
+"""A transformer block that carries n mHC residual streams between its layers.
+
+:class:`HyperConnectionTransformerBlock` is megatron-core's ``TransformerBlock`` plus the two
+block-level mHC steps, placed so that pipeline stages compose:
+
+* expand: where ``pre_process`` (the embedding is in this stage), the ``[s, b, h]`` input is
+  replicated into ``[s, b, n*h]`` (a viewless tensor, like every block input). Other stages
+  receive the n-stream tensor from the previous stage (``set_input_tensor``).
+* contract: where the final layernorm is in this stage, the streams are averaged back to
+  ``[s, b, h]`` just before it (upstream GPT's mean contraction). Other stages return the
+  n-stream tensor, which is what travels to the next stage.
+
+It also plans the "mhc" selective recompute (:mod:`megatron_ext.mhc.recompute`): before each
+training forward, consecutive local layers are put into groups of ``mhc_recompute_layer_num``
+(the block's last layer always ends a group, so no group crosses a stage or virtual chunk).
+
+megatron-core's GPTModel constructs a plain ``TransformerBlock`` itself, with no seam to pick
+the class; :meth:`HyperConnectionTransformerBlock.adopt` turns that freshly built block into
+this class in place (same modules, same parameters, nothing rebuilt). Building this class
+directly works as well.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
+
+from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
+from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
+from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
+
+
+def _layer_class(layer: Any) -> type:
+    """The class behind a built layer, a ModuleSpec or a class."""
+    if isinstance(layer, torch.nn.Module):
+        return type(layer)
+    if isinstance(layer, ModuleSpec):
+        return layer.module
+    return layer
+
+
+def check_layers_support_mhc(config, layers: Iterable[Any], where: str) -> None:
+    """Refuse layers (built, or as specs/classes) without mHC residual streams when mHC is on."""
+    if not getattr(config, "enable_mhc_connections", False):
+        return
+    classes = {_layer_class(layer) for layer in layers}
+    plain = sorted(cls.__name__ for cls in classes if not layer_supports_mhc(cls))
+    if plain:
+        raise ValueError(
+            f"enable_mhc_connections=True, but {where} uses {', '.join(plain)}, which does not "
+            f"implement mHC residual streams (no supports_mhc_connections); {MHC_SPEC_HINT}, "
+            "or set enable_mhc_connections=False"
+        )
+
+
+def _contract_before_norm(num_streams: int, _norm: torch.nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of the final layernorm: ``[s, b, n*h] -> [s, b, h]`` by the mean."""
+    hidden_states, *rest = args
+    return (contract_mean(hidden_states, num_streams), *rest)
+
+
+class HyperConnectionTransformerBlock(TransformerBlock):
+    """megatron-core's TransformerBlock with mHC expansion, contraction and recompute groups.
+
+    Same constructor as ``TransformerBlock``; ``config.enable_mhc_connections`` must be True and
+    every layer must support mHC (:class:`~megatron_ext.mhc.HyperConnectionTransformerLayer`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._setup_streams()
+
+    @classmethod
+    def adopt(cls, block: TransformerBlock) -> "HyperConnectionTransformerBlock":
+        """Make a just-built megatron-core ``TransformerBlock`` this class, in place."""
+        if type(block) is not TransformerBlock:
+            raise TypeError(
+                "only a plain megatron-core TransformerBlock can be adopted, got "
+                f"{type(block).__name__}"
+            )
+        block.__class__ = cls
+        block._setup_streams()
+        return block
+
+    def _setup_streams(self) -> None:
+        config = self.config
+        if not getattr(config, "enable_mhc_connections", False):
+            raise ValueError(
+                "HyperConnectionTransformerBlock needs enable_mhc_connections=True in its config "
+                "(megatron_ext.config.MHCTransformerConfig)"
+            )
+        check_layers_support_mhc(config, self.layers, "the transformer block")
+        self.num_residual_streams = config.mhc_num_residual_streams
+        self.contracts_streams = self.final_layernorm is not None
+        if self.post_process and not self.contracts_streams and config.mtp_num_layers is None:
+            raise ValueError(
+                "with enable_mhc_connections=True the last stage must have the final layernorm "
+                "(the n streams are contracted right before it); build the block with "
+                "post_layer_norm=True and a layer_norm in its spec"
+            )
+        if self.contracts_streams:
+            self.final_layernorm.register_forward_pre_hook(
+                functools.partial(_contract_before_norm, self.num_residual_streams)
+            )
+        self.mhc_recompute_enabled = bool(getattr(config, "mhc_recompute_enabled", False))
+
+    # ------------------------------------------------------------------ expand
+
+    def expand_streams(self, hidden_states: Tensor) -> Tensor:
+        """``[s, b, h] -> [s, b, n*h]``, every stream a copy of the input (viewless)."""
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
+        expanded = expand_streams(hidden_states, self.num_residual_streams)
+        return make_viewless_tensor(
+            inp=expanded, requires_grad=expanded.requires_grad, keep_graph=True
+        )
+
+    # ------------------------------------------------------------------ recompute groups
+
+    def _assign_recompute_groups(self, extract_layer_indices) -> None:
+        """Give every local layer its group for this forward (training with grad only)."""
+        if not (self.mhc_recompute_enabled and self.training and torch.is_grad_enabled()):
+            return
+        if extract_layer_indices:
+            raise NotImplementedError(
+                "'mhc' in recompute_modules cannot be combined with extract_layer_indices during "
+                "training (intermediate outputs are discarded); remove 'mhc' from "
+                "recompute_modules or stop extracting layers"
+            )
+        group = MHCRecomputeGroup()
+        ends = plan_recompute_groups(len(self.layers), self.config.mhc_recompute_layer_num)
+        for layer, ends_group in zip(self.layers, ends):
+            layer.mhc_recompute = LayerRecompute(group, ends_group)
+            if ends_group:
+                group = MHCRecomputeGroup()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, hidden_states, attention_mask=None, *args: Any, **kwargs: Any):
+        """TransformerBlock.forward on n streams: expands first where ``pre_process``; the
+        final layernorm (where present) contracts before normalising."""
+        if self.pre_process:
+            hidden_states = self.expand_streams(hidden_states)
+        self._assign_recompute_groups(kwargs.get("extract_layer_indices"))
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            for layer in self.layers:
+                layer.mhc_recompute = None
+
+
+__all__ = ["HyperConnectionTransformerBlock", "check_layers_support_mhc"]

@@ -1,0 +1,389 @@
+"""A transformer layer whose residual is n mHC streams.
+
+:class:`HyperConnectionTransformerLayer` is megatron-core's ``TransformerLayer`` with each
+residual connection replaced by a hyper connection. Its input and output are the flattened
+n-stream residual ``[s, b, n*h]``; attention and the MLP still see and return ``[s, b, h]``.
+For each sub-layer (F = attention or MLP, with its norm):
+
+    h_pre, h_post, h_res = connection.compute_mappings(x)     # per token, from the streams
+    y = F(norm(Σ_i h_pre_i · x_i))
+    x_next = H_resᵀ · x + dropout(H_post ⊗ (y + bias))        # megatron's bias-dropout-add
+
+megatron-core 0.19.2 has no hooks for this in ``TransformerLayer`` (upstream main refactored
+its forward into overridable steps later), so this class overrides the two monolithic steps
+``_forward_attention`` and ``_forward_mlp``. Each mHC computation is one small method
+(:meth:`_stream_maps`, :meth:`_aggregate`, :meth:`_normalise`, :meth:`_merge`) and the three
+whose outputs are large go through :func:`~megatron_ext.mhc.recompute.run_maybe_checkpointed`,
+so the "mhc" selective recompute can discard and rebuild them.
+
+Sub-layers that are ``IdentityOp`` (attention-only or MLP-only layers, as a HybridModel
+builds them) get no hyper connection and pass the n streams through unchanged.
+
+MoE MLPs: a GPT mHC layer refuses them (as upstream does); a Hybrid stack builds its MoE
+('E') layers with ``allow_moe_mlp=True`` (pass it through the layer spec's ``params``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
+
+from megatron_ext.mhc.hyper_connection import aggregate, bias_dropout_add_streams
+from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
+
+# Where the error messages send people who built a non-mHC layer spec.
+MHC_SPEC_HINT = (
+    "build the layer spec with megatron_ext.models.gpt.get_gpt_layer_local_spec("
+    "enable_mhc_connections=True) (or get_gpt_layer_with_transformer_engine_spec("
+    "enable_mhc_connections=True))"
+)
+
+
+@dataclass
+class HyperConnectionTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """``TransformerLayerSubmodules`` plus one hyper connection per sub-layer.
+
+    Each ``*_hyper_connection`` is built as ``build_module(spec, config=..., layer_number=...)``
+    (normally :class:`~megatron_ext.mhc.HyperConnectionModule`). A sub-layer that is present
+    needs one; a sub-layer that is ``IdentityOp`` gets none, whatever is given here.
+    Cross-attention hyper connections are not supported.
+    """
+
+    self_attention_hyper_connection: Union[ModuleSpec, type] = IdentityOp
+    cross_attention_hyper_connection: Union[ModuleSpec, type] = IdentityOp
+    mlp_hyper_connection: Union[ModuleSpec, type] = IdentityOp
+
+
+def _is_identity(spec: Any) -> bool:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return module is IdentityOp
+
+
+def _check_config(config) -> None:
+    """Refuse configurations this layer does not implement, before anything is built."""
+    if not getattr(config, "enable_mhc_connections", False):
+        raise ValueError(
+            "HyperConnectionTransformerLayer needs enable_mhc_connections=True in its config "
+            "(megatron_ext.config.MHCTransformerConfig); set enable_mhc_connections=True, or "
+            "build the spec with enable_mhc_connections=False for plain residual connections"
+        )
+    if config.cuda_graph_impl != "none":
+        raise NotImplementedError(
+            f"mHC layers are not qualified with CUDA graphs (cuda_graph_impl="
+            f"{config.cuda_graph_impl!r}): their static inputs would be single-stream; set "
+            "cuda_graph_impl='none'"
+        )
+    offloaded_norms = {"attn_norm", "mlp_norm"} & set(config.offload_modules or [])
+    if config.fine_grained_activation_offloading and offloaded_norms:
+        raise NotImplementedError(
+            f"mHC layers do not offload their norms: remove {sorted(offloaded_norms)} from "
+            "offload_modules (or set fine_grained_activation_offloading=False)"
+        )
+    if config.mlp_chunks_for_training > 1:
+        raise NotImplementedError(
+            f"mHC layers do not chunk the MLP (mlp_chunks_for_training="
+            f"{config.mlp_chunks_for_training}); set mlp_chunks_for_training=1"
+        )
+
+
+def _check_submodules(submodules: TransformerLayerSubmodules) -> None:
+    cross_connection = getattr(submodules, "cross_attention_hyper_connection", IdentityOp)
+    if not _is_identity(cross_connection):
+        raise ValueError(
+            "HyperConnectionTransformerLayer does not support cross-attention hyper "
+            "connections; set cross_attention_hyper_connection=IdentityOp"
+        )
+    if not _is_identity(submodules.cross_attention):
+        raise NotImplementedError(
+            "HyperConnectionTransformerLayer does not support cross-attention; set "
+            "cross_attention=IdentityOp (and pre_cross_attn_layernorm=IdentityOp)"
+        )
+
+
+class HyperConnectionTransformerLayer(TransformerLayer):
+    """megatron-core's TransformerLayer with n mHC residual streams (see the module doc).
+
+    Same constructor as ``TransformerLayer`` plus ``allow_moe_mlp`` (default False): a MoE
+    MLP is accepted only when True, which is how a Hybrid stack builds its 'E' layers.
+    """
+
+    supports_mhc_connections: bool = True
+
+    def __init__(
+        self,
+        config,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        pg_collection=None,
+        vp_stage: Optional[int] = None,
+        is_mtp_layer: bool = False,
+        add_layer_offset: bool = True,
+        pp_layer_offset: Optional[int] = None,
+        name: Optional[str] = None,
+        allow_moe_mlp: bool = False,
+    ):
+        _check_config(config)
+        _check_submodules(submodules)
+        if is_mtp_layer:
+            raise NotImplementedError(
+                "mHC layers cannot be multi-token-prediction layers in a GPTModel (the decoder "
+                "contracts its streams before MTP); set mtp_num_layers=None or build the MTP "
+                "block from a spec with enable_mhc_connections=False"
+            )
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            hidden_dropout=hidden_dropout,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+            is_mtp_layer=is_mtp_layer,
+            add_layer_offset=add_layer_offset,
+            pp_layer_offset=pp_layer_offset,
+            name=name,
+        )
+        if self.is_moe_layer and not allow_moe_mlp:
+            raise NotImplementedError(
+                "a GPT mHC layer (HyperConnectionTransformerLayer) does not support a MoE MLP "
+                "(num_experts / the spec's mlp is a MoELayer). To combine mHC with MoE, build a "
+                "HybridModel (megatron_ext.models.hybrid) with 'E' layers in its layer pattern; "
+                "its MoE layers are built with allow_moe_mlp=True"
+            )
+        self.self_attention_hyper_connection = self._build_connection(
+            self.self_attention, submodules, "self_attention"
+        )
+        self.mlp_hyper_connection = self._build_connection(self.mlp, submodules, "mlp")
+        if self.self_attention_hyper_connection is None and self.mlp_hyper_connection is None:
+            raise ValueError(
+                "HyperConnectionTransformerLayer has neither self_attention nor mlp (both are "
+                "IdentityOp); give the layer spec at least one of them"
+            )
+        # Set by HyperConnectionTransformerBlock before each training forward when the "mhc"
+        # selective recompute is on; taken (and cleared) by this layer's forward.
+        self.mhc_recompute: Optional[LayerRecompute] = None
+        self._active_recompute: tuple[Optional[MHCRecomputeGroup], bool] = (None, False)
+
+    def _build_connection(self, sublayer, submodules, name: str):
+        """The hyper connection of one sub-layer, or None when the sub-layer is absent."""
+        if isinstance(sublayer, IdentityOp):
+            return None
+        field = f"{name}_hyper_connection"
+        spec = getattr(submodules, field, IdentityOp)
+        if _is_identity(spec):
+            raise ValueError(
+                f"HyperConnectionTransformerLayer has a {name} but no {field}; set {field}="
+                f"HyperConnectionModule in its submodules ({MHC_SPEC_HINT})"
+            )
+        return build_module(spec, config=self.config, layer_number=self.layer_number)
+
+    # ---------------------------------------------------------- mHC steps (small on purpose)
+
+    @staticmethod
+    def _stream_maps(connection, hidden_states: Tensor):
+        """``(h_pre, h_post, h_res)`` for this token's streams (kept; they are small)."""
+        return connection.compute_mappings(hidden_states)
+
+    @staticmethod
+    def _aggregate(hidden_states: Tensor, h_pre: Tensor, recompute) -> Tensor:
+        """Sub-layer input ``Σ_i h_pre_i · x_i`` ``[s, b, h]`` (discardable)."""
+        return run_maybe_checkpointed(recompute, aggregate, (hidden_states, h_pre))
+
+    @staticmethod
+    def _normalise(norm, norm_name: str, layer_input: Tensor, recompute) -> Tensor:
+        """``norm(layer_input)``; discardable unless the norm is the identity (TE specs fuse it
+        into the next linear), whose output is its input."""
+
+        def apply_norm(x):
+            output = norm(x)
+            if isinstance(output, tuple):
+                raise ValueError(
+                    f"HyperConnectionTransformerLayer does not support a {norm_name} that "
+                    "returns an (output, residual) tuple: the mHC residual is the n-stream "
+                    f"input, not the norm's; use a {norm_name} that returns only its output"
+                )
+            return output
+
+        if isinstance(norm, IdentityOp):
+            return layer_input
+        return run_maybe_checkpointed(recompute, apply_norm, (layer_input,))
+
+    def _merge(self, h_res, residual, h_post, output_with_bias, recompute) -> Tensor:
+        """``H_resᵀ · residual + dropout(H_post ⊗ (y + bias))`` ``[s, b, n*h]`` (discardable
+        unless it is the output that ends a recompute group: pass ``recompute=None`` then)."""
+        output, bias = output_with_bias
+        merge = functools.partial(
+            _merge_streams, dropout_p=self.hidden_dropout, training=self.training
+        )
+        with self.bias_dropout_add_exec_handler():
+            return run_maybe_checkpointed(recompute, merge, (h_res, residual, h_post, output, bias))
+
+    def _connection_in(self, connection, norm, norm_name, hidden_states, recompute, norm_recompute):
+        """Maps, aggregate and norm: everything before the sub-layer itself."""
+        h_pre, h_post, h_res = self._stream_maps(connection, hidden_states)
+        layer_input = self._aggregate(hidden_states, h_pre, recompute)
+        normed = self._normalise(norm, norm_name, layer_input, norm_recompute)
+        return normed, h_res, h_post
+
+    # ------------------------------------------------------------------ recompute bookkeeping
+
+    def _take_recompute_plan(self):
+        """``(group, ends_group)`` for this forward; ``(None, False)`` when "mhc" recompute is
+        off (or there is no backward to recompute for)."""
+        plan, self.mhc_recompute = self.mhc_recompute, None
+        if plan is None or not (self.training and torch.is_grad_enabled()):
+            return None, False
+        return plan.group, plan.ends_group
+
+    def _norm_recompute_group(self, mhc_group, layernorm_recompute: bool):
+        """Where a norm's output is checkpointed: the mHC group if there is one, else a
+        one-norm group for megatron-core's own "layernorm" selective recompute."""
+        if mhc_group is not None:
+            return mhc_group
+        if layernorm_recompute and torch.is_grad_enabled():
+            return MHCRecomputeGroup()
+        return None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        """TransformerLayer.forward (attention, then MLP) with this forward's recompute plan
+        available to both halves."""
+        self._active_recompute = self._take_recompute_plan()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._active_recompute = (None, False)
+
+    def _forward_attention(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        rotary_pos_cos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[Tensor] = None,
+        padding_mask: Optional[Tensor] = None,
+        *,
+        inference_params=None,
+    ):
+        """Attention sub-layer on the n streams: ``[s, b, n*h] -> ([s, b, n*h], context)``."""
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        connection = self.self_attention_hyper_connection
+        if connection is None:
+            return hidden_states, context
+        group, ends_group = getattr(self, "_active_recompute", (None, False))
+        norm_group = self._norm_recompute_group(group, self.recompute_input_layernorm)
+
+        residual = hidden_states
+        attention_input, h_res, h_post = self._connection_in(
+            connection, self.input_layernorm, "input_layernorm", hidden_states, group, norm_group
+        )
+        attention_output_with_bias = self.self_attention(
+            attention_input,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if norm_group is not None and norm_group is not group:
+            norm_group.discard_and_recompute_on_backward(attention_output_with_bias[0])
+
+        # In an attention-only layer the attention output ends the group: keep it.
+        keep_output = ends_group and self.mlp_hyper_connection is None
+        output = self._merge(
+            h_res, residual, h_post, attention_output_with_bias, None if keep_output else group
+        )
+        return output, context
+
+    def _forward_mlp(
+        self,
+        hidden_states: Tensor,
+        inference_context=None,
+        padding_mask: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """MLP sub-layer on the n streams: ``[s, b, n*h] -> [s, b, n*h]`` (viewless)."""
+        group, ends_group = getattr(self, "_active_recompute", (None, False))
+        connection = self.mlp_hyper_connection
+        if connection is None:
+            output = hidden_states
+        else:
+            norm_group = self._norm_recompute_group(group, self.recompute_pre_mlp_layernorm)
+            residual = hidden_states
+            mlp_input, h_res, h_post = self._connection_in(
+                connection,
+                self.pre_mlp_layernorm,
+                "pre_mlp_layernorm",
+                hidden_states,
+                group,
+                norm_group,
+            )
+            mlp_output_with_bias = self._run_mlp(mlp_input, padding_mask, packed_seq_params)
+            if norm_group is not None and norm_group is not group:
+                norm_group.discard_and_recompute_on_backward(mlp_output_with_bias[0])
+            output = self._merge(
+                h_res, residual, h_post, mlp_output_with_bias, None if ends_group else group
+            )
+        output = make_viewless_tensor(
+            inp=output, requires_grad=output.requires_grad, keep_graph=True
+        )
+        if ends_group:
+            group.discard_and_recompute_on_backward(output)
+        return output
+
+    def _run_mlp(self, mlp_input: Tensor, padding_mask, packed_seq_params):
+        """The MLP (or MoE) on ``[s, b, h]``, with megatron's "mlp" recompute if configured."""
+        mlp_input, padding_mask, unflattened_mbs = self._maybe_unflatten_for_moe(
+            mlp_input, padding_mask, packed_seq_params
+        )
+        mlp = functools.partial(self.mlp, padding_mask=padding_mask)
+        if self.recompute_mlp:
+            output, bias = tensor_parallel.checkpoint(mlp, False, mlp_input)
+        else:
+            output, bias = mlp(mlp_input)
+        output = self._maybe_reflatten_from_moe(output, packed_seq_params, unflattened_mbs)
+        return output, bias
+
+
+def _merge_streams(h_res, residual, h_post, output, bias, *, dropout_p: float, training: bool):
+    """:func:`bias_dropout_add_streams` with tensor-only positional arguments (checkpointable)."""
+    return bias_dropout_add_streams(h_res, residual, h_post, (output, bias), dropout_p, training)
+
+
+def layer_supports_mhc(module: Any) -> bool:
+    """Whether a layer class (or ModuleSpec of one) implements mHC residual streams."""
+    layer_class = module.module if isinstance(module, ModuleSpec) else module
+    return bool(getattr(layer_class, "supports_mhc_connections", False))
+
+
+__all__ = [
+    "HyperConnectionTransformerLayer",
+    "HyperConnectionTransformerLayerSubmodules",
+    "MHC_SPEC_HINT",
+    "layer_supports_mhc",
+]
