@@ -115,9 +115,11 @@ def apply(group: str) -> None:
     group_patches = patches(group)
     check_megatron_core_version(group_patches)
     for patch in group_patches:
-        if patch.target in _applied:
-            continue
         owner, name = _owner_and_name(patch.target)
+        if patch.target in _applied and getattr(owner, name) is _applied[patch.target][1]:
+            continue
+        # Not applied, or replaced behind our back since (e.g. a test's monkeypatch being
+        # undone): patch whatever is there now.
         original = getattr(owner, name)
         replacement = patch.make(original)
         setattr(owner, name, replacement)

@@ -59,6 +59,8 @@ class TrainPlan:
     clip_grad: float = 1.0
     seed: int = 1234
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    # Only for the sharded run's config (e.g. pipeline_model_parallel_layout).
+    parallel_overrides: dict[str, Any] = field(default_factory=dict)
     loss_rtol: float = 1e-5
     grad_atol: float = 1e-5
     param_atol: float = 1e-5
@@ -135,17 +137,21 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
             sequence_parallel=plan.sequence_parallel,
         )
     kwargs.update(plan.config_overrides)
+    if parallel:
+        kwargs.update(plan.parallel_overrides)
     return (config_class or TransformerConfig)(**kwargs)
 
 
 def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
-    """megatron-ext's GPTModel with the local layer spec (tied embeddings, learned positions)."""
+    """megatron-ext's GPTModel with the local layer spec (tied embeddings, learned positions);
+    the mHC layer spec when the config enables mHC."""
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 
     def build(config, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+        mhc = bool(getattr(config, "enable_mhc_connections", False))
         return GPTModel(
             config,
-            get_gpt_layer_local_spec(num_experts=plan.num_moe_experts),
+            get_gpt_layer_local_spec(num_experts=plan.num_moe_experts, enable_mhc_connections=mhc),
             vocab_size=plan.vocab_size,
             max_sequence_length=plan.seq_length,
             pre_process=pre_process,

@@ -67,3 +67,16 @@ def test_a_target_cannot_be_registered_twice():
     existing = registry.patches()[0]
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(registry.Patch(existing.target, lambda o: o, "a second replacement"))
+
+
+def test_install_reapplies_a_patch_replaced_behind_its_back(clean_registry):
+    """A test's monkeypatch can restore an original over our replacement; the next install()
+    must notice and patch again instead of trusting its bookkeeping."""
+    megatron_ext.install()
+    patch = registry.patches("core")[0]
+    owner_module, attribute = patch.target.split(":")
+    import importlib
+
+    setattr(importlib.import_module(owner_module), attribute, clean_registry[patch.target])
+    megatron_ext.install()
+    assert registry.current(patch.target) is not clean_registry[patch.target]

@@ -1,0 +1,76 @@
+"""Shared pieces of the mHC pipeline tests: plans and a recorder of P2P tensor shapes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.distributed import init_distributed
+from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
+
+STREAMS = 4
+# mHC's alpha_res/res-bias gradients are rounding noise at init (every stream is the same
+# copy of the embedding); Adam turns noise into full-size steps, so a small lr keeps the
+# weight comparison after 3 steps meaningful. Loss and gradients use the usual 1e-5.
+MHC_LR = 1e-4
+
+
+def mhc_plan(**kwargs) -> TrainPlan:
+    overrides = dict(enable_mhc_connections=True, mhc_num_residual_streams=STREAMS)
+    overrides.update(kwargs.pop("config_overrides", {}))
+    return TrainPlan(lr=MHC_LR, config_overrides=overrides, **kwargs)
+
+
+def check_mhc(plan: TrainPlan, **kwargs):
+    return check_equivalence(plan, config_class=MHCTransformerConfig, **kwargs)
+
+
+@contextlib.contextmanager
+def recorded_p2p_shapes(monkeypatch):
+    """Record the shape of every tensor sent and every buffer received through megatron's
+    P2P communicator (after megatron-ext's width correction)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    init_distributed()  # installs megatron-ext first, so the recorder wraps the patched method
+    communicate = P2PCommunicator._communicate
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def recording(self, *, tensor_send_next, tensor_send_prev, **kwargs):
+        for tensor in (tensor_send_next, tensor_send_prev):
+            if tensor is not None:
+                seen.append(("sent", tuple(tensor.shape)))
+        received = communicate(
+            self, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, **kwargs
+        )
+        for tensor in received[:2]:
+            if isinstance(tensor, torch.Tensor):
+                seen.append(("received", tuple(tensor.shape)))
+        return received
+
+    monkeypatch.setattr(P2PCommunicator, "_communicate", recording)
+    yield seen
+
+
+def all_ranks(records: list) -> list[list]:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    return gathered
+
+
+def expected_p2p_shape(plan: TrainPlan) -> tuple[int, int, int]:
+    seq = plan.seq_length // plan.cp
+    if plan.sequence_parallel:
+        seq //= plan.tp
+    return (seq, plan.micro_batch_size, plan.hidden_size * STREAMS)
+
+
+def assert_every_exchange_is_n_streams_wide(plan: TrainPlan, records_per_rank: list[list]) -> None:
+    expected = expected_p2p_shape(plan)
+    sent = [shape for records in records_per_rank for kind, shape in records if kind == "sent"]
+    received = [shape for records in records_per_rank for kind, shape in records if kind == "received"]
+    assert sent and len(sent) == len(received), (len(sent), len(received))
+    wrong = {shape for shape in sent + received if shape != expected}
+    assert not wrong, f"P2P tensors {wrong} differ from [s', b, n*h] = {expected}"

@@ -1,0 +1,68 @@
+"""mHC under pipeline parallelism on 2 ranks: every exchange carries n*h, and 1F1B and
+interleaved runs match the single-rank reference (loss, every gradient, weights after 3 steps)."""
+
+import pytest
+import torch
+
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.equivalence import gpt_forward_step, gpt_model_factory, run_reference, run_sharded
+
+from mhc_pipeline_cases import (
+    all_ranks,
+    assert_every_exchange_is_n_streams_wide,
+    check_mhc,
+    mhc_plan,
+    recorded_p2p_shapes,
+)
+
+pytestmark = [
+    pytest.mark.world_size(2),
+    pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
+]
+
+
+def test_pp2_1f1b_carries_n_streams_and_matches_reference(monkeypatch):
+    plan = mhc_plan(pp=2)
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+@pytest.mark.parametrize("batch_p2p_comm", [True, False])
+def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatch, batch_p2p_comm):
+    plan = mhc_plan(pp=2, vpp=2, config_overrides=dict(batch_p2p_comm=batch_p2p_comm))
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+def test_pp2_standalone_embedding_and_loss_stages_match_reference(monkeypatch):
+    """Layout E|tt|tt|L: rank 0's first chunk only embeds (and expands), rank 1's last chunk
+    only contracts, normalises and computes the loss."""
+    plan = mhc_plan(pp=2, vpp=2, parallel_overrides=dict(pipeline_model_parallel_layout="E|tt|tt|L"))
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
+    """Eager selective 'mhc' recompute with PP (and VPP): groups end at every chunk, and the
+    sharded run's gradients and weights are bit-identical with and without it."""
+    plain = mhc_plan(pp=2, vpp=vpp)
+    recompute = mhc_plan(
+        pp=2, vpp=vpp,
+        config_overrides=dict(recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1),
+    )
+    factory = gpt_model_factory(plain)
+    reference = run_reference(plain, factory, gpt_forward_step, MHCTransformerConfig)
+    without, final_without = run_sharded(plain, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig)
+    with_, final_with = run_sharded(recompute, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig)
+    for step, (a, b) in enumerate(zip(without, with_)):
+        assert a.losses == b.losses, step
+        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
+            assert (key, region) == (key_b, region_b)
+            assert torch.equal(x, y), f"step {step}: gradient of {key}{region} differs with recompute"
+    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
+        assert torch.equal(x, y), key
+    check_mhc(recompute)

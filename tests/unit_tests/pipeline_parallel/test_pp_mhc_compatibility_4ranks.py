@@ -1,0 +1,29 @@
+"""mHC under pipeline parallelism on 4 ranks: PP=4, and TP=2 x PP=2 (x VPP=2) with sequence
+parallelism (the exchanged sequence is divided by TP)."""
+
+import pytest
+
+from mhc_pipeline_cases import (
+    all_ranks,
+    assert_every_exchange_is_n_streams_wide,
+    check_mhc,
+    mhc_plan,
+    recorded_p2p_shapes,
+)
+
+pytestmark = [
+    pytest.mark.world_size(4),
+    pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
+]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(pp=4), dict(tp=2, pp=2, sequence_parallel=True), dict(tp=2, pp=2, vpp=2, sequence_parallel=True)],
+    ids=["pp4", "tp2_pp2_sp", "tp2_pp2_vpp2_sp"],
+)
+def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layout):
+    plan = mhc_plan(**layout)
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
