@@ -8,8 +8,10 @@ This module owns the GPT-specific parts of a run:
   ``--transformer-impl local`` (the default where Transformer Engine is not importable) it uses
   megatron-ext's sequence-parallel-safe local layer spec. With ``transformer_engine`` it uses
   megatron-core's TE spec. ``--spec``, MoE, MTP, experimental attention variants and
-  heterogeneous layers use the builders that upstream uses. The ``TransformerConfig`` class can
-  be replaced through :func:`main`'s ``config_class`` (mHC plugs in there).
+  heterogeneous layers use the builders that upstream uses. The config is
+  :class:`megatron_ext.config.MHCTransformerConfig`; ``--enable-mhc-connections`` (and the other
+  mHC flags, upstream's spellings) selects the mHC layer specs. :func:`main`'s ``config_class``
+  can replace it.
 - **the data**: mock data (``--mock-data``) or indexed data (``--data-path`` and the per-split
   paths), built by ``BlendedMegatronDatasetBuilder`` on the ranks that read batches;
 - **the step**: :func:`get_batch`, :func:`forward_step` and :func:`loss_func`. The loss is the
@@ -70,7 +72,12 @@ from megatron.training.training import set_startup_timestamps
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron_ext.launch import training as launch
-from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.models.gpt import (
+    GPTModel,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
 ENTRY_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -95,14 +102,25 @@ stimer = StragglerDetector()
 
 # ---- extra arguments ------------------------------------------------------------------------------
 def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """megatron-ext's own flags, in their own group of ``--help``.
-
-    The group is empty for now. Feature flags such as mHC's will be added here, and a config
-    class that reads them will be passed to :func:`main`.
-    """
-    parser.add_argument_group(
-        title="megatron-ext", description="megatron-ext's own features (none are switchable yet)"
-    )
+    """megatron-ext's own flags, in their own group of ``--help``, spelled as upstream
+    Megatron-LM spells them (so command lines move between the two). They fill the fields of
+    :class:`megatron_ext.config.MHCTransformerConfig` of the same names."""
+    defaults = MHCTransformerConfig.__dataclass_fields__
+    group = parser.add_argument_group(title="megatron-ext", description="mHC residual streams")
+    group.add_argument("--enable-mhc-connections", action="store_true",
+                       help="n manifold-constrained hyper-connection residual streams per layer")
+    group.add_argument("--mhc-num-residual-streams", type=int,
+                       default=defaults["mhc_num_residual_streams"].default,
+                       help="n, the number of residual streams")
+    group.add_argument("--mhc-sinkhorn-iterations", type=int,
+                       default=defaults["mhc_sinkhorn_iterations"].default,
+                       help="Sinkhorn-Knopp iterations making H_res doubly stochastic")
+    group.add_argument("--mhc-init-gating-factor", type=float,
+                       default=defaults["mhc_init_gating_factor"].default,
+                       help="initial alpha_pre/alpha_post/alpha_res")
+    group.add_argument("--mhc-recompute-layer-num", type=int, default=None,
+                       help="layers per mHC recompute group with --recompute-modules mhc "
+                       "(default: the whole stage is one group)")
     return parser
 
 
@@ -155,7 +173,14 @@ def _kitchen_kwargs(config: TransformerConfig) -> dict[str, Any]:
 def dense_layer_spec(args: argparse.Namespace, config: TransformerConfig):
     """One transformer layer's spec: megatron-core's TE spec, or megatron-ext's local one."""
     if args.transformer_impl == "transformer_engine":
-        return core_specs.get_gpt_layer_with_transformer_engine_spec(
+        te_spec = (
+            get_gpt_layer_with_transformer_engine_spec
+            if args.enable_mhc_connections
+            else core_specs.get_gpt_layer_with_transformer_engine_spec
+        )
+        mhc_kwargs = {"enable_mhc_connections": True} if args.enable_mhc_connections else {}
+        return te_spec(
+            **mhc_kwargs,
             num_experts=args.num_experts,
             moe_grouped_gemm=args.moe_grouped_gemm,
             qk_layernorm=args.qk_layernorm,
@@ -172,6 +197,7 @@ def dense_layer_spec(args: argparse.Namespace, config: TransformerConfig):
             args.qk_layernorm, args.multi_latent_attention, qk_l2_norm=args.qk_l2_norm
         )
     return get_gpt_layer_local_spec(
+        enable_mhc_connections=args.enable_mhc_connections,
         num_experts=args.num_experts,
         moe_grouped_gemm=args.moe_grouped_gemm,
         qk_layernorm=args.qk_layernorm,
@@ -456,7 +482,7 @@ train_valid_test_datasets_provider.is_distributed = True
 
 # ---- entry ---------------------------------------------------------------------------------------
 def main(
-    config_class: type[TransformerConfig] = TransformerConfig,
+    config_class: type[TransformerConfig] = MHCTransformerConfig,
     extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
 ) -> None:
     """Train a GPT from the command line's Megatron flags.

@@ -64,3 +64,24 @@ def test_pp2_gpt_trains_on_cpu_and_the_loss_falls():
     # second line (it does not reset its accumulators after the first logged iteration).
     assert losses[TRAIN_ITERS] < losses[1], losses
     assert "validation loss at iteration 3" in log
+
+
+def test_mhc_pp2_vpp2_with_recompute_trains_through_megatron_training_loop():
+    """mHC under the interleaved schedule, driven by megatron.training.pretrain with upstream's
+    flag spellings: 4 residual streams, 2 virtual stages per rank, eager 'mhc' recompute."""
+    result = _run_pretrain_gpt(
+        [
+            "--train-iters", str(TRAIN_ITERS), "--eval-interval", "3",
+            "--enable-mhc-connections", "--mhc-num-residual-streams", "4",
+            "--num-layers-per-virtual-pipeline-stage", "1",
+            "--recompute-granularity", "selective", "--recompute-modules", "mhc",
+            "--mhc-recompute-layer-num", "1",
+        ]
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{log[-6000:]}"
+    assert re.search(r"enable_mhc_connections \.+ True", log), "the mHC flag did not reach Megatron's args"
+    losses = _lm_loss_by_iteration(log)
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1)), sorted(losses)
+    assert abs(losses[1] - math.log(128)) < 0.1, losses
+    assert losses[TRAIN_ITERS] < losses[1], losses
