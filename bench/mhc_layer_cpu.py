@@ -13,30 +13,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import warnings
 
 import torch
 
 
 def _config(args, mhc: bool):
-    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.configs import small_config
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MHCTransformerConfig(
-            num_layers=1,
-            hidden_size=args.hidden,
-            num_attention_heads=args.heads,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            bias_dropout_fusion=False,
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            enable_mhc_connections=mhc,
-            mhc_num_residual_streams=args.streams,
-        )
+    return small_config(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=args.streams,
+    )
 
 
 def _layer(args, mhc: bool):

@@ -15,14 +15,13 @@ Two figures per configuration, for one forward+backward of one micro-batch:
 from __future__ import annotations
 
 import argparse
-import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 
 def _model(args, mhc: bool, recompute: bool, layer_num):
-    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.configs import small_config
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 
     extra = {}
@@ -32,23 +31,14 @@ def _model(args, mhc: bool, recompute: bool, layer_num):
             recompute_modules=["mhc"],
             mhc_recompute_layer_num=layer_num,
         )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = MHCTransformerConfig(
-            num_layers=args.layers,
-            hidden_size=args.hidden,
-            num_attention_heads=args.heads,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            use_cpu_initialization=True,
-            bias_dropout_fusion=False,
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            enable_mhc_connections=mhc,
-            mhc_num_residual_streams=args.streams,
-            **extra,
-        )
+    config = small_config(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=args.streams,
+        **extra,
+    )
     torch.manual_seed(0)
     return GPTModel(
         config,

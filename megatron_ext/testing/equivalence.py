@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import Piece, full_tensors, load_full_weights, local_pieces, shard_index
 
@@ -109,15 +110,9 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
         num_attention_heads=plan.num_attention_heads,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        **CPU_SAFE_FIELDS,
     )
     if plan.num_moe_experts:
         kwargs.update(

@@ -2,7 +2,6 @@
 the spec and parameter names, where expansion and contraction happen, and training on CPU."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
@@ -26,24 +25,10 @@ VOCAB, SEQ = 8, 3
 
 def _config(**overrides):
     fields = dict(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        enable_mhc_connections=True,
-        mhc_num_residual_streams=N,
+        num_layers=1, hidden_size=H, num_attention_heads=2,
+        enable_mhc_connections=True, mhc_num_residual_streams=N,
     )
-    fields.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MHCTransformerConfig(**fields)
+    return small_config(**{**fields, **overrides})
 
 
 def _gpt(config, mhc=True, seed=7, **kwargs):

@@ -16,27 +16,8 @@ pytestmark = [
 ]
 
 
-def mhc_gpt_factory(plan: TrainPlan):
-    """megatron-ext's GPTModel with the mHC local layer spec (tied embeddings)."""
-    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
-
-    def build(config, pre_process, post_process, vp_stage):
-        return GPTModel(
-            config,
-            get_gpt_layer_local_spec(enable_mhc_connections=True),
-            vocab_size=plan.vocab_size,
-            max_sequence_length=plan.seq_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=True,
-            vp_stage=vp_stage,
-        )
-
-    return build
-
-
 def _check(plan: TrainPlan):
-    check_equivalence(plan, factory=mhc_gpt_factory(plan), config_class=MHCTransformerConfig)
+    check_equivalence(plan, config_class=MHCTransformerConfig)
 
 
 # Why lr=1e-4 here (megatron-ext's plain GPT tests use 1e-3): at initialisation every stream is

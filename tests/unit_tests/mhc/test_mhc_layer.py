@@ -3,7 +3,6 @@ HybridModel builds them), MoE only when built for Hybrid, and every guard the la
 block, the model and the spec builders raise (type + the field named in the message)."""
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
@@ -32,23 +31,10 @@ N, H, S, B = 2, 8, 5, 2
 
 def _config(**overrides):
     fields = dict(
-        num_layers=2,
-        hidden_size=H,
-        num_attention_heads=2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        enable_mhc_connections=True,
-        mhc_num_residual_streams=N,
+        num_layers=2, hidden_size=H, num_attention_heads=2,
+        enable_mhc_connections=True, mhc_num_residual_streams=N,
     )
-    fields.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MHCTransformerConfig(**fields)
+    return small_config(**{**fields, **overrides})
 
 
 def _spec(**submodule_changes):

@@ -2,7 +2,6 @@
 and without it (dropout included), and the activations kept for backward shrink."""
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc.recompute import MHCRecomputeGroup, plan_recompute_groups
 from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_ext.models.norms import LocalNorm
@@ -27,22 +26,13 @@ def _config(recompute=None, layer_num=None, **overrides):
         hidden_size=32,
         num_attention_heads=4,
         hidden_dropout=0.1,  # the merge's dropout must be replayed exactly
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
         enable_mhc_connections=True,
         mhc_num_residual_streams=4,
     )
     if recompute:
         fields.update(recompute_granularity="selective", recompute_modules=list(recompute))
         fields.update(mhc_recompute_layer_num=layer_num)
-    fields.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MHCTransformerConfig(**fields)
+    return small_config(**{**fields, **overrides})
 
 
 def _batch():
