@@ -42,6 +42,12 @@ from megatron_ext.mhc.sinkhorn import sinkhorn_knopp
 _RMS_EPS = 1e-6
 
 
+def _math(tensor: torch.Tensor) -> torch.Tensor:
+    """The mapping maths' precision: fp32 for bf16/fp16/fp32 tensors; float64 stays float64
+    (so the whole module can be gradchecked)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 def _split_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """View ``[..., n*h]`` as ``[..., n, h]``."""
     if x.shape[-1] % n != 0:
@@ -87,10 +93,10 @@ def learned_contract(
     ``head_fn [n, n*h]``, ``head_base [n]``, ``head_scale [1]``; ``eps`` is the layernorm eps.
     At init (base 0) the weights are about 0.5, so this is about 0.5·Σx_i, not the mean.
     """
-    x32 = x.float()
+    x32 = _math(x)
     rho = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)
-    logits = torch.nn.functional.linear(x32, head_fn.float()) * rho
-    weights = torch.sigmoid(logits * head_scale.float() + head_base.float()) + eps
+    logits = torch.nn.functional.linear(x32, _math(head_fn)) * rho
+    weights = torch.sigmoid(logits * _math(head_scale) + _math(head_base)) + eps
     contracted = (weights.unsqueeze(-1) * _split_streams(x32, n)).sum(dim=-2)
     return contracted.to(x.dtype)
 
@@ -100,8 +106,8 @@ def learned_contract(
 
 def aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     """Sub-layer input ``Σ_i h_pre_i · x_i``: ``[s,b,n*h], [s,b,n] -> [s,b,h]``."""
-    streams = _split_streams(x, h_pre.shape[-1]).float()
-    combined = (h_pre.float().unsqueeze(-1) * streams).sum(dim=-2)
+    streams = _math(_split_streams(x, h_pre.shape[-1]))
+    combined = (_math(h_pre).unsqueeze(-1) * streams).sum(dim=-2)
     return combined.to(x.dtype)
 
 
@@ -110,8 +116,8 @@ def mix_residual(x: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
 
     ``[s,b,n*h], [s,b,n,n] -> [s,b,n*h]``; see the module docstring for why the transpose.
     """
-    streams = _split_streams(x, h_res.shape[-1]).float()
-    mixed = torch.matmul(h_res.float().transpose(-1, -2), streams)
+    streams = _math(_split_streams(x, h_res.shape[-1]))
+    mixed = torch.matmul(_math(h_res).transpose(-1, -2), streams)
     return _merge_streams(mixed).to(x.dtype)
 
 
@@ -121,7 +127,7 @@ def expand_output(y: torch.Tensor, h_post: torch.Tensor) -> torch.Tensor:
     ``y`` is ``[s, b, h]`` or a bias ``[h]``; ``h_post`` is ``[s, b, n]``. Returns
     ``[s, b, n*h]`` in ``y``'s dtype.
     """
-    scaled = h_post.float().unsqueeze(-1) * y.float().unsqueeze(-2)
+    scaled = _math(h_post).unsqueeze(-1) * _math(y).unsqueeze(-2)
     return _merge_streams(scaled).to(y.dtype)
 
 
@@ -198,19 +204,19 @@ class HyperConnectionModule(MegatronModule):
         n = self.n
         return torch.cat(
             [
-                self.alpha_pre.float().expand(n),
-                self.alpha_post.float().expand(n),
-                self.alpha_res.float().expand(n * n),
+                _math(self.alpha_pre).expand(n),
+                _math(self.alpha_post).expand(n),
+                _math(self.alpha_res).expand(n * n),
             ]
         )
 
     def _mapping_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``z = r · (W x) ⊙ alpha + bias`` in fp32, with ``r = 1 / (RMS(x) + 1e-6)``."""
-        x32 = x.float()
+        x32 = _math(x)
         rms = x32.norm(dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
         inv_rms = 1.0 / (rms + _RMS_EPS)
-        projected = torch.nn.functional.linear(x32, self.mapping_proj.weight.float())
-        return inv_rms * projected * self._alpha_vector() + self.bias.float()
+        projected = torch.nn.functional.linear(x32, _math(self.mapping_proj.weight))
+        return inv_rms * projected * self._alpha_vector() + _math(self.bias)
 
     def compute_mappings(
         self, x: torch.Tensor
@@ -229,6 +235,6 @@ class HyperConnectionModule(MegatronModule):
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s,b,n*h] -> (sub-layer input [s,b,h], h_res [s,b,n,n], h_post [s,b,n])``."""
         # Upcast once: the mapping maths and the aggregation both read the fp32 streams.
-        x32 = hidden_states.float()
+        x32 = _math(hidden_states)
         h_pre, h_post, h_res = self.compute_mappings(x32)
         return aggregate(x32, h_pre).to(hidden_states.dtype), h_res, h_post

@@ -308,3 +308,26 @@ def test_gradients_reach_all_five_parameters():
         assert param.grad is not None, name
         assert param.grad.abs().sum() > 0, name
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_gradcheck_of_the_whole_module_in_float64():
+    """Maps, aggregation, mixing and write-back, differentiated w.r.t. the streams and all
+    five parameters, against finite differences."""
+    from megatron_ext.mhc.hyper_connection import bias_dropout_add_streams
+
+    torch.manual_seed(0)
+    module = HyperConnectionModule(_config(hidden_size=3, mhc_num_residual_streams=2, mhc_sinkhorn_iterations=4), layer_number=1).double()
+    with torch.no_grad():
+        module.bias.normal_(0, 0.5)  # away from the symmetric initial point
+        for alpha in (module.alpha_pre, module.alpha_post, module.alpha_res):
+            alpha.fill_(0.7)
+    x = torch.randn(2, 1, 6, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 1, 3, dtype=torch.float64, requires_grad=True)
+    names = [name for name, _ in module.named_parameters()]
+
+    def layer(x, y, *weights):
+        aggregated, h_res, h_post = torch.func.functional_call(module, dict(zip(names, weights)), (x,))
+        return aggregated, bias_dropout_add_streams(h_res, x, h_post, (y * aggregated, None), 0.0, False)
+
+    weights = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
+    assert torch.autograd.gradcheck(layer, (x, y, *weights))
