@@ -1,0 +1,131 @@
+"""Hybrid mHC under pipeline parallelism on 2 ranks: '|' segments become stages and virtual
+chunks, every exchange carries n*h, and each run matches the single-rank reference (the same
+pattern without '|'): loss, every gradient of every step and the weights after 3 steps.
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_pp_mhc_hybrid.py"""
+
+import pytest
+import torch
+
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.models.hybrid.testing import (
+    hybrid_forward_step,
+    hybrid_model_factory,
+    hybrid_plan,
+)
+from megatron_ext.testing.equivalence import check_equivalence, run_reference, run_sharded
+
+from mhc_pipeline_cases import (
+    MHC_LR,
+    STREAMS,
+    all_ranks,
+    assert_every_exchange_is_n_streams_wide,
+    recorded_p2p_shapes,
+)
+
+pytestmark = [
+    pytest.mark.world_size(2),
+    pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_mtp_loss_tracker():
+    """megatron's MTP loss tracker is global and sized by the first model's MTP depth."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+    yield
+    MTPLossLoggingHelper.tracker.clear()
+
+
+# What megatron's training loop sets: after sending an activation the schedule frees its data
+# ("pseudo-deallocates" it) and runs backward through the C++ engine directly.
+DEALLOCATE = dict(deallocate_pipeline_outputs=True)
+
+
+def mhc_hybrid_plan(pattern: str, **kwargs):
+    overrides = dict(enable_mhc_connections=True, mhc_num_residual_streams=STREAMS, **DEALLOCATE)
+    overrides.update(kwargs.pop("config_overrides", {}))
+    return hybrid_plan(pattern, lr=MHC_LR, config_overrides=overrides, **kwargs)
+
+
+def check_hybrid(plan, pattern):
+    # megatron-core 0.19.2 cannot index a tied output layer on a non-first MTP stage (see
+    # hybrid_model_factory), so MTP runs untie the output layer; the MTP embedding stays tied.
+    tied = "/" not in pattern
+    return check_equivalence(
+        plan,
+        factory=hybrid_model_factory(plan, pattern, share_embeddings_and_output_weights=tied),
+        forward_step=hybrid_forward_step,
+        config_class=MHCTransformerConfig,
+    )
+
+
+def check_pipelined(monkeypatch, pattern, **layout):
+    plan = mhc_hybrid_plan(pattern, **layout)
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_hybrid(plan, pattern)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+def test_pp2_attention_mlp_moe_carries_n_streams_and_matches_reference(monkeypatch):
+    check_pipelined(monkeypatch, "*-E|*-E", pp=2)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["*-||*-|*-", "*-|*-|*-|", "|*-*-|*-|*-"],
+    ids=["empty_intermediate_chunk", "empty_final_chunk", "empty_first_chunk"],
+)
+def test_pp2_vpp2_with_an_empty_segment_carries_n_streams_and_matches_reference(monkeypatch, pattern):
+    """Segment k runs on rank k % 2, chunk k // 2. An empty intermediate chunk passes the
+    streams on (as an independent clone the schedule may free after sending); an empty final
+    chunk only contracts, normalises and computes the loss; an empty first chunk only embeds
+    and expands."""
+    check_pipelined(monkeypatch, pattern, pp=2, vpp=2)
+
+
+def test_pp2_with_mtp_on_the_last_chunk_matches_reference(monkeypatch):
+    """MTP (after '/') on the final post_process chunk consumes the decoder's n streams;
+    only decoder stages exchange anything, all of it n*h wide."""
+    check_pipelined(monkeypatch, "*-|*-/*-", pp=2)
+
+
+@pytest.mark.parametrize("pattern", ["*-|-|*|*-/*-", "*-|*-|*-|/*-"], ids=["layers", "empty"])
+def test_pp2_vpp2_with_mtp_on_the_last_chunk_matches_reference(monkeypatch, pattern):
+    """Also when the last chunk has no decoder layer: it receives the streams, contracts them
+    for the main loss and runs the MTP depth on them."""
+    check_pipelined(monkeypatch, pattern, pp=2, vpp=2)
+
+
+@pytest.mark.parametrize("pattern", ["*-||*-|*-", "|*-*-|*-|*-"], ids=["intermediate", "first"])
+def test_plain_hybrid_pp2_vpp2_with_an_empty_chunk_matches_reference(pattern):
+    """Without mHC too: an empty chunk's output is not its input tensor."""
+    plan = hybrid_plan(pattern, pp=2, vpp=2, config_overrides=DEALLOCATE)
+    check_hybrid(plan, pattern)
+
+
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
+    """Eager selective 'mhc' recompute: groups end with every chunk, and the sharded run's
+    losses, gradients and weights are bit-identical with and without it."""
+    pattern = "*-E|*-|*E|-*" if vpp else "*-E|*-E"
+    plain = mhc_hybrid_plan(pattern, pp=2, vpp=vpp)
+    recompute = mhc_hybrid_plan(
+        pattern, pp=2, vpp=vpp,
+        config_overrides=dict(
+            recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=2
+        ),
+    )
+    factory = hybrid_model_factory(plain, pattern)
+    args = (factory, hybrid_forward_step)
+    reference = run_reference(plain, *args, MHCTransformerConfig)
+    without, final_without = run_sharded(plain, *args, reference.initial_weights, MHCTransformerConfig)
+    with_, final_with = run_sharded(recompute, *args, reference.initial_weights, MHCTransformerConfig)
+    for step, (a, b) in enumerate(zip(without, with_)):
+        assert a.losses == b.losses, step
+        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
+            assert (key, region) == (key_b, region_b)
+            assert torch.equal(x, y), f"step {step}: gradient of {key}{region} differs with recompute"
+    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
+        assert torch.equal(x, y), key
