@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.models.hybrid.testing import (
+from megatron_ext.testing.hybrid import (
     hybrid_forward_step,
     hybrid_model_factory,
     hybrid_plan,

@@ -5,7 +5,7 @@ torchrun --nproc_per_node 2 -m pytest tests/unit_tests/models/hybrid/test_hybrid
 import pytest
 
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.models.hybrid.testing import hybrid_forward_step, hybrid_model_factory, hybrid_plan
+from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 from megatron_ext.testing.equivalence import EquivalenceError, check_equivalence
 
 pytestmark = [
