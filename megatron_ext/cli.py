@@ -1,8 +1,18 @@
-"""The ``megatron-ext`` command: version and environment report (``doctor``)."""
+"""The ``megatron-ext`` command.
+
+- ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
+- ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
+- ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
+- ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules;
+- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job.
+
+Recipes and their schema: recipes/README.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import platform
 import sys
@@ -59,17 +69,246 @@ def doctor_report() -> list[str]:
     return lines
 
 
+def _split_targets(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """Positional tokens: KEY=VALUE / ~KEY are overrides, the rest are recipe files."""
+    overrides = [t for t in tokens if "=" in t or t.startswith("~")]
+    return [t for t in tokens if t not in overrides], overrides
+
+
+def _load(recipe: str, platform: str, overrides: list[str], device: str | None):
+    """Load a recipe; ``--device`` becomes a launch.device override only when it changes it."""
+    from megatron_ext.recipes import load
+
+    loaded = load(recipe, platform, overrides)
+    if device and device != loaded.recipe.launch.device:
+        loaded = load(recipe, platform, [*overrides, f"launch.device={device}"])
+    return loaded
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser, default_platform: str | None = "cpu") -> None:
+    parser.add_argument("targets", nargs="+", metavar="RECIPE [KEY=VALUE ...]",
+                        help="recipe YAML, then overrides such as parallelism.pp=4 training.iterations=20")
+    parser.add_argument("--platform", default=default_platform,
+                        help="platform overlay of the recipe (default: %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "gpu"),
+                        help="override launch.device (cpu: gloo and the CPU runtime, GPUs hidden)")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError, runner
+
+    recipes, overrides = _split_targets(args.targets)
+    if len(recipes) != 1:
+        print(f"megatron-ext run: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
+        return runner.EXIT_INVALID
+    try:
+        loaded = _load(recipes[0], args.platform, overrides, args.device)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return runner.EXIT_INVALID
+    outcome = runner.run(
+        loaded, run_dir=Path(args.run_dir) if args.run_dir else None, runs_root=Path(args.runs_root),
+        compare_golden=not args.no_compare, force_compare=args.compare,
+        write_golden=args.write_golden, megatron_checks=not args.skip_megatron_checks,
+    )
+    return outcome.exit_code
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from megatron_ext.recipes import RecipeError, plan
+    from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.validate import validate
+
+    recipes, overrides = _split_targets(args.targets)
+    if not recipes:
+        print("megatron-ext validate: no recipe given", file=sys.stderr)
+        return 2
+    failed = False
+    for recipe in recipes:
+        if args.platform:
+            platforms = [args.platform]
+        else:
+            try:
+                with open(recipe) as f:
+                    raw = parse_yaml(f.read()) or {}
+                platforms = ["cpu", *[p for p in (raw.get("platforms") or {}) if p != "cpu"]]
+            except Exception:  # the load below reports it
+                platforms = ["cpu"]
+        for platform in platforms:
+            label = f"{recipe} [{platform}]"
+            try:
+                loaded = _load(recipe, platform, overrides, args.device)
+            except RecipeError as exc:
+                failed = True
+                for problem in exc.problems:
+                    print(f"{label}: {problem}")
+                continue
+            result = validate(loaded, megatron_checks=not args.skip_megatron_checks)
+            for problem in result.problems:
+                print(f"{label}: {problem}")
+            for note in result.notes:
+                print(f"{label}: note: {note}")
+            if result.ok:
+                print(f"{label}: OK ({plan.describe(loaded)})")
+            failed = failed or not result.ok
+    return 2 if failed else 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import compare as cmp
+    from megatron_ext.recipes import metrics as met
+
+    source = Path(args.run)
+    if source.is_dir():
+        metrics_file = source / "metrics.json"
+        actual = met.read_golden(metrics_file) if metrics_file.exists() else met.parse_run_logs(source / "logs")
+    else:
+        actual = met.read_golden(source)
+    if not actual:
+        print(f"megatron-ext compare: no metrics in {source}", file=sys.stderr)
+        return 2
+    golden = met.read_golden(args.golden)
+    device, tolerances = args.device, {}
+    recipe_file = source / "recipe.yaml" if source.is_dir() else None
+    if recipe_file is not None and recipe_file.exists():
+        from megatron_ext.recipes import load
+
+        recipe = load(recipe_file).recipe
+        device = device or recipe.launch.device
+        tolerances = recipe.test.tolerances
+        names = args.metrics or recipe.test.metrics
+    else:
+        names = args.metrics or [m for m in golden if m in actual]
+    rules = cmp.rules_for(names, device or "gpu", tolerances)
+    if args.rtol is not None:
+        rules = {m: dataclasses.replace(r, rtol=args.rtol) if r.rtol is not None else r
+                 for m, r in rules.items()}
+    report = cmp.compare(actual, golden, rules, title=f"{source} vs {args.golden}",
+                         approximate_only=args.approximate_only)
+    print("\n".join(report.lines()))
+    return 0 if report.passed else 1
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.runner import EXIT_INVALID
+    from megatron_ext.recipes.submit import SlurmOptions, submit
+
+    if not args.slurm:
+        print("megatron-ext submit: only --slurm is supported; pass it explicitly", file=sys.stderr)
+        return EXIT_INVALID
+    recipes, overrides = _split_targets(args.targets)
+    if len(recipes) != 1:
+        print(f"megatron-ext submit: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
+        return EXIT_INVALID
+    platform = args.platform
+    if platform is None:
+        try:
+            raw = parse_yaml(Path(recipes[0]).read_text()) or {}
+        except Exception:
+            raw = {}
+        platform = "gpu-cluster" if "gpu-cluster" in (raw.get("platforms") or {}) else "cpu"
+    try:
+        loaded = _load(recipes[0], platform, overrides, args.device)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_INVALID
+    options = SlurmOptions(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition,
+        account=args.account, time=args.time, container_image=args.container_image,
+        container_mounts=args.container_mounts.split(",") if args.container_mounts else None,
+        python=args.python,
+    )
+    outcome = submit(
+        loaded, options, run_dir=Path(args.run_dir) if args.run_dir else None,
+        runs_root=Path(args.runs_root), dry_run=args.dry_run, wait=not args.no_wait,
+        compare_golden=not args.no_compare, force_compare=args.compare,
+        megatron_checks=not args.skip_megatron_checks,
+    )
+    return outcome.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_ext
 
-    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"megatron-ext {megatron_ext.__version__}")
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("doctor", help="report versions, devices, optional packages and active patches")
-    args = parser.parse_args(argv)
+
+    run = commands.add_parser("run", help="validate a recipe and train it on this machine")
+    _add_recipe_args(run)
+    run.add_argument("--run-dir", help="the run directory (default: RUNS_ROOT/<name>-<platform>-<time>)")
+    run.add_argument("--runs-root", default="runs", help="where run directories go (default: %(default)s)")
+    run.add_argument("--no-compare", action="store_true", help="do not compare with golden values")
+    run.add_argument("--compare", action="store_true",
+                     help="compare with golden values even when overrides change the recipe")
+    run.add_argument("--write-golden", action="store_true",
+                     help="write this run's metrics as the recipe's golden values for the platform")
+    run.add_argument("--skip-megatron-checks", action="store_true",
+                     help="validate the plan only (skip Megatron's argument checks and the guards)")
+
+    validate = commands.add_parser("validate", help="check recipes: schema, plan, Megatron's checks, guards")
+    validate.add_argument("targets", nargs="+", metavar="RECIPE [KEY=VALUE ...]",
+                          help="recipe YAML file(s), then overrides")
+    validate.add_argument("--platform", default=None, help="check one platform (default: every platform)")
+    validate.add_argument("--device", choices=("cpu", "gpu"), help="override launch.device")
+    validate.add_argument("--skip-megatron-checks", action="store_true", help="schema and plan only")
+
+    compare = commands.add_parser("compare", help="compare a run with golden values (Megatron's rules)")
+    compare.add_argument("run", help="a run directory (or a metrics JSON file)")
+    compare.add_argument("golden", help="golden-value JSON")
+    compare.add_argument("--metrics", nargs="+", help="metrics to check (default: the run's test.metrics)")
+    compare.add_argument("--rtol", type=float, help="replace every approximate check's rtol")
+    compare.add_argument("--approximate-only", action="store_true", help="skip the exact checks")
+    compare.add_argument("--device", choices=("cpu", "gpu"),
+                         help="whose default rules apply (default: the run's recipe, else gpu = Megatron's)")
+
+    submit = commands.add_parser("submit", help="run a recipe as a Slurm job, wait and compare")
+    _add_recipe_args(submit, default_platform=None)
+    submit.add_argument("--slurm", action="store_true", help="submit with sbatch (the supported scheduler)")
+    submit.add_argument("--nodes", type=int)
+    submit.add_argument("--gpus-per-node", type=int)
+    submit.add_argument("--partition")
+    submit.add_argument("--account")
+    submit.add_argument("--time", help="job time limit, e.g. 00:30:00")
+    submit.add_argument("--container-image", help="run the steps in this image (pyxis)")
+    submit.add_argument("--container-mounts", help="comma-separated SRC:DST mounts")
+    submit.add_argument("--python", help="interpreter on the nodes (default: this one; 'python' in a container)")
+    submit.add_argument("--run-dir", help="run directory, on a file system the nodes share")
+    submit.add_argument("--runs-root", default="runs")
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch script and stop")
+    submit.add_argument("--no-wait", action="store_true", help="return after sbatch")
+    submit.add_argument("--no-compare", action="store_true")
+    submit.add_argument("--compare", action="store_true")
+    submit.add_argument("--skip-megatron-checks", action="store_true")
+
+    # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
+    # such late positionals unparsed, so they join the targets here.
+    args, rest = parser.parse_known_args(argv)
+    late = [token for token in rest if not token.startswith("-")]
+    if len(late) != len(rest) or (late and not hasattr(args, "targets")):
+        parser.error(f"unrecognized arguments: {' '.join(t for t in rest if t not in late) or ' '.join(rest)}")
+    if late:
+        args.targets += late
     if args.command == "doctor":
         print("\n".join(doctor_report()))
         return 0
+    handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit}
+    if args.command in handlers:
+        try:
+            return handlers[args.command](args)
+        except KeyboardInterrupt:  # the launchers have stopped their ranks / left the job
+            print("megatron-ext: interrupted", file=sys.stderr)
+            return 130
     parser.print_help()
     return 0
 

@@ -1,0 +1,206 @@
+"""Start the ranks of one training run on this machine, with torchrun's semantics.
+
+Each rank is ``python -m ENTRY FLAGS`` with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and,
+like ``torchrun --standalone``, a rendezvous store that the launcher itself hosts on a port
+the OS picks (``TORCHELASTIC_USE_AGENT_STORE``: every rank connects as a client, so no rank
+races other programs for a port), and its own log file ``LOG_DIR/rank-N.log``
+(stdout and stderr). :func:`launch` follows one rank's log while the run goes (a callback
+per line, for progress), and stops the run as torchrun does: when a rank fails, the others
+get SIGTERM after a short grace, then SIGKILL; on timeout or Ctrl-C, all of them. Every rank
+runs in its own process group, so checkpoint writers it spawned stop with it.
+
+Only the processes this launcher started are ever signalled, by their ids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+POLL_S = 0.2
+GRACE_S = 10.0
+"""How long the other ranks may keep running after one failed (they usually fail too, with
+their own error, which is worth having in their logs)."""
+
+
+def _agent_store(world_size: int, timeout_s: float):
+    """The rendezvous server of one run, as torchrun's agent hosts it: on port 0 (the OS picks
+    a free one, with no window for another program to take it), ranks as clients."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=max(60.0, timeout_s)))
+
+
+def rank_environment(rank: int, world_size: int, port: int, local_world_size: Optional[int] = None,
+                     master_addr: str = "127.0.0.1", agent_store: bool = False) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a single-node job."""
+    local = local_world_size or world_size
+    env = {"TORCHELASTIC_USE_AGENT_STORE": str(True)} if agent_store else {}
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % local),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local),
+        "GROUP_RANK": str(rank // local),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "megatron-ext",
+    }
+
+
+@dataclass
+class LocalJob:
+    """One run: the command each rank executes (without the interpreter), and where."""
+
+    module: str
+    args: list[str]
+    nproc: int
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Optional[Path] = None
+    timeout_s: float = 900.0
+    python: str = sys.executable
+    grace_s: float = GRACE_S
+
+    def rank_command(self) -> list[str]:
+        return [self.python, "-m", self.module, *self.args]
+
+    def log_path(self, rank: int) -> Path:
+        return self.log_dir / f"rank-{rank}.log"
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    """0 when every rank exited 0; else the first failing rank's code (124 on timeout)."""
+    failed_rank: Optional[int]
+    seconds: float
+    rank_codes: dict[int, Optional[int]]
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class LogFollower:
+    """Hands complete new lines of a growing file to a callback."""
+
+    def __init__(self, path: Path, on_line: Callable[[str], None]):
+        self.path, self.on_line = path, on_line
+        self.offset, self.partial = 0, ""
+
+    def poll(self, final: bool = False) -> None:
+        try:
+            with open(self.path, errors="replace") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return
+        text = self.partial + chunk
+        lines = text.split("\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = ""
+        for line in lines:
+            self.on_line(line.rstrip("\r"))
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the rank's own process group (start_new_session=True)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM every still-running rank's group, then SIGKILL what is left after grace_s."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in alive:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+        time.sleep(0.05)
+    for p in alive:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
+           follow_rank: Optional[int] = None) -> LaunchResult:
+    """Run ``job`` to the end; ``on_line`` receives each line that rank ``follow_rank``
+    (default: the last, which prints Megatron's iteration lines) writes to its log."""
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    store = _agent_store(job.nproc, job.timeout_s)
+    port = store.port
+    start = time.monotonic()
+    procs: dict[int, subprocess.Popen] = {}
+    follow = job.nproc - 1 if follow_rank is None else follow_rank
+    follower = LogFollower(job.log_path(follow), on_line) if on_line else None
+    failed_rank, timed_out = None, False
+    try:
+        for rank in range(job.nproc):
+            env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True)}
+            with open(job.log_path(rank), "w") as log:
+                procs[rank] = subprocess.Popen(
+                    job.rank_command(), cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+        failed_at = None
+        while True:
+            if follower:
+                follower.poll()
+            codes = {r: p.poll() for r, p in procs.items()}
+            if failed_rank is None:
+                bad = [r for r, c in codes.items() if c not in (None, 0)]
+                if bad:
+                    failed_rank, failed_at = bad[0], time.monotonic()
+            if all(c is not None for c in codes.values()):
+                break
+            if failed_at is not None and time.monotonic() - failed_at > job.grace_s:
+                stop(procs)
+                break
+            if time.monotonic() - start > job.timeout_s:
+                timed_out = True
+                stop(procs)
+                break
+            time.sleep(POLL_S)
+    except BaseException:
+        stop(procs, grace_s=2.0)
+        raise
+    finally:
+        if follower:
+            follower.poll(final=True)
+        del store  # the ranks are gone; close the rendezvous server
+    codes = {r: p.poll() for r, p in procs.items()}
+    if timed_out:
+        returncode = 124
+    elif failed_rank is not None:
+        returncode = codes[failed_rank] or 1
+    else:
+        returncode = next((c for c in codes.values() if c), 0)
+    return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out)
+
+
+def tail(path: Path, lines: int = 30) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().splitlines()[-lines:]
+    except FileNotFoundError:
+        return []

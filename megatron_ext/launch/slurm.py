@@ -1,0 +1,217 @@
+"""Run a recipe as a Slurm batch job: the sbatch script, submission, waiting.
+
+:func:`sbatch_script` writes one job for all the recipe's training runs (ckpt-resume has
+two, with the checkpoint step between them). Every run is one ``srun`` step with one task
+per rank (on GPU: one per GPU), each task exporting torch.distributed's variables from
+Slurm's (``RANK=$SLURM_PROCID``, ``WORLD_SIZE=$SLURM_NTASKS``, ``LOCAL_RANK=$SLURM_LOCALID``,
+``MASTER_ADDR`` = the first node of the allocation, ``MASTER_PORT`` from the job id) and
+writing ``logs/rank-%t.log``, the same layout as a local run. With a container image the
+steps run through pyxis (``--container-image``, ``--container-mounts``). The script records
+its exit status in ``job_exit_code``, so waiting needs no accounting database.
+
+:func:`submit` calls ``sbatch --parsable``; :func:`wait` polls ``squeue`` until the job has
+left the queue, and reads the job's state from ``scontrol`` (or the exit-code file).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+POLL_S = 2.0
+
+
+@dataclass
+class Step:
+    """One training run inside the job."""
+
+    name: str
+    module: str
+    args: list[str]
+    log_dir: Path
+    before: Optional[str] = None  # a shell command run before the step (checkpoint preparation)
+
+
+@dataclass
+class SlurmJob:
+    name: str
+    run_dir: Path
+    steps: list[Step]
+    nodes: int
+    tasks_per_node: int
+    device: str  # "cpu" | "gpu"
+    workdir: Path
+    python: str
+    env: dict[str, str] = field(default_factory=dict)
+    gpus_per_node: Optional[int] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "00:30:00"
+    container_image: Optional[str] = None
+    container_mounts: list[str] = field(default_factory=list)
+    sbatch_args: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def time_limit_seconds(text: str) -> int:
+    """Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = [int(p) for p in rest.split(":")]
+    if "-" in text:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 1:
+        h, m, s = 0, parts[0], 0
+    elif len(parts) == 2:
+        h, m, s = 0, parts[0], parts[1]
+    else:
+        h, m, s = parts[:3]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def sbatch_script(job: SlurmJob) -> str:
+    q = shlex.quote
+    run_dir = str(job.run_dir)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=megatron-ext-{job.name}",
+        f"#SBATCH --nodes={job.nodes}",
+        f"#SBATCH --ntasks-per-node={job.tasks_per_node}",
+    ]
+    if job.device == "gpu":
+        lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node or job.tasks_per_node}")
+    else:
+        # CPU ranks are single-threaded (OMP_NUM_THREADS=1); let them share small nodes.
+        lines.append("#SBATCH --overcommit")
+    if job.partition:
+        lines.append(f"#SBATCH --partition={job.partition}")
+    if job.account:
+        lines.append(f"#SBATCH --account={job.account}")
+    lines += [
+        f"#SBATCH --time={job.time}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --chdir={job.workdir}",
+        *[f"#SBATCH {arg}" for arg in job.sbatch_args],
+        "",
+        f"RUN_DIR={q(run_dir)}",
+        "trap 'echo $? > \"$RUN_DIR/job_exit_code\"' EXIT",
+        "set -eo pipefail",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+    ]
+    if job.env:
+        lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in job.env.items()))
+    rank_env = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
+                "LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS} GROUP_RANK=$SLURM_NODEID")
+    container: list[str] = []
+    if job.container_image:
+        mounts = list(dict.fromkeys([*job.container_mounts, f"{run_dir}:{run_dir}",
+                                     f"{job.workdir}:{job.workdir}"]))
+        container = [f"--container-image={job.container_image}",
+                     f"--container-mounts={','.join(mounts)}",
+                     f"--container-workdir={job.workdir}"]
+    for i, step in enumerate(job.steps):
+        lines += ["", f"# ---- {step.name}: {job.world_size} tasks ----"]
+        if step.before:
+            lines.append(step.before)
+        lines += [
+            f"mkdir -p {q(str(step.log_dir))}",
+            f"export MASTER_PORT=$((BASE_PORT + {i}))",
+            f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
+        ]
+        srun = ["srun", "--mpi=none", "--kill-on-bad-exit=1", f"--ntasks={job.world_size}",
+                f"--output={step.log_dir}/rank-%t.log", *container]
+        inner = f'{rank_env}; exec {q(job.python)} -m {q(step.module)} "$@"'
+        head = " ".join(srun) + f" bash -c {q(inner)} megatron-ext"
+        groups: list[list[str]] = []
+        for a in step.args:
+            if a.startswith("--") or not groups:
+                groups.append([a])
+            else:
+                groups[-1].append(a)
+        lines.append(" \\\n    ".join([head] + [shlex.join(g) for g in groups]))
+    lines.append("")
+    return "\n".join(lines)
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; returns the job id."""
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SlurmError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def _squeue_state(job_id: str) -> Optional[str]:
+    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None  # the job has left squeue's memory (invalid job id)
+    return proc.stdout.strip() or None
+
+
+def job_state(job_id: str) -> tuple[Optional[str], Optional[int]]:
+    """(JobState, exit code) from scontrol, or (None, None) once Slurm has forgotten the job."""
+    proc = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, None
+    state = re.search(r"JobState=(\S+)", proc.stdout)
+    code = re.search(r"ExitCode=(\d+):(\d+)", proc.stdout)
+    return (state.group(1) if state else None,
+            int(code.group(1)) if code else None)
+
+
+def cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True)
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    state: Optional[str]
+    exit_code: Optional[int]
+    seconds: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and self.exit_code == 0 and self.state in (None, "COMPLETED")
+
+
+def wait(job_id: str, run_dir: Path, timeout_s: float, on_poll: Optional[Callable[[], None]] = None,
+         on_state: Optional[Callable[[str], None]] = None) -> JobResult:
+    """Block until the job leaves the queue (cancelling it after ``timeout_s``)."""
+    start = time.monotonic()
+    last_state = None
+    while True:
+        state = _squeue_state(job_id)
+        if on_poll:
+            on_poll()
+        if state != last_state and state is not None and on_state:
+            on_state(state)
+        last_state = state or last_state
+        if state is None:
+            break
+        if time.monotonic() - start > timeout_s:
+            cancel(job_id)
+            return JobResult(job_id, "TIMEOUT", None, time.monotonic() - start, timed_out=True)
+        time.sleep(POLL_S)
+    final_state, code = job_state(job_id)
+    exit_file = run_dir / "job_exit_code"
+    for _ in range(10):  # the batch script's trap may land a moment after the job leaves squeue
+        if exit_file.exists() and exit_file.read_text().strip():
+            break
+        time.sleep(0.5)
+    if exit_file.exists() and exit_file.read_text().strip():
+        code = int(exit_file.read_text().strip())
+    return JobResult(job_id, final_state, code, time.monotonic() - start)

@@ -1,0 +1,247 @@
+"""Reading a recipe: YAML, its platform overlay, command-line overrides, then the schema.
+
+    load("recipes/gpt_tp2_pp2.yaml", platform="cpu", overrides=["parallelism.pp=4"])
+
+Order of precedence, lowest first: schema defaults < the recipe's top-level sections (the
+``cpu`` platform's sizes) < ``platforms.<name>`` (when another platform is chosen) < the
+overrides. Overrides use Megatron-Bridge's (Hydra-style) syntax:
+
+- ``section.key=value`` sets a field; the value is read as YAML (``4``, ``3e-4``, ``true``,
+  ``null``, ``[a, b]``, ``E|tt|tt|L``);
+- ``+section.key=value`` is accepted with the same meaning, for commands copied from Bridge;
+- ``~section.key`` removes the field, so its default applies;
+- keys containing dots or spaces are quoted: ``test.tolerances."lm loss".rtol=1e-3``.
+
+Every unknown key and malformed override is reported with the dotted path and, when one is
+close, the key that was probably meant.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from megatron_ext.recipes import schema
+from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); recipes mean a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+@dataclass
+class LoadedRecipe:
+    """A recipe ready to run: the typed recipe plus where it came from."""
+
+    recipe: Recipe
+    source: Optional[Path]
+    platform: str
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name or (self.source.stem if self.source else "recipe")
+
+    @property
+    def base_dir(self) -> Path:
+        return self.source.parent if self.source else Path.cwd()
+
+    @property
+    def numerics_overridden(self) -> bool:
+        """True when an override may change the loss curve (anything outside test/launch
+        bookkeeping), so the recipe's golden values no longer describe this run."""
+        harmless = ("test.", "launch.timeout_s", "launch.slurm.", "launch.nodes", "description", "name")
+        keys = [override_key(o) for o in self.overrides]
+        return any(not k.startswith(harmless) for k in keys)
+
+    def golden_path(self) -> Optional[Path]:
+        pattern = self.recipe.test.golden_values
+        if not pattern:
+            return None
+        path = Path(pattern.format(name=self.name, platform=self.platform))
+        return path if path.is_absolute() else self.base_dir / path
+
+
+def override_key(override: str) -> str:
+    text = override.lstrip("+~")
+    return text.split("=", 1)[0].strip()
+
+
+def deep_merge(base: dict, overlay: dict) -> dict:
+    """``overlay`` over ``base``: mappings merge key by key, anything else replaces."""
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _known_keys_at(path: list[str]) -> list[str]:
+    import dataclasses
+
+    tp = schema.field_type(".".join(f'"{p}"' if "." in p else p for p in path)) if path else Recipe
+    tp = schema._strip_optional(tp)
+    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+
+
+def _check_key(parts: list[str]) -> Optional[str]:
+    """None when the dotted key names a schema field, else why not."""
+    for depth in range(1, len(parts) + 1):
+        prefix = parts[:depth]
+        try:
+            schema.field_type(".".join(f'"{p}"' if "." in p or " " in p else p for p in prefix))
+        except KeyError:
+            known = _known_keys_at(parts[: depth - 1])
+            return f"unknown key {'.'.join(prefix)!r}" + (
+                schema.suggestion(parts[depth - 1], known) if known else ""
+            )
+    return None
+
+
+def _override_value(parts: list[str], text: str) -> Any:
+    """A string field takes the text as written (hybrid patterns such as ``*-|*-`` are not
+    YAML); other fields read it as YAML, and free-form ones fall back to the text."""
+    declared = schema._strip_optional(schema.field_type(".".join(f'"{p}"' for p in parts)))
+    if declared is str:
+        return None if text in ("null", "~") else text
+    if text == "":
+        return ""
+    try:
+        return parse_yaml(text)
+    except yaml.YAMLError:
+        if declared is Any:
+            return text
+        raise
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Problem]]:
+    """``data`` with the command-line overrides applied, and a problem per bad override."""
+    data = copy.deepcopy(data)
+    problems: list[Problem] = []
+    for override in overrides:
+        delete = override.startswith("~")
+        text = override.lstrip("+~")
+        if delete:
+            key_text, value_text = text, None
+        elif "=" not in text:
+            problems.append(Problem(f"override {override!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY"))
+            continue
+        else:
+            key_text, value_text = (s.strip() for s in text.split("=", 1))
+        try:
+            parts = schema.split_path(key_text)
+        except KeyError as exc:
+            problems.append(Problem(f"override {override!r}", str(exc.args[0])))
+            continue
+        if parts[0] == "platforms":
+            problems.append(Problem(f"override {override!r}",
+                                    "platforms are chosen with --platform; override the fields directly"))
+            continue
+        why = _check_key(parts)
+        if why:
+            problems.append(Problem(f"override {override!r}", why))
+            continue
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        if delete:
+            node.pop(parts[-1], None)
+            continue
+        try:
+            node[parts[-1]] = _override_value(parts, value_text)
+        except yaml.YAMLError as exc:
+            problems.append(Problem(f"override {override!r}", f"value is not YAML: {exc}"))
+    return data, problems
+
+
+def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()) -> tuple[Recipe, list[Problem]]:
+    """Platform overlay, overrides and schema over a parsed recipe mapping."""
+    if not isinstance(raw, dict):
+        return Recipe(), [Problem("", f"a recipe is a YAML mapping, got {type(raw).__name__}")]
+    problems: list[Problem] = []
+    version = raw.get("version")
+    if version is None:
+        problems.append(Problem("version", f"missing; this megatron-ext reads version: {schema.SCHEMA_VERSION}"))
+    elif version != schema.SCHEMA_VERSION:
+        problems.append(Problem("version", f"{version!r} is not supported; this megatron-ext reads "
+                                           f"version: {schema.SCHEMA_VERSION}"))
+    platforms = raw.get("platforms") or {}
+    if not isinstance(platforms, dict):
+        problems.append(Problem("platforms", "must be a mapping of platform name to overlay"))
+        platforms = {}
+    data = {k: v for k, v in raw.items() if k != "platforms"}
+    if platform in platforms:
+        overlay = platforms[platform]
+        if not isinstance(overlay, dict):
+            problems.append(Problem(f"platforms.{platform}", "must be a mapping"))
+        else:
+            if "platforms" in overlay or "version" in overlay:
+                problems.append(Problem(f"platforms.{platform}", "may not set version or platforms"))
+            data = deep_merge(data, overlay)
+    elif platform != DEFAULT_PLATFORM:
+        known = [DEFAULT_PLATFORM, *platforms]
+        problems.append(Problem("", f"platform {platform!r} is not defined by this recipe "
+                                    f"(its platforms: {', '.join(known)})"))
+    data, override_problems = apply_overrides(data, list(overrides))
+    problems += override_problems
+    recipe, schema_problems = schema.build(data)
+    problems += schema_problems
+    # Check each other platform's overlay as well, so `validate` sees them all at once.
+    for name, overlay in platforms.items():
+        if name != platform and isinstance(overlay, dict):
+            _, overlay_problems = schema.build(deep_merge({k: v for k, v in raw.items() if k != "platforms"}, overlay))
+            problems += [Problem(f"platforms.{name}.{p.where}" if p.where else f"platforms.{name}", p.what)
+                         for p in overlay_problems if p not in schema_problems]
+    return recipe, problems
+
+
+def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()) -> LoadedRecipe:
+    """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
+    path = Path(path)
+    try:
+        raw = parse_yaml(path.read_text())
+    except OSError as exc:
+        raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(str(path), [Problem("", f"not valid YAML: {exc}")]) from None
+    recipe, problems = resolve(raw, platform, overrides)
+    if problems:
+        raise RecipeError(str(path), problems)
+    return LoadedRecipe(recipe=recipe, source=path, platform=platform, overrides=list(overrides))
+
+
+def dump(loaded: LoadedRecipe) -> str:
+    """The resolved recipe as YAML: every field with its value, platforms applied; loading it
+    again (platform cpu, no overrides) gives the same run."""
+    data = loaded.recipe.to_dict()
+    data["name"] = loaded.name
+    data.pop("platforms", None)
+    golden = loaded.golden_path()
+    data["test"]["golden_values"] = str(golden.resolve()) if golden else None
+    header = [
+        "# Resolved by megatron-ext: every field, with the platform overlay and overrides applied.",
+        f"# source: {loaded.source}",
+        f"# platform: {loaded.platform}",
+        f"# overrides: {' '.join(loaded.overrides) if loaded.overrides else '(none)'}",
+    ]
+    return "\n".join(header) + "\n" + yaml.safe_dump(data, sort_keys=False, width=100)

@@ -1,0 +1,147 @@
+"""Metrics from Megatron's own log lines, in Megatron's golden-value JSON format.
+
+megatron.training prints one line per logged iteration on the last rank::
+
+     [...] iteration        3/      10 | consumed samples: 24 | elapsed time per iteration (ms):
+     308.2 | learning rate: 1.000000E-03 | global batch size: 8 | lm loss: 4.593707E+00 |
+     loss scale: 1.0 | grad norm: 1.866 | num zeros: 0.0 | ...
+
+:func:`parse_log` reads those lines into per-step series under the metric names Megatron's
+functional tests use ("lm loss", "num-zeros", "iteration-time" in seconds, "mtp_1 loss", ...).
+A golden-value file is ``{metric: {start_step, end_step, step_interval, values: {step: v}}}``.
+
+One upstream quirk to know when reading curves: a process does not reset its loss
+accumulators after its first logged iteration, so the *second* line a process prints shows
+the mean of its first two iterations (in every run, fresh or resumed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)\s*\|\s*lm loss value: ([0-9.eE+-]+)")
+
+# Megatron's label in the log line -> (metric name in golden values, scale)
+LOG_FIELDS = {
+    "lm loss": ("lm loss", 1.0),
+    "num zeros": ("num-zeros", 1.0),
+    "elapsed time per iteration (ms)": ("iteration-time", 1e-3),
+    "grad norm": ("grad-norm", 1.0),
+    "learning rate": ("learning-rate", 1.0),
+}
+MTP_FIELD = re.compile(r"^mtp_\d+ loss$")
+
+Series = dict[int, float]
+Metrics = dict[str, Series]
+
+
+def parse_iteration_line(line: str) -> Optional[tuple[int, int, dict[str, float]]]:
+    """(iteration, train_iters, {metric: value}) for a Megatron iteration line, else None."""
+    match = ITERATION_LINE.search(line)
+    if not match:
+        return None
+    values: dict[str, float] = {}
+    for part in match.group(3).split("|"):
+        if ":" not in part:
+            continue
+        label, _, text = part.rpartition(":")
+        label = label.strip()
+        if label in LOG_FIELDS:
+            name, scale = LOG_FIELDS[label]
+        elif MTP_FIELD.match(label):
+            name, scale = label, 1.0
+        else:
+            continue
+        try:
+            value = float(text.strip())
+        except ValueError:
+            continue
+        values[name] = round(value * scale, 9) if scale != 1.0 else value
+    return int(match.group(1)), int(match.group(2)), values
+
+
+def parse_lines(lines: Iterable[str]) -> Metrics:
+    metrics: Metrics = {}
+    for line in lines:
+        parsed = parse_iteration_line(line)
+        if parsed is None:
+            continue
+        step, _, values = parsed
+        for name, value in values.items():
+            metrics.setdefault(name, {})[step] = value
+    return metrics
+
+
+def parse_log(path: Union[str, Path]) -> Metrics:
+    with open(path, errors="replace") as f:
+        return parse_lines(f)
+
+
+def parse_run_logs(log_dir: Union[str, Path]) -> Metrics:
+    """The metrics of one run's per-rank logs: the rank that printed iteration lines (the last
+    pipeline stage's last rank, Megatron's print_rank_last)."""
+    logs = sorted(Path(log_dir).glob("rank-*.log"), key=lambda p: -_rank_of(p))
+    for log in logs:
+        metrics = parse_log(log)
+        if metrics:
+            return metrics
+    return {}
+
+
+def _rank_of(path: Path) -> int:
+    match = re.search(r"rank-(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def to_golden(metrics: Metrics, names: Optional[Iterable[str]] = None) -> dict:
+    """Megatron's golden-value layout for ``names`` (all metrics when None)."""
+    out = {}
+    for name in names if names is not None else sorted(metrics):
+        series = metrics.get(name)
+        if not series:
+            continue
+        steps = sorted(series)
+        interval = min((b - a for a, b in zip(steps, steps[1:])), default=1)
+        out[name] = {
+            "start_step": steps[0],
+            "end_step": steps[-1],
+            "step_interval": interval,
+            "values": {str(s): series[s] for s in steps},
+        }
+    return out
+
+
+def from_golden(data: dict) -> Metrics:
+    """Series from golden-value JSON ("nan" strings become NaN)."""
+    metrics: Metrics = {}
+    for name, block in data.items():
+        if not isinstance(block, dict) or "values" not in block:
+            raise ValueError(f"metric {name!r}: expected {{start_step, end_step, step_interval, values}}")
+        metrics[name] = {int(k): (math.nan if isinstance(v, str) else float(v)) for k, v in block["values"].items()}
+    return metrics
+
+
+def write_golden(path: Union[str, Path], metrics: Metrics, names: Optional[Iterable[str]] = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_golden(metrics, names), indent=2) + "\n")
+    return path
+
+
+def read_golden(path: Union[str, Path]) -> Metrics:
+    return from_golden(json.loads(Path(path).read_text()))
+
+
+def read_validation_losses(path: Union[str, Path]) -> Series:
+    out: Series = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            match = VALIDATION_LINE.search(line)
+            if match and "on validation set" not in line and "on test set" not in line:
+                out[int(match.group(1))] = float(match.group(2))
+    return out

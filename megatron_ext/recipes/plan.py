@@ -1,0 +1,478 @@
+"""From a recipe to the ranks' command line, and the plan checks that need no process.
+
+- :func:`megatron_args` is the exact Megatron command line (flags after ``-m ENTRY``) of a
+  recipe, with the flags each ``ckpt-resume`` phase adds.
+- :func:`plan_problems` checks the parallel plan and the fields that depend on each other
+  (world size, layer split over pipeline and virtual stages, the layout and hybrid pattern,
+  batch sizes, sequence and context parallelism, MoE, mHC, data paths) and returns every
+  problem, each naming the fields, their values and the fix. It reads only the recipe.
+- :func:`layout_stages` and :func:`hybrid_segments` read a pipeline layout / hybrid pattern
+  the way megatron-core 0.19.2 does, without importing it.
+
+The checks that need Megatron itself (its argument validation, the TransformerConfig and
+megatron-ext's guards) are in :mod:`megatron_ext.recipes.validate`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.schema import Problem, Recipe
+
+RECIPE_PLACEHOLDER = "@RECIPE@"
+"""Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
+
+KNOWN_METRICS = ("lm loss", "num-zeros", "iteration-time", "grad-norm", "learning-rate")
+MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
+
+HYBRID_SYMBOLS = {"M": "Mamba", "G": "GDN", "*": "attention", "D": "DS attention", "+": "MLA",
+                  "-": "MLP", "E": "MoE"}
+LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "transformer layer", "m": "MTP layer"}
+
+
+# ---- layouts and patterns -------------------------------------------------------------------------
+def layout_stages(layout: str) -> list[str]:
+    """The stages of a --pipeline-model-parallel-layout string, unrolled: 'E|(tt|)*2,L' ->
+    ['E', 'tt', 'tt', 'L']. Raises ValueError on a symbol megatron does not know."""
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    bad = sorted({ch for ch in text if ch not in LAYOUT_SYMBOLS and ch != "|"})
+    if bad:
+        raise ValueError(f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
+                         + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items()) + " and '|'")
+    return text.split("|")
+
+
+def hybrid_segments(pattern: str) -> tuple[list[str], list[str]]:
+    """(main decoder pipeline segments, MTP depth patterns) of a --hybrid-layer-pattern."""
+    main, *mtp = pattern.split("/")
+    return main.split("|"), [p for p in mtp]
+
+
+def hybrid_layer_count(pattern: str) -> int:
+    return sum(len(s) for s in hybrid_segments(pattern)[0])
+
+
+def virtual_stages(recipe: Recipe) -> Optional[int]:
+    """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
+    model, par = recipe.model, recipe.parallelism
+    stages = None
+    try:
+        if model.type == "gpt" and model.pipeline_layout:
+            stages = len(layout_stages(model.pipeline_layout))
+        elif model.type == "hybrid" and model.hybrid_layer_pattern:
+            segments = len(hybrid_segments(model.hybrid_layer_pattern)[0])
+            stages = segments if segments > 1 else None
+    except ValueError:
+        return par.vpp
+    if stages is not None:
+        vpp = stages // par.pp if par.pp and stages % par.pp == 0 else None
+        return vpp if vpp and vpp > 1 else None
+    return par.vpp if par.vpp and par.vpp > 1 else None
+
+
+def mtp_depths(recipe: Recipe) -> int:
+    model = recipe.model
+    if model.type == "hybrid" and model.hybrid_layer_pattern:
+        return len([p for p in hybrid_segments(model.hybrid_layer_pattern)[1] if p])
+    return model.mtp_num_layers or 0
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def _flag(args: list[str], name: str, value: Any) -> None:
+    if value is None or value is False:
+        return
+    if value is True:
+        args.append(name)
+    elif isinstance(value, (list, tuple)):
+        args += [name, *[str(v) for v in value]]
+    else:
+        args += [name, _number(value)]
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value) if value != int(value) or abs(value) >= 1e16 else str(value)
+    return str(value)
+
+
+def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
+    """The flags every rank's ``python -m ENTRY`` receives for this recipe (one run; the
+    ckpt-resume phases append :func:`save_args` / :func:`load_args`)."""
+    r = loaded.recipe
+    m, p, t, d = r.model, r.parallelism, r.training, r.data
+    args: list[str] = []
+    if m.type != "multimodule":
+        _flag(args, "--tensor-model-parallel-size", p.tp)
+        _flag(args, "--pipeline-model-parallel-size", p.pp)
+        if p.cp != 1:
+            _flag(args, "--context-parallel-size", p.cp)
+        if p.ep != 1:
+            _flag(args, "--expert-model-parallel-size", p.ep)
+        _flag(args, "--sequence-parallel", p.sp)
+        if m.type == "gpt":
+            _flag(args, "--num-layers", m.num_layers)
+            if m.pipeline_layout:
+                _flag(args, "--pipeline-model-parallel-layout", m.pipeline_layout)
+            elif p.vpp and p.vpp > 1:
+                _flag(args, "--num-virtual-stages-per-pipeline-rank", p.vpp)
+            _flag(args, "--mtp-num-layers", m.mtp_num_layers)
+        else:  # hybrid: layers, virtual stages and MTP depths come from the pattern
+            _flag(args, "--hybrid-layer-pattern", m.hybrid_layer_pattern)
+        _flag(args, "--hidden-size", m.hidden_size)
+        _flag(args, "--ffn-hidden-size", m.ffn_hidden_size)
+        _flag(args, "--num-attention-heads", m.num_attention_heads)
+        if m.num_query_groups:
+            _flag(args, "--group-query-attention", True)
+            _flag(args, "--num-query-groups", m.num_query_groups)
+        _flag(args, "--seq-length", m.seq_length)
+        _flag(args, "--max-position-embeddings", m.max_position_embeddings or m.seq_length)
+        _flag(args, "--position-embedding-type", m.position_embedding)
+        _flag(args, "--normalization", m.normalization)
+        _flag(args, "--hidden-dropout", m.hidden_dropout)
+        _flag(args, "--attention-dropout", m.attention_dropout)
+        _flag(args, "--untie-embeddings-and-output-weights", m.untie_embeddings)
+        if m.transformer_impl != "auto":
+            _flag(args, "--transformer-impl", m.transformer_impl)
+        if m.num_experts:
+            _flag(args, "--num-experts", m.num_experts)
+            _flag(args, "--moe-router-topk", m.moe_router_topk)
+        if m.mhc.enabled:
+            _flag(args, "--enable-mhc-connections", True)
+            _flag(args, "--mhc-num-residual-streams", m.mhc.num_residual_streams)
+            _flag(args, "--mhc-sinkhorn-iterations", m.mhc.sinkhorn_iterations)
+            _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
+            if m.mhc.recompute:
+                args += ["--recompute-granularity", "selective", "--recompute-modules", "mhc"]
+                _flag(args, "--mhc-recompute-layer-num", m.mhc.recompute_layer_num)
+    elif m.recipe_flag:
+        _flag(args, m.recipe_flag, RECIPE_PLACEHOLDER)  # the run dir's recipe.yaml at launch
+    _flag(args, "--train-iters", t.iterations)
+    _flag(args, "--micro-batch-size", t.micro_batch_size)
+    _flag(args, "--global-batch-size", t.global_batch_size)
+    _flag(args, "--lr", t.lr)
+    _flag(args, "--min-lr", t.min_lr)
+    _flag(args, "--lr-decay-style", t.lr_schedule)
+    _flag(args, "--lr-warmup-iters", t.lr_warmup_iters)
+    _flag(args, "--lr-decay-iters", t.lr_decay_iters or t.iterations)
+    _flag(args, "--weight-decay", t.weight_decay)
+    _flag(args, "--clip-grad", t.clip_grad)
+    _flag(args, "--seed", t.seed)
+    _flag(args, "--bf16", t.dtype == "bf16")
+    _flag(args, "--fp16", t.dtype == "fp16")
+    _flag(args, "--deterministic-mode", t.deterministic)
+    if t.eval_interval:
+        _flag(args, "--eval-interval", t.eval_interval)
+        _flag(args, "--eval-iters", t.eval_iters)
+    else:
+        _flag(args, "--eval-iters", 0)
+    if d.type == "mock":
+        _flag(args, "--mock-data", True)
+    else:
+        _flag(args, "--data-path", [w for entry in d.paths for w in entry.split()])
+        _flag(args, "--split", d.split)
+    _flag(args, "--tokenizer-type", d.tokenizer.type)
+    _flag(args, "--vocab-size", d.tokenizer.vocab_size)
+    _flag(args, "--tokenizer-model", d.tokenizer.model)
+    _flag(args, "--vocab-file", d.tokenizer.vocab_file)
+    _flag(args, "--merge-file", d.tokenizer.merge_file)
+    # Every iteration logged: the metrics and golden values are per step.
+    _flag(args, "--log-interval", 1)
+    _flag(args, "--log-num-zeros-in-grad", "num-zeros" in r.test.metrics)
+    if r.launch.device == "cpu":
+        _flag(args, "--distributed-backend", "gloo")
+    for name, value in r.extra_args.items():
+        _flag(args, name, value)
+    return [*args, *extra]
+
+
+def save_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
+    """ckpt-resume, first run: save at iterations/2 (and at the end), as Megatron's CI does."""
+    t = loaded.recipe.training
+    return ["--save", checkpoint_dir, "--save-interval", str(t.iterations // 2),
+            "--ckpt-format", loaded.recipe.test.ckpt_format, "--exit-interval", str(t.iterations)]
+
+
+def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
+    """ckpt-resume, second run: load the iterations/2 checkpoint and train to the end."""
+    return ["--load", checkpoint_dir, "--ckpt-format", loaded.recipe.test.ckpt_format]
+
+
+def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
+    """Variables every rank gets on top of the launcher's own (torchrun-style rank variables)."""
+    env: dict[str, str] = {}
+    if loaded.recipe.launch.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU runtime, even where a GPU exists
+        env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
+    else:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    env.update({k: env_value(v) for k, v in loaded.recipe.launch.env.items()})
+    return env
+
+
+def env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return "" if value is None else str(value)
+
+
+# ---- plan checks ---------------------------------------------------------------------------------
+def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Every inconsistency of the recipe's fields, each with the values involved and the fix."""
+    r = loaded.recipe
+    problems: list[Problem] = []
+    add = lambda where, what: problems.append(Problem(where, what))  # noqa: E731
+    m, p, t, d = r.model, r.parallelism, r.training, r.data
+
+    for name in ("tp", "pp", "cp", "ep", "dp"):
+        if getattr(p, name) < 1:
+            add(f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
+    if p.vpp is not None and p.vpp < 1:
+        add("parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
+    if problems:
+        return problems
+
+    if m.type == "multimodule":
+        if not m.entry:
+            add("model.entry", "a multimodule recipe names its training module, e.g. "
+                               "entry: megatron_ext.multimodule.train")
+        if r.launch.nproc is None:
+            add("launch.nproc", "a multimodule recipe states its number of ranks (the modules' "
+                                "grids decide it, not tp * pp * cp * dp)")
+    else:
+        _check_model(r, add)
+        _check_parallel_plan(r, add)
+    _check_training(r, add)
+    _check_data(loaded, add)
+    _check_test(r, add)
+    if r.launch.nodes < 1 or r.world_size % r.launch.nodes:
+        add("launch.nodes", f"{r.launch.nodes} nodes cannot split {r.world_size} ranks evenly")
+    for name, value in r.launch.env.items():
+        if isinstance(value, (dict, list)):
+            add(f"launch.env.{name}", f"must be a string or number, got {value!r}")
+    for name in r.extra_args:
+        if not str(name).startswith("--"):
+            add(f"extra_args.{name}", "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'")
+    return problems
+
+
+def _check_model(r: Recipe, add) -> None:
+    m, p = r.model, r.parallelism
+    if m.type == "gpt":
+        if m.hybrid_layer_pattern:
+            add("model.hybrid_layer_pattern", "is for model.type: hybrid; a GPT uses num_layers "
+                                              "(and pipeline_layout)")
+        if m.num_layers is None:
+            add("model.num_layers", "a GPT recipe sets num_layers")
+        elif m.num_layers < 1:
+            add("model.num_layers", f"must be >= 1, got {m.num_layers}")
+    else:
+        if m.pipeline_layout:
+            add("model.pipeline_layout", "is for GPT; a hybrid pattern places its pipeline "
+                                         "segments with '|' (megatron rejects both together)")
+        if not m.hybrid_layer_pattern:
+            add("model.hybrid_layer_pattern", "a hybrid recipe sets its layer pattern, e.g. '*-*-|*-*-/*-'")
+        else:
+            _check_hybrid_pattern(r, add)
+        if m.mtp_num_layers is not None:
+            add("model.mtp_num_layers", "a hybrid model's MTP depths are the '/' parts of "
+                                        "hybrid_layer_pattern; leave mtp_num_layers null")
+    if m.hidden_size % m.num_attention_heads:
+        add("model.hidden_size", f"{m.hidden_size} is not divisible by num_attention_heads "
+                                 f"({m.num_attention_heads})")
+    if m.num_attention_heads % p.tp:
+        add("model.num_attention_heads", f"{m.num_attention_heads} heads do not split over tp={p.tp}")
+    if m.num_query_groups is not None and (m.num_attention_heads % m.num_query_groups
+                                           or m.num_query_groups % p.tp):
+        add("model.num_query_groups", f"{m.num_query_groups} must divide num_attention_heads "
+                                      f"({m.num_attention_heads}) and be divisible by tp={p.tp}")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        add("model.max_position_embeddings", f"{m.max_position_embeddings} < seq_length {m.seq_length}")
+    if mtp_depths(r) and m.position_embedding == "learned_absolute":
+        add("model.position_embedding", "multi-token prediction needs rope or none (megatron "
+                                        "rejects learned_absolute with MTP)")
+    if m.num_experts is None and p.ep > 1:
+        add("parallelism.ep", f"ep={p.ep} needs model.num_experts")
+    if m.num_experts is not None and m.num_experts % p.ep:
+        add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
+    mhc = m.mhc
+    if mhc.recompute_layer_num is not None and not mhc.recompute:
+        add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
+    if mhc.recompute and not mhc.enabled:
+        add("model.mhc.recompute", "mHC recompute needs model.mhc.enabled: true")
+
+
+def _check_hybrid_pattern(r: Recipe, add) -> None:
+    m, p = r.model, r.parallelism
+    pattern = m.hybrid_layer_pattern
+    segments, mtp = hybrid_segments(pattern)
+    bad = sorted({ch for ch in pattern.replace("|", "").replace("/", "") if ch not in HYBRID_SYMBOLS})
+    if bad:
+        add("model.hybrid_layer_pattern", f"unknown symbol(s) {', '.join(map(repr, bad))}; known: "
+            + ", ".join(f"{k}={v}" for k, v in HYBRID_SYMBOLS.items()) + ", '|' segment, '/' MTP depth")
+        return
+    if any("|" in depth for depth in mtp):
+        add("model.hybrid_layer_pattern", "MTP depths (after '/') cannot contain '|'")
+    if len(set(mtp)) > 1:
+        add("model.hybrid_layer_pattern", f"every MTP depth must repeat the same pattern, got {mtp}")
+    if m.num_layers is not None and m.num_layers != hybrid_layer_count(pattern):
+        add("model.num_layers", f"{m.num_layers} disagrees with the pattern's "
+                                f"{hybrid_layer_count(pattern)} layers; leave it null")
+    if len(segments) > 1:
+        if len(segments) % p.pp:
+            add("model.hybrid_layer_pattern", f"{len(segments)} pipeline segments do not split over "
+                                              f"pp={p.pp}")
+        elif p.vpp is not None and p.vpp != len(segments) // p.pp:
+            add("parallelism.vpp", f"{p.vpp} disagrees with the pattern: {len(segments)} segments "
+                                   f"over pp={p.pp} give vpp={len(segments) // p.pp}")
+    elif p.vpp and p.vpp > 1:
+        add("parallelism.vpp", "virtual stages of a hybrid model come from '|' segments in "
+                               "hybrid_layer_pattern")
+    if r.launch.device == "cpu":
+        for symbol, what in (("M", "Mamba"), ("G", "GDN")):
+            if symbol in pattern and importlib.util.find_spec("mamba_ssm") is None:
+                add("model.hybrid_layer_pattern", f"{what} layers ('{symbol}') need mamba_ssm's "
+                                                  "CUDA kernels; on CPU use '*', '-' and 'E'")
+
+
+def _check_parallel_plan(r: Recipe, add) -> None:
+    m, p, t = r.model, r.parallelism, r.training
+    world = p.tp * p.pp * p.cp * p.dp
+    if r.launch.nproc is not None and r.launch.nproc != world:
+        add("launch.nproc", f"{r.launch.nproc} ranks, but tp({p.tp}) * pp({p.pp}) * cp({p.cp}) * "
+                            f"dp({p.dp}) = {world}; leave nproc null or change dp")
+    if p.sp and p.tp == 1:
+        add("parallelism.sp", "sequence parallelism needs tp > 1 (megatron silently turns it off "
+                              "at tp=1)")
+    if p.sp and m.seq_length % p.tp:
+        add("model.seq_length", f"{m.seq_length} is not divisible by tp={p.tp}, which sequence "
+                                "parallelism splits it over")
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        add("model.seq_length", f"{m.seq_length} is not divisible by 2 * cp = {2 * p.cp} "
+                                "(context parallelism's load-balanced split)")
+    if p.ep > 1 and (p.tp * p.dp * p.cp) % p.ep:
+        add("parallelism.ep", f"ep={p.ep} must divide tp * dp * cp = {p.tp * p.dp * p.cp}")
+    if m.type == "gpt" and m.num_layers:
+        if m.pipeline_layout:
+            try:
+                stages = layout_stages(m.pipeline_layout)
+            except ValueError as exc:
+                add("model.pipeline_layout", str(exc))
+                return
+            layers = sum(s.count("t") for s in stages)
+            if layers != m.num_layers:
+                add("model.pipeline_layout", f"places {layers} transformer layers ('t'), but "
+                                             f"num_layers is {m.num_layers}")
+            if len(stages) % p.pp:
+                add("model.pipeline_layout", f"{len(stages)} stages do not split over pp={p.pp}")
+            elif p.vpp is not None and p.vpp != len(stages) // p.pp:
+                add("parallelism.vpp", f"{p.vpp} disagrees with the layout: {len(stages)} stages "
+                                       f"over pp={p.pp} give vpp={len(stages) // p.pp}")
+            if sum(s.count("m") for s in stages) != (m.mtp_num_layers or 0):
+                add("model.pipeline_layout", f"places {sum(s.count('m') for s in stages)} MTP "
+                                             f"layers ('m'), but mtp_num_layers is {m.mtp_num_layers}")
+        else:
+            chunks = p.pp * (p.vpp or 1)
+            if m.num_layers % chunks:
+                add("model.num_layers", f"{m.num_layers} layers do not split over pp({p.pp}) * "
+                                        f"vpp({p.vpp or 1}) = {chunks} model chunks")
+            if p.vpp and p.vpp > 1 and p.pp == 1:
+                add("parallelism.vpp", "virtual stages need pp > 1")
+
+
+def _check_training(r: Recipe, add) -> None:
+    t, p = r.training, r.parallelism
+    if t.iterations < 1:
+        add("training.iterations", f"must be >= 1, got {t.iterations}")
+    if t.micro_batch_size < 1:
+        add("training.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
+        return
+    dp = p.dp if r.model.type != "multimodule" else 1
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        add("training.global_batch_size", f"{t.global_batch_size} is not a multiple of "
+                                          f"micro_batch_size({t.micro_batch_size}) * dp({dp})")
+    if t.eval_interval is not None and t.eval_interval < 1:
+        add("training.eval_interval", f"must be >= 1 or null, got {t.eval_interval}")
+    if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:
+        add("training.lr_decay_iters", f"{t.lr_decay_iters} < lr_warmup_iters {t.lr_warmup_iters}")
+    if r.test.type == "ckpt-resume" and (t.iterations < 2 or t.iterations % 2):
+        add("training.iterations", f"ckpt-resume saves at iterations/2; use an even number >= 2, "
+                                   f"got {t.iterations}")
+
+
+def _check_data(loaded: LoadedRecipe, add) -> None:
+    d = loaded.recipe.data
+    if d.type == "mock":
+        if d.paths:
+            add("data.paths", "set with data.type: mock; use data.type: indexed to read them")
+        return
+    if not d.paths:
+        add("data.paths", "indexed data needs at least one PREFIX (PREFIX.bin and PREFIX.idx)")
+    for i, entry in enumerate(d.paths):
+        words = entry.split()
+        prefix = words[-1]
+        if len(words) == 2:
+            try:
+                float(words[0])
+            except ValueError:
+                add(f"data.paths[{i}]", f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
+        elif len(words) != 1:
+            add(f"data.paths[{i}]", f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
+        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
+        if missing:
+            add(f"data.paths[{i}]", f"{prefix}{'/'.join(missing)} not found (paths are relative to "
+                                    "the directory megatron-ext runs in)")
+
+
+def _check_test(r: Recipe, add) -> None:
+    from megatron_ext.recipes.compare import TOLERANCE_FIELDS
+
+    for metric in r.test.metrics:
+        if metric not in KNOWN_METRICS and not MTP_METRIC.match(metric):
+            add("test.metrics", f"unknown metric {metric!r}; known: {', '.join(KNOWN_METRICS)}, "
+                                "mtp_N loss")
+    for metric, fields in r.test.tolerances.items():
+        if metric not in r.test.metrics:
+            add(f"test.tolerances.{metric}", "is not one of test.metrics")
+        for key in fields:
+            if key not in TOLERANCE_FIELDS:
+                from megatron_ext.recipes.schema import suggestion
+
+                add(f"test.tolerances.{metric}.{key}", "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)))
+    depths = mtp_depths(r) if r.model.type != "multimodule" else 0
+    for metric in r.test.metrics:
+        if MTP_METRIC.match(metric) and int(metric.split("_")[1].split()[0]) > depths:
+            add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
+
+
+def describe(loaded: LoadedRecipe) -> str:
+    """One line: what the recipe runs."""
+    r = loaded.recipe
+    m, p = r.model, r.parallelism
+    parts = [f"{m.type}"]
+    if m.type == "gpt":
+        parts.append(f"{m.num_layers}x{m.hidden_size}")
+    elif m.type == "hybrid":
+        parts.append(f"pattern {m.hybrid_layer_pattern!r}")
+    if m.type != "multimodule":
+        plan = f"tp{p.tp} pp{p.pp}"
+        vpp = virtual_stages(r)
+        plan += f" vpp{vpp}" if vpp else ""
+        plan += f" cp{p.cp}" if p.cp > 1 else ""
+        plan += f" ep{p.ep}" if p.ep > 1 else ""
+        plan += f" dp{p.dp}" + (" sp" if p.sp else "")
+        parts.append(plan)
+        if m.pipeline_layout:
+            parts.append(f"layout {m.pipeline_layout!r}")
+        if m.mhc.enabled:
+            parts.append(f"mHC n={m.mhc.num_residual_streams}" + (" +recompute" if m.mhc.recompute else ""))
+        if mtp_depths(r):
+            parts.append(f"MTP {mtp_depths(r)}")
+    parts.append(f"{r.world_size} ranks on {r.launch.device}")
+    parts.append(f"{r.training.iterations} iterations ({r.test.type})")
+    return ", ".join(parts)

@@ -1,0 +1,335 @@
+"""``megatron-ext run``: validate a recipe, train it locally, and judge the result.
+
+A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says otherwise)::
+
+    recipe.yaml          the resolved recipe (platform and overrides applied, every field)
+    command.sh           the exact command line(s), runnable: torchrun + entry + Megatron flags
+    logs/rank-N.log      each rank's stdout and stderr (ckpt-resume: logs/resume/ too)
+    metrics.json         Megatron golden-value JSON of test.metrics (ckpt-resume: of the
+                         uninterrupted run; metrics_resume.json: of the resumed one)
+    loss.png             lm loss per step (with golden values and the resumed run when present)
+    comparison.txt       the comparison reports, as printed
+    summary.json         status, timings, the reports, paths
+
+Exit status: 0 trained and every comparison passed (or nothing to compare); 1 a comparison
+failed; 2 the recipe is invalid or cannot start here; 3 training failed or timed out.
+
+The same post-processing (:func:`finalize`) serves ``submit --slurm`` once its job ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_ext.recipes import compare as cmp
+from megatron_ext.recipes import metrics as met
+from megatron_ext.recipes import plan
+from megatron_ext.recipes.loader import LoadedRecipe, dump
+from megatron_ext.recipes.plot import write_png_plot
+from megatron_ext.recipes.validate import entry_importable, validate
+
+EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
+
+Echo = Callable[[str], None]
+
+
+def _default_echo(text: str) -> None:
+    print(text, flush=True)
+
+
+# ---- phases -------------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    """One training run of a recipe (ckpt-resume has two)."""
+
+    name: str  # "train" | "resume"
+    args: list[str]
+    log_dir: Path
+
+
+def phases(loaded: LoadedRecipe, run_dir: Path) -> list[Phase]:
+    args = [str(run_dir / "recipe.yaml") if a == plan.RECIPE_PLACEHOLDER else a
+            for a in plan.megatron_args(loaded)]
+    logs = run_dir / "logs"
+    if loaded.recipe.test.type != "ckpt-resume":
+        return [Phase("train", args, logs)]
+    ckpt = str(run_dir / "checkpoints")
+    return [Phase("train", args + plan.save_args(loaded, ckpt), logs),
+            Phase("resume", args + plan.load_args(loaded, ckpt), logs / "resume")]
+
+
+def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
+    """Between the phases, as Megatron's CI does: drop the final checkpoint and point
+    ``latest`` at the one saved at iterations/2."""
+    iterations = loaded.recipe.training.iterations
+    ckpt = run_dir / "checkpoints"
+    half = ckpt / f"iter_{iterations // 2:07d}"
+    if not half.is_dir():
+        raise FileNotFoundError(f"the first run saved no checkpoint at iteration {iterations // 2} ({half})")
+    shutil.rmtree(ckpt / f"iter_{iterations:07d}", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(iterations // 2))
+
+
+RESUME_SHELL = ('rm -rf "{ckpt}/iter_{last:07d}" && echo {half} > "{ckpt}/latest_checkpointed_iteration.txt"')
+
+
+def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> str:
+    """command.sh: the exact commands, runnable from any shell on this machine."""
+    recipe = loaded.recipe
+    env = plan.run_environment(loaded)
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
+        + (f", overrides: {' '.join(loaded.overrides)}" if loaded.overrides else "") + ")",
+        f"# {plan.describe(loaded)}",
+        "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+    ]
+    if env:
+        lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    for i, phase in enumerate(phases(loaded, run_dir)):
+        if phase.name == "resume":
+            it = recipe.training.iterations
+            lines.append(RESUME_SHELL.format(ckpt=run_dir / "checkpoints", last=it, half=it // 2))
+        lines.append(f"# {phase.name}")
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(recipe.world_size), "-m", recipe.entry]
+        lines.append(format_command(head, phase.args))
+    return "\n".join(lines) + "\n"
+
+
+def format_command(head: list[str], args: list[str]) -> str:
+    """One flag (with its values) per continued line."""
+    groups: list[list[str]] = []
+    for a in args:
+        if a.startswith("--") or not groups:
+            groups.append([a])
+        else:
+            groups[-1].append(a)
+    return " \\\n    ".join([shlex.join(head)] + [shlex.join(g) for g in groups])
+
+
+# ---- progress ------------------------------------------------------------------------------------
+class Progress:
+    """Turns the followed rank's log lines into one short line per event."""
+
+    def __init__(self, echo: Echo, phase: str, start: Optional[float] = None):
+        """``start``: when the ranks were started (None: at the first line seen, as for a
+        Slurm job whose start the submitter does not see)."""
+        self.echo, self.phase, self.start = echo, phase, start
+        self.training_seen = False
+
+    def __call__(self, line: str) -> None:
+        if self.start is None:
+            self.start = time.monotonic()
+        parsed = met.parse_iteration_line(line)
+        if parsed is not None:
+            step, total, values = parsed
+            if not self.training_seen:
+                self.training_seen = True
+                self.echo(f"  first iteration after {time.monotonic() - self.start:.1f} s "
+                          "(imports, process groups, model, data)")
+            parts = [f"  iteration {step:>4}/{total}"]
+            for name in sorted(values):
+                if name.endswith("loss"):
+                    parts.append(f"{name} {values[name]:.6f}")
+            if "grad-norm" in values:
+                parts.append(f"grad norm {values['grad-norm']:.3f}")
+            if "iteration-time" in values:
+                parts.append(f"{values['iteration-time'] * 1000:.0f} ms/iter")
+            self.echo(" | ".join(parts))
+            return
+        text = line.strip()
+        if "successfully saved checkpoint from iteration" in text:
+            self.echo(f"  checkpoint saved at iteration {text.split('iteration')[1].split()[0]}")
+        elif "successfully loaded checkpoint" in text:
+            self.echo(f"  checkpoint loaded (iteration {text.rsplit('iteration', 1)[1].strip()})")
+        elif "validation loss at iteration" in text and "lm loss value" in text:
+            self.echo("  " + text.strip(" |"))
+
+
+# ---- outcome -------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    exit_code: int
+    run_dir: Optional[Path]
+    reports: list[cmp.Report] = field(default_factory=list)
+    seconds: float = 0.0
+    message: str = ""
+
+
+def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> Optional[str]:
+    """Why this recipe cannot start here (None: it can). Prints the problems."""
+    validation = validate(loaded, megatron_checks=megatron_checks)
+    if validation.problems:
+        for problem in validation.problems:
+            echo(f"{loaded.source}: {problem}")
+        return f"{len(validation.problems)} problem(s) in the recipe"
+    if not entry_importable(loaded.recipe.entry):
+        return (f"the entry module {loaded.recipe.entry} is not importable (model.type "
+                f"{loaded.recipe.model.type}); install it or set model.entry")
+    return None
+
+
+def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump(loaded))
+    script = run_dir / "command.sh"
+    script.write_text(command_script(loaded, run_dir, launcher))
+    script.chmod(0o755)
+
+
+def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
+        compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
+        megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
+    """Validate, train locally (every phase), then :func:`finalize`."""
+    from megatron_ext.launch import local
+
+    started = time.monotonic()
+    recipe = loaded.recipe
+    echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
+    echo(f"  {plan.describe(loaded)}")
+    why = preflight(loaded, echo, megatron_checks)
+    if why is None and recipe.launch.device == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "launch.device is gpu but torch sees no GPU here; use --device cpu (or --platform cpu)"
+    if why is not None:
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+    if write_golden and loaded.numerics_overridden:
+        why = "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+
+    run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
+    write_run_files(loaded, run_dir)
+    echo(f"  run directory {run_dir}")
+    results = []
+    for phase in phases(loaded, run_dir):
+        if phase.name == "resume":
+            prepare_resume(loaded, run_dir)
+        echo(f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
+             f"(logs: {phase.log_dir}/rank-*.log)")
+        job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
+                             log_dir=phase.log_dir, env=plan.run_environment(loaded),
+                             timeout_s=recipe.launch.timeout_s)
+        result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
+        results.append({"phase": phase.name, "returncode": result.returncode,
+                        "seconds": round(result.seconds, 2), "timed_out": result.timed_out})
+        echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
+        if not result.ok:
+            rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
+            what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
+                f"rank {rank} exited with {result.returncode}"
+            echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
+            for line in local.tail(job.log_path(rank), 40):
+                echo(f"    {line}")
+            _write_summary(loaded, run_dir, "training-failed", results, [], time.monotonic() - started)
+            return Outcome(EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what)
+    return finalize(loaded, run_dir, results, started, compare_golden=compare_golden,
+                    force_compare=force_compare, write_golden=write_golden, echo=echo)
+
+
+def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], started: float,
+             compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
+             echo: Echo = _default_echo) -> Outcome:
+    """Metrics, plot and comparisons of a finished run directory (local or Slurm)."""
+    recipe = loaded.recipe
+    names = list(recipe.test.metrics)
+    logs = run_dir / "logs"
+    run_metrics = met.parse_run_logs(logs)
+    reports: list[cmp.Report] = []
+    if not run_metrics.get("lm loss") and "lm loss" in names:
+        echo(f"no iteration lines found in {logs}/rank-*.log")
+        _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
+        return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
+    met.write_golden(run_dir / "metrics.json", run_metrics, names)
+    series = {"run": run_metrics.get("lm loss", {})}
+
+    if recipe.test.type == "ckpt-resume":
+        resumed = met.parse_run_logs(logs / "resume")
+        met.write_golden(run_dir / "metrics_resume.json", resumed, names)
+        series["resumed"] = resumed.get("lm loss", {})
+        reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names))
+
+    golden_path = loaded.golden_path()
+    golden = None
+    if write_golden:
+        if all(r.passed for r in reports):
+            met.write_golden(golden_path, run_metrics, names)
+            echo(f"  golden values written: {golden_path}")
+        else:
+            echo("  golden values NOT written: the ckpt-resume check failed")
+    elif not compare_golden:
+        echo("  golden values: not compared (--no-compare)")
+    elif golden_path is None:
+        echo("  golden values: none configured (test.golden_values is null)")
+    elif not golden_path.exists():
+        echo(f"  golden values: none at {golden_path}; create them with "
+             f"`megatron-ext run {loaded.source} --platform {loaded.platform} --write-golden`")
+    elif loaded.numerics_overridden and not force_compare:
+        echo(f"  golden values: not compared, the overrides change the recipe "
+             f"({' '.join(loaded.overrides)}); --compare forces it")
+    else:
+        golden = met.read_golden(golden_path)
+        rules = cmp.rules_for(names, recipe.launch.device, recipe.test.tolerances)
+        reports.insert(0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}"))
+        series["golden"] = golden.get("lm loss", {})
+
+    ordered = {k: series[k] for k in ("run", "resumed", "golden") if k in series and series[k]}
+    write_png_plot(run_dir / "loss.png", ordered, title=f"lm loss: {loaded.name} ({loaded.platform})")
+    lines = [line for report in reports for line in report.lines()]
+    (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
+    for line in lines:
+        echo(f"  {line}")
+    passed = all(r.passed for r in reports)
+    seconds = time.monotonic() - started
+    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds)
+    losses = run_metrics.get("lm loss", {})
+    if losses:
+        first, last = min(losses), max(losses)
+        echo(f"  lm loss {losses[first]:.4f} (step {first}) -> {losses[last]:.4f} (step {last})")
+    echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
+    echo(f"{'PASSED' if passed else 'FAILED'}: {loaded.name} in {seconds:.1f} s")
+    return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
+
+
+def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
+                   reports: list[cmp.Report], seconds: float) -> None:
+    golden = loaded.golden_path()
+    summary = {
+        "recipe": str(loaded.source),
+        "name": loaded.name,
+        "platform": loaded.platform,
+        "overrides": loaded.overrides,
+        "status": status,
+        "seconds": round(seconds, 2),
+        "world_size": loaded.recipe.world_size,
+        "entry": loaded.recipe.entry,
+        "phases": phase_results,
+        "golden_values": str(golden) if golden else None,
+        "reports": [r.to_dict() for r in reports],
+        "host": os.uname().nodename,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,413 @@
+"""The recipe schema, version 1: named, typed fields with defaults, and their checking.
+
+A recipe is YAML with the sections below (recipes/README.md documents every field). Each
+section is a dataclass; :func:`build` turns a plain mapping into a :class:`Recipe` and
+collects every structural problem (unknown key, wrong type, value outside its choices) as a
+:class:`Problem` with the dotted path of the field, instead of stopping at the first one.
+
+Nothing here imports torch or megatron: loading and checking a recipe is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+SCHEMA_VERSION = 1
+"""The schema version this megatron-ext reads; a recipe states it as ``version: 1``."""
+
+MODEL_TYPES = ("gpt", "hybrid", "multimodule")
+DEFAULT_ENTRIES = {"gpt": "megatron_ext.pretrain_gpt", "hybrid": "megatron_ext.pretrain_hybrid"}
+"""The training module each model type runs when the recipe names none (``model.entry``)."""
+
+DEFAULT_PLATFORM = "cpu"
+"""The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe: where (dotted path, or "" for the whole recipe) and what."""
+
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}" if self.where else self.what
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; ``problems`` lists every reason, one per line."""
+
+    def __init__(self, source: str, problems: list[Problem]):
+        self.source = source
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{source}: {p}" for p in self.problems))
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"doc": text}, **kwargs)
+
+
+# ---- sections ------------------------------------------------------------------------------------
+@dataclass
+class MHC:
+    """Manifold-constrained hyper-connections (upstream Megatron-LM's mHC flags)."""
+
+    enabled: bool = _doc("--enable-mhc-connections", default=False)
+    num_residual_streams: int = _doc("--mhc-num-residual-streams (n)", default=4)
+    sinkhorn_iterations: int = _doc("--mhc-sinkhorn-iterations", default=20)
+    init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
+    recompute: bool = _doc("--recompute-granularity selective --recompute-modules mhc", default=False)
+    recompute_layer_num: Optional[int] = _doc("--mhc-recompute-layer-num (None: one group per stage)", default=None)
+
+
+@dataclass
+class Model:
+    type: Literal["gpt", "hybrid", "multimodule"] = _doc("which model family (and default entry)", default="gpt")
+    entry: Optional[str] = _doc("python module run with -m; None: the type's default", default=None)
+    num_layers: Optional[int] = _doc("--num-layers (hybrid: derived from the pattern)", default=None)
+    hidden_size: int = _doc("--hidden-size", default=64)
+    ffn_hidden_size: Optional[int] = _doc("--ffn-hidden-size (None: 4 * hidden_size)", default=None)
+    num_attention_heads: int = _doc("--num-attention-heads", default=4)
+    num_query_groups: Optional[int] = _doc("--num-query-groups (sets --group-query-attention)", default=None)
+    seq_length: int = _doc("--seq-length", default=32)
+    max_position_embeddings: Optional[int] = _doc("--max-position-embeddings (None: seq_length)", default=None)
+    position_embedding: Literal["learned_absolute", "rope", "none"] = _doc(
+        "--position-embedding-type (MTP needs rope or none)", default="learned_absolute")
+    normalization: Literal["LayerNorm", "RMSNorm"] = _doc("--normalization", default="LayerNorm")
+    hidden_dropout: float = _doc("--hidden-dropout", default=0.1)
+    attention_dropout: float = _doc("--attention-dropout", default=0.1)
+    untie_embeddings: bool = _doc("--untie-embeddings-and-output-weights", default=False)
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _doc(
+        "--transformer-impl; auto: the entry's machine default (TE when importable)", default="auto")
+    pipeline_layout: Optional[str] = _doc(
+        "gpt: --pipeline-model-parallel-layout, e.g. 'E|tt|tt|L' (sets the virtual stages)", default=None)
+    hybrid_layer_pattern: Optional[str] = _doc(
+        "hybrid: --hybrid-layer-pattern; '|' separates pipeline segments, '/' starts MTP depths",
+        default=None)
+    mtp_num_layers: Optional[int] = _doc("gpt: --mtp-num-layers (hybrid: the pattern's '/' depths)", default=None)
+    num_experts: Optional[int] = _doc("--num-experts (MoE)", default=None)
+    moe_router_topk: int = _doc("--moe-router-topk", default=2)
+    mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams"})
+    modules: Optional[dict[str, Any]] = _doc("multimodule: the modules, passed to the entry as written", default=None)
+    topology: Optional[dict[str, Any]] = _doc("multimodule: module graph, passed to the entry as written", default=None)
+    recipe_flag: Optional[str] = _doc(
+        "multimodule: flag that hands the resolved recipe file to the entry (None: not passed)",
+        default="--recipe")
+
+
+@dataclass
+class Parallelism:
+    tp: int = _doc("--tensor-model-parallel-size", default=1)
+    pp: int = _doc("--pipeline-model-parallel-size", default=1)
+    vpp: Optional[int] = _doc(
+        "virtual stages per pipeline rank (--num-virtual-stages-per-pipeline-rank); with a "
+        "pipeline layout or hybrid '|' segments it is derived and only checked", default=None)
+    cp: int = _doc("--context-parallel-size", default=1)
+    ep: int = _doc("--expert-model-parallel-size", default=1)
+    sp: bool = _doc("--sequence-parallel (needs tp > 1)", default=False)
+    dp: int = _doc("data-parallel replicas; world size = tp * pp * cp * dp", default=1)
+
+
+@dataclass
+class Training:
+    iterations: int = _doc("--train-iters", default=10)
+    micro_batch_size: int = _doc("--micro-batch-size", default=2)
+    global_batch_size: int = _doc("--global-batch-size", default=8)
+    lr: float = _doc("--lr", default=1.0e-3)
+    min_lr: float = _doc("--min-lr", default=0.0)
+    lr_schedule: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = _doc(
+        "--lr-decay-style", default="constant")
+    lr_warmup_iters: int = _doc("--lr-warmup-iters", default=0)
+    lr_decay_iters: Optional[int] = _doc("--lr-decay-iters (None: iterations)", default=None)
+    weight_decay: float = _doc("--weight-decay", default=0.01)
+    clip_grad: float = _doc("--clip-grad", default=1.0)
+    seed: int = _doc("--seed", default=1234)
+    dtype: Literal["fp32", "bf16", "fp16"] = _doc("--bf16 / --fp16 (fp32: neither)", default="fp32")
+    eval_interval: Optional[int] = _doc("--eval-interval; None: no evaluation (--eval-iters 0)", default=None)
+    eval_iters: int = _doc("--eval-iters when eval_interval is set", default=1)
+    deterministic: bool = _doc("--deterministic-mode (GPU: bitwise-reproducible kernels)", default=False)
+
+
+@dataclass
+class Tokenizer:
+    type: str = _doc("--tokenizer-type", default="NullTokenizer")
+    vocab_size: Optional[int] = _doc("--vocab-size (NullTokenizer)", default=128)
+    model: Optional[str] = _doc("--tokenizer-model", default=None)
+    vocab_file: Optional[str] = _doc("--vocab-file", default=None)
+    merge_file: Optional[str] = _doc("--merge-file", default=None)
+
+
+@dataclass
+class Data:
+    type: Literal["mock", "indexed"] = _doc("mock: --mock-data; indexed: --data-path", default="mock")
+    paths: list[str] = _doc(
+        "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx)",
+        default_factory=list)
+    split: str = _doc("--split", default="949,50,1")
+    tokenizer: Tokenizer = field(default_factory=Tokenizer, metadata={"doc": "the tokenizer"})
+
+
+@dataclass
+class Test:
+    type: Literal["regular", "ckpt-resume"] = _doc(
+        "regular: one run; ckpt-resume: save at iterations/2 (torch_dist), resume, and the second "
+        "half must equal the uninterrupted run", default="regular")
+    metrics: list[str] = _doc(
+        "metrics recorded in metrics.json and compared",
+        default_factory=lambda: ["lm loss", "num-zeros", "iteration-time"])
+    golden_values: Optional[str] = _doc(
+        "golden-value JSON, relative to the recipe file; {name} and {platform} are filled in",
+        default="golden/{name}/golden_values_{platform}.json")
+    tolerances: dict[str, dict[str, Any]] = _doc(
+        "per-metric rule fields (deterministic, rtol, atol, max_failing_steps) over the platform's "
+        "defaults (compare.py), e.g. "
+        "{'lm loss': {rtol: 1.0e-3}}", default_factory=dict)
+    ckpt_format: str = _doc("--ckpt-format for ckpt-resume", default="torch_dist")
+
+
+@dataclass
+class Slurm:
+    partition: Optional[str] = _doc("#SBATCH --partition", default=None)
+    account: Optional[str] = _doc("#SBATCH --account", default=None)
+    time: str = _doc("#SBATCH --time", default="00:30:00")
+    gpus_per_node: Optional[int] = _doc("GPUs (= tasks) per node; None: world size / nodes", default=None)
+    container_image: Optional[str] = _doc("srun --container-image (pyxis/enroot)", default=None)
+    container_mounts: list[str] = _doc("srun --container-mounts entries (the run dir is added)", default_factory=list)
+    sbatch_args: list[str] = _doc("extra #SBATCH options, e.g. '--exclusive'", default_factory=list)
+
+
+@dataclass
+class Launch:
+    device: Literal["cpu", "gpu"] = _doc("cpu: gloo + the CPU runtime (GPUs hidden); gpu: NCCL", default="cpu")
+    nodes: int = _doc("nodes (Slurm); local runs use one", default=1)
+    nproc: Optional[int] = _doc("ranks; None: tp * pp * cp * dp (required for multimodule)", default=None)
+    timeout_s: int = _doc("wall-clock limit of one training run; the ranks are stopped after it", default=900)
+    env: dict[str, Any] = _doc(
+        "environment of every rank, scalar values (cpu adds OMP_NUM_THREADS=1, CUDA_VISIBLE_DEVICES='')",
+        default_factory=dict)
+    slurm: Slurm = field(default_factory=Slurm, metadata={"doc": "submit --slurm defaults"})
+
+
+@dataclass
+class Recipe:
+    version: int = _doc("schema version; this megatron-ext reads 1", default=SCHEMA_VERSION)
+    name: Optional[str] = _doc("recipe name; None: the file name without .yaml", default=None)
+    description: str = _doc("one paragraph: what the recipe exercises", default="")
+    model: Model = field(default_factory=Model, metadata={"doc": "model"})
+    parallelism: Parallelism = field(default_factory=Parallelism, metadata={"doc": "parallel plan"})
+    training: Training = field(default_factory=Training, metadata={"doc": "training loop"})
+    data: Data = field(default_factory=Data, metadata={"doc": "data"})
+    test: Test = field(default_factory=Test, metadata={"doc": "functional test"})
+    launch: Launch = field(default_factory=Launch, metadata={"doc": "how ranks start"})
+    extra_args: dict[str, Any] = _doc(
+        "more Megatron flags: {'--flag': value}; true: bare flag, false/None: left out, list: "
+        "several values", default_factory=dict)
+    platforms: dict[str, Any] = _doc(
+        "overlays by platform name (e.g. gpu-cluster), merged over the top-level sections",
+        default_factory=dict)
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Ranks the run starts: ``launch.nproc``, else tp * pp * cp * dp."""
+        if self.launch.nproc is not None:
+            return self.launch.nproc
+        p = self.parallelism
+        return p.tp * p.pp * p.cp * p.dp
+
+    @property
+    def entry(self) -> Optional[str]:
+        """The python module the ranks run."""
+        return self.model.entry or DEFAULT_ENTRIES.get(self.model.type)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- building a Recipe from a mapping -----------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return origin.__name__
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_type(path: str) -> Any:
+    """The declared type of a dotted schema path (raises KeyError when there is none).
+
+    Inside free-form mappings (``extra_args``, ``launch.env``, ``model.modules`` ...) any key
+    is allowed and its type is ``Any``.
+    """
+    tp: Any = Recipe
+    for part in split_path(path):
+        tp = _strip_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                raise KeyError(part)
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        elif tp is Any:
+            return Any
+        else:
+            raise KeyError(part)
+    return tp
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def split_path(path: str) -> list[str]:
+    """'test.tolerances."lm loss".rtol' -> ['test', 'tolerances', 'lm loss', 'rtol']."""
+    parts, current, quoted = [], "", False
+    for ch in path:
+        if ch == '"':
+            quoted = not quoted
+        elif ch == "." and not quoted:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    if quoted or any(p == "" for p in parts):
+        raise KeyError(f"malformed key {path!r}")
+    return parts
+
+
+def suggestion(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+
+
+def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(value, inner[0], where, problems)
+    if value is None:
+        problems.append(Problem(where, f"must be {_type_name(tp)}, got null"))
+        return None
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, where, problems)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            problems.append(Problem(where, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(Problem(where, f"must be a list, got {value!r}"))
+            return []
+        (item_type,) = typing.get_args(tp)
+        return [_convert(v, item_type, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(Problem(where, f"must be a mapping, got {value!r}"))
+            return {}
+        _, value_type = typing.get_args(tp)
+        return {str(k): _convert(v, value_type, f"{where}.{k}", problems) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(Problem(where, f"must be true or false, got {value!r}"))
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(Problem(where, f"must be an integer, got {value!r}"))
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(Problem(where, f"must be a number, got {value!r}"))
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(Problem(where, f"must be a string, got {value!r}"))
+        return value
+    return value
+
+
+def _build_dataclass(cls: type, data: Any, where: str, problems: list[Problem]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(Problem(where, f"must be a mapping, got {data!r}"))
+        return cls()
+    hints = _hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in hints:
+            problems.append(Problem(path, "unknown key" + suggestion(str(key), known)))
+            continue
+        kwargs[key] = _convert(value, hints[key], path, problems)
+    return cls(**kwargs)
+
+
+def build(data: Any) -> tuple[Recipe, list[Problem]]:
+    """A Recipe from a mapping (defaults fill what is missing) and every structural problem."""
+    problems: list[Problem] = []
+    recipe = _build_dataclass(Recipe, data, "", problems)
+    return recipe, problems
+
+
+def documented_fields(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(path, type, default, doc) for every leaf field: the schema table of recipes/README.md."""
+    rows = []
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        tp = _hints(cls)[f.name]
+        inner = _strip_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            rows.extend(documented_fields(inner, path + "."))
+            continue
+        rows.append((path, _type_name(tp), getattr(instance, f.name), f.metadata.get("doc", "")))
+    return rows
+
+
+def markdown_table() -> str:
+    """The field table of recipes/README.md (a unit test keeps the README equal to it)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    def default_text(value: Any) -> str:
+        if isinstance(value, str):
+            return f"`{value!r}`"
+        if value is None:
+            return "`null`"
+        if isinstance(value, bool):
+            return f"`{str(value).lower()}`"
+        return f"`{value}`"
+
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for path, type_name, default, doc in documented_fields():
+        type_name = type_name.replace(" | ", " / ")
+        rows.append(f"| `{path}` | {cell(type_name)} | {cell(default_text(default))} | {cell(doc)} |")
+    return "\n".join(rows)

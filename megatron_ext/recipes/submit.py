@@ -1,0 +1,132 @@
+"""``megatron-ext submit RECIPE --slurm``: the recipe as a Slurm job, then the run's verdict.
+
+The run directory is the one ``run`` writes (recipe.yaml, command.sh, logs/rank-N.log,
+metrics, plot, comparisons), plus ``sbatch.sh``, ``slurm-<jobid>.out`` and ``job_exit_code``.
+It must be on a file system that the compute nodes share with the submitting machine.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_ext.launch import slurm
+from megatron_ext.launch.local import LogFollower
+from megatron_ext.recipes import plan, runner
+from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
+
+
+@dataclass
+class SlurmOptions:
+    nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: Optional[str] = None
+    container_image: Optional[str] = None
+    container_mounts: Optional[list[str]] = None
+    python: Optional[str] = None
+
+
+def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tuple[Optional[slurm.SlurmJob], list[str]]:
+    """The job for this recipe, or None and the reasons it cannot be laid out."""
+    recipe = loaded.recipe
+    cfg = recipe.launch.slurm
+    nodes = options.nodes or recipe.launch.nodes
+    world = recipe.world_size
+    problems = []
+    if nodes < 1 or world % nodes:
+        problems.append(f"{world} ranks do not split evenly over {nodes} node(s)")
+        return None, problems
+    per_node = world // nodes
+    gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
+    if recipe.launch.device == "gpu" and gpus is not None and gpus != per_node:
+        problems.append(f"one task per GPU: {world} ranks over {nodes} node(s) need {per_node} "
+                        f"GPUs per node, not {gpus} (change --nodes or the recipe's parallelism)")
+    image = options.container_image or cfg.container_image
+    python = options.python or ("python" if image else sys.executable)
+    steps = []
+    for phase in runner.phases(loaded, run_dir):
+        before = None
+        if phase.name == "resume":
+            it = recipe.training.iterations
+            before = runner.RESUME_SHELL.format(ckpt=run_dir / "checkpoints", last=it, half=it // 2)
+        steps.append(slurm.Step(phase.name, recipe.entry, phase.args, phase.log_dir, before))
+    job = slurm.SlurmJob(
+        name=loaded.name, run_dir=run_dir, steps=steps, nodes=nodes, tasks_per_node=per_node,
+        device=recipe.launch.device, workdir=Path.cwd(), python=python,
+        env=plan.run_environment(loaded), gpus_per_node=gpus,
+        partition=options.partition or cfg.partition, account=options.account or cfg.account,
+        time=options.time or cfg.time, container_image=image,
+        container_mounts=options.container_mounts if options.container_mounts is not None else cfg.container_mounts,
+        sbatch_args=cfg.sbatch_args,
+    )
+    return (None if problems else job), problems
+
+
+def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] = None,
+           runs_root: Path = Path("runs"), dry_run: bool = False, wait: bool = True,
+           compare_golden: bool = True, force_compare: bool = False,
+           megatron_checks: bool = True, echo=runner._default_echo) -> Outcome:
+    started = time.monotonic()
+    if dry_run:  # stdout is the script alone; everything else goes to stderr
+        def echo(text: str) -> None:
+            print(text, file=sys.stderr)
+    why = runner.preflight(loaded, echo, megatron_checks)
+    if why is not None:
+        echo(f"cannot submit: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+    run_dir = (Path(run_dir) if run_dir else runner.default_run_dir(loaded, runs_root)).resolve()
+    job, problems = build_job(loaded, run_dir, options)
+    if job is None:
+        for p in problems:
+            echo(f"cannot submit: {p}")
+        return Outcome(EXIT_INVALID, None, message="; ".join(problems))
+    script = slurm.sbatch_script(job)
+    if dry_run:
+        print(script, end="")
+        return Outcome(0, None)
+    runner.write_run_files(loaded, run_dir, launcher="Slurm")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    script_path = run_dir / "sbatch.sh"
+    script_path.write_text(script)
+    echo(f"megatron-ext submit {loaded.source} (platform {loaded.platform})")
+    echo(f"  {plan.describe(loaded)}")
+    echo(f"  run directory {run_dir}")
+    try:
+        job_id = slurm.submit(script_path)
+    except (slurm.SlurmError, FileNotFoundError) as exc:
+        echo(f"cannot submit: {exc}")
+        return Outcome(EXIT_INVALID, run_dir, message=str(exc))
+    echo(f"  submitted job {job_id}: {shlex.join(['sbatch', str(script_path)])}")
+    if not wait:
+        echo(f"  not waiting; afterwards: megatron-ext compare {run_dir} <golden.json>")
+        return Outcome(0, run_dir)
+
+    followers = [LogFollower(step.log_dir / f"rank-{job.world_size - 1}.log", Progress(echo, step.name))
+                 for step in job.steps]
+
+    def poll() -> None:
+        for follower in followers:
+            follower.poll()
+
+    timeout = slurm.time_limit_seconds(job.time) + 300
+    result = slurm.wait(job_id, run_dir, timeout, on_poll=poll,
+                        on_state=lambda s: echo(f"  job {job_id}: {s}"))
+    for follower in followers:
+        follower.poll(final=True)
+    echo(f"  job {job_id} ended: state {result.state}, exit code {result.exit_code} "
+         f"({result.seconds:.1f} s)")
+    phase_results = [{"phase": "slurm-job", "job_id": job_id, "state": result.state,
+                      "returncode": result.exit_code, "seconds": round(result.seconds, 2)}]
+    if not result.ok:
+        echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
+        runner._write_summary(loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started)
+        return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
+    return runner.finalize(loaded, run_dir, phase_results, started, compare_golden=compare_golden,
+                           force_compare=force_compare, echo=echo)

@@ -1,0 +1,215 @@
+"""``megatron-ext validate``: every check a recipe can fail, before any process starts.
+
+Three layers, each reporting every problem it finds:
+
+1. the schema (:mod:`megatron_ext.recipes.loader`): unknown keys, types, choices, overrides;
+2. the plan (:func:`megatron_ext.recipes.plan.plan_problems`): fields that depend on each other;
+3. Megatron itself, in this process and without process groups: the recipe's exact command
+   line goes through the entry's argument parser and ``validate_args`` (with the world size
+   the run will have), then the model's TransformerConfig is built from the parsed arguments
+   (:class:`megatron_ext.config.MHCTransformerConfig` runs upstream's mHC checks and
+   megatron-ext's pipeline guards in ``__post_init__``), then the model-level guards of
+   :mod:`megatron_ext.guards` run on it. Megatron stops at its first failed assertion, so
+   this layer reports at most one problem, and only when layers 1 and 2 found none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import io
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from megatron_ext.recipes import plan
+from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
+
+# What a recipe's Megatron checks fall back to when its own entry module is not importable
+# (e.g. a hybrid recipe before megatron_ext.pretrain_hybrid exists): Megatron's parser is the
+# same, only the entry's extra flags and config class may differ.
+FALLBACK_ENTRY = DEFAULT_ENTRIES["gpt"]
+
+
+@dataclass
+class Validation:
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def entry_importable(module: Optional[str]) -> bool:
+    """Whether ``python -m module`` would find it (finding it imports its parent packages,
+    whose import-time warnings are not this question's business)."""
+    if not module:
+        return False
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(sink), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
+    """Every plan check, then (when they pass) Megatron's own checks and the guards."""
+    result = Validation(problems=plan.plan_problems(loaded))
+    recipe = loaded.recipe
+    entry = recipe.entry
+    if not entry_importable(entry):
+        result.notes.append(f"entry module {entry} is not importable here; `run` needs it")
+    if result.problems or not megatron_checks:
+        return result
+    if recipe.model.type == "multimodule":
+        result.notes.append("multimodule: the entry validates its modules itself at start-up")
+        return result
+    module = entry if entry_importable(entry) else FALLBACK_ENTRY
+    if module != entry:
+        result.notes.append(f"Megatron's checks used {module}'s arguments instead")
+    result.problems += megatron_problems(loaded, module, result.notes)
+    return result
+
+
+@contextlib.contextmanager
+def _as_rank_zero_of(world_size: int, argv: list[str]) -> Iterator[None]:
+    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    saved_argv = sys.argv
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    sys.argv = ["megatron-ext-validate", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _device_architecture_without_gpu() -> Iterator[None]:
+    """validate_args asks the GPU for its architecture when TP/CP > 1; answer without one."""
+    import torch
+    import megatron.training.arguments as megatron_arguments
+
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron_ext.runtime.cpu import no_device_architecture
+
+    original = megatron_arguments.get_device_arch_version
+    megatron_arguments.get_device_arch_version = no_device_architecture(original)
+    try:
+        yield
+    finally:
+        megatron_arguments.get_device_arch_version = original
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
+    """(extra args provider, parser defaults, config class, config builder) of an entry."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_ext.config import MHCTransformerConfig
+
+    module = importlib.import_module(module_name)
+    provider = getattr(module, "add_megatron_ext_args", None)
+    defaults = dict(getattr(module, "ENTRY_DEFAULTS", {}))
+    config_class = MHCTransformerConfig
+    main = getattr(module, "main", None)
+    if main is not None:
+        parameter = inspect.signature(main).parameters.get("config_class")
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            config_class = parameter.default
+    builder = getattr(module, "transformer_config", None) or (
+        lambda args, cls: core_transformer_config_from_args(args, config_class=cls)
+    )
+    return provider, defaults, config_class, builder
+
+
+# Messages of checks that depend on this machine's libraries, not on the recipe.
+_MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu", re.IGNORECASE)
+
+
+def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None) -> list[Problem]:
+    """Megatron's argument validation, the config's checks and the guards, for rank 0 of the
+    recipe's world. At most one problem: Megatron stops at its first.
+
+    A GPU recipe checked on a machine without a GPU may trip a check that asks for the GPU
+    machine's libraries (Transformer Engine, Apex, CUDA); that is reported as a note, since
+    the recipe cannot be judged on it here.
+    """
+    import torch
+
+    recipe = loaded.recipe
+    argv = plan.megatron_args(loaded)
+    if recipe.test.type == "ckpt-resume":
+        argv += plan.save_args(loaded, "/nonexistent/megatron-ext-validate")
+    sink = io.StringIO()
+    stage = "model.entry"
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            provider, entry_defaults, config_class, build_config = _entry_hooks(module_name)
+            from megatron.training import arguments as megatron_arguments
+
+            from megatron_ext.launch import training as launch
+
+            parser_defaults = {**entry_defaults, **launch.machine_defaults(on_cpu=recipe.launch.device == "cpu")}
+            if recipe.launch.device == "gpu" and not torch.cuda.is_available():
+                # Fused kernels are the GPU machine's business; judge the plan with them off.
+                parser_defaults.update({k: v for k, v in launch.machine_defaults(on_cpu=True).items()
+                                        if k != "distributed_backend"})
+            stage = "megatron arguments"
+            with _as_rank_zero_of(recipe.world_size, argv), _device_architecture_without_gpu():
+                extra = launch._with_parser_defaults(
+                    [provider], {"eval_interval": launch.DEFAULT_EVAL_INTERVAL, **parser_defaults}
+                )
+                try:
+                    args = megatron_arguments.parse_args(extra)
+                except SystemExit:
+                    message = [line for line in sink.getvalue().splitlines() if "error:" in line]
+                    return [Problem(stage, message[-1].split("error:", 1)[1].strip()
+                                    if message else "Megatron's parser rejected the command line")]
+                stage = "megatron validate_args"
+                megatron_arguments.validate_args(args, {})
+            stage = f"config ({config_class.__name__})"
+            config = build_config(args, config_class)
+            stage = "guard"
+            _model_guards(recipe.model.type, config)
+    except ImportError as exc:
+        return [Problem("model.entry", f"{module_name} cannot be imported: {_first_line(exc)}")]
+    except (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError) as exc:
+        message = _first_line(exc)
+        elsewhere = recipe.launch.device == "gpu" and not torch.cuda.is_available()
+        if elsewhere and _MACHINE_DEPENDENT.search(message) and stage != "guard":
+            if notes is not None:
+                notes.append(f"{stage} could not be checked on this machine (it lacks the GPU "
+                             f"platform's libraries): {message}")
+            return []
+        return [Problem(stage, message)]
+    return []
+
+
+def _model_guards(model_type: str, config: Any) -> None:
+    from megatron_ext import guards
+
+    if model_type == "gpt":
+        guards.check_gpt_mhc_mtp(config)
+    elif model_type == "hybrid":
+        guards.check_hybrid_mhc_mtp(config)

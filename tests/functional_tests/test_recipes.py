@@ -1,0 +1,75 @@
+"""Every shipped recipe trains on CPU through `megatron-ext run` and matches its golden values.
+
+Each recipe runs as a user runs it (`megatron-ext run recipes/NAME.yaml`): validation, the
+ranks on gloo with the CPU runtime, the run directory, and the comparison with the recipe's
+committed CPU golden values (lm loss within rtol 1e-4 on every step, num-zeros within 5 % + 4;
+see megatron_ext/recipes/compare.py). ckpt-resume recipes also train twice and the resumed
+half must equal the uninterrupted run exactly. A recipe without golden values fails: the
+golden values are what makes a change of numerics visible.
+
+Regenerate golden values after an intended change of numerics (and review the diff):
+    megatron-ext run recipes/NAME.yaml --write-golden
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
+TIMEOUT_S = 600
+
+
+def megatron_ext(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "megatron_ext.cli", *map(str, args)], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
+    run_dir = tmp_path / "run"
+    result = megatron_ext("run", recipe.relative_to(REPO_ROOT), "--run-dir", run_dir)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"megatron-ext run exited {result.returncode}:\n{out[-8000:]}"
+
+    summary = _summary(run_dir)
+    assert summary["status"] == "passed", out[-4000:]
+    titles = [r["title"] for r in summary["reports"]]
+    assert any(t.startswith("golden values") for t in titles), (
+        f"{recipe.name} has no golden values for cpu; generate, review and commit them:\n"
+        f"  megatron-ext run {recipe.relative_to(REPO_ROOT)} --write-golden\n{out[-2000:]}"
+    )
+    if summary["phases"][-1]["phase"] == "resume":
+        assert any(t.startswith("ckpt-resume") for t in titles)
+
+    # What a user finds in the run directory.
+    for name in ("recipe.yaml", "command.sh", "metrics.json", "loss.png", "comparison.txt"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "logs" / f"rank-{summary['world_size'] - 1}.log").is_file()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert {"lm loss", "num-zeros", "iteration-time"} <= set(metrics)
+    assert metrics["lm loss"]["start_step"] == 1 and metrics["lm loss"]["step_interval"] == 1
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # ... and the progress it saw on the way.
+    assert "  iteration    1/" in result.stdout and f"PASSED: {recipe.stem}" in result.stdout
+
+
+def test_a_change_of_numerics_fails_the_run(tmp_path):
+    """Another seed changes every loss: forced against the golden values, the run exits 1."""
+    run_dir = tmp_path / "run"
+    result = megatron_ext("run", "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml", "test.type=regular",
+                          "training.seed=4321", "--compare", "--run-dir", run_dir)
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "lm loss         approximate rtol=0.0001" in result.stdout and "FAILED" in result.stdout
+    assert _summary(run_dir)["status"] == "mismatch"

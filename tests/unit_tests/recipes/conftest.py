@@ -1,0 +1,33 @@
+"""Shared helpers of the recipe unit tests."""
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    """Write a recipe file from YAML text; returns its path."""
+
+    def write(text: str, name: str = "r.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+MINIMAL = """
+version: 1
+model: {type: gpt, num_layers: 4, hidden_size: 64, num_attention_heads: 4, seq_length: 32}
+parallelism: {tp: 2, pp: 2}
+training: {iterations: 8, micro_batch_size: 2, global_batch_size: 8}
+platforms:
+  big:
+    model: {num_layers: 12}
+    parallelism: {dp: 2}
+    launch: {device: gpu}
+"""

@@ -1,0 +1,70 @@
+"""`validate`: Megatron's own argument checks, the config's checks and megatron-ext's guards,
+run in this process for rank 0 of the recipe's world, with no process group."""
+
+import os
+import sys
+
+import pytest
+
+from megatron_ext.recipes import load
+from megatron_ext.recipes.validate import validate
+
+from conftest import MINIMAL, REPO_ROOT
+
+
+def _check(path, overrides=(), platform="cpu"):
+    return validate(load(path, platform, list(overrides)))
+
+
+@pytest.mark.parametrize("name", ["gpt_tp2_pp2", "gpt_mhc_tp2_pp2_sp", "gpt_mhc_pp4_vpp2",
+                                  "gpt_mhc_pp2_standalone_embedding_loss"])
+def test_shipped_gpt_recipes_pass_every_check(name):
+    result = _check(REPO_ROOT / f"recipes/{name}.yaml")
+    assert result.ok, result.problems
+
+
+def test_validation_leaves_argv_and_environment_as_they_were(write_recipe):
+    argv, env = list(sys.argv), dict(os.environ)
+    _check(write_recipe(MINIMAL))
+    assert sys.argv == argv and dict(os.environ) == env
+
+
+@pytest.mark.parametrize("overrides, where, message", [
+    # megatron-ext's guard, reached through the real MHCTransformerConfig of the parsed flags
+    (["model.mhc.enabled=true", "model.mtp_num_layers=1", "model.position_embedding=rope"],
+     "guard", "GPTModel does not support mtp_num_layers=1 with enable_mhc_connections"),
+    # MHCTransformerConfig's own validation
+    (["model.mhc.enabled=true", "model.mhc.sinkhorn_iterations=0"],
+     "config (MHCTransformerConfig)", "mhc_sinkhorn_iterations must be >= 1"),
+    (["model.mhc.enabled=true", "model.mhc.recompute=true", "extra_args.--recompute-modules=[mhc, mlp]"],
+     "config (MHCTransformerConfig)", "'mhc' and 'mlp' in recompute_modules cannot be used together"),
+    # Megatron's validate_args
+    (["extra_args.--fp16=true", "training.dtype=bf16"], "megatron validate_args", ""),
+    # Megatron's parser
+    (["extra_args.--no-such-flag=true"], "megatron arguments", "unrecognized arguments: --no-such-flag"),
+])
+def test_megatron_level_problems_are_reported_with_their_stage(write_recipe, overrides, where, message):
+    result = _check(write_recipe(MINIMAL), overrides)
+    assert len(result.problems) == 1, result.problems
+    problem = result.problems[0]
+    assert problem.where == where and message in problem.what, problem
+
+
+def test_megatron_checks_run_only_when_the_plan_is_sound(write_recipe):
+    result = _check(write_recipe(MINIMAL), ["parallelism.pp=3", "extra_args.--no-such-flag=true"])
+    assert [p.where for p in result.problems] == ["model.num_layers"]
+
+
+def test_hybrid_recipes_validate_before_their_entry_exists():
+    for name in ("hybrid_mhc_tp2_pp2_mtp", "hybrid_mhc_tp1_pp2_vpp2_empty_mtp"):
+        result = _check(REPO_ROOT / f"recipes/{name}.yaml")
+        assert result.ok, result.problems
+
+
+def test_gpu_platforms_are_judged_without_this_machines_missing_libraries():
+    result = _check(REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml", platform="gpu-cluster")
+    assert result.ok, result.problems
+    result = _check(REPO_ROOT / "recipes/gpt_tp2_pp2.yaml",
+                    ["model.mhc.enabled=true", "model.mtp_num_layers=1", "model.position_embedding=rope"],
+                    platform="gpu-cluster")
+    assert [p.where for p in result.problems] == ["guard"], "guards still run for GPU recipes"
