@@ -4,13 +4,18 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test test-single test-2ranks test-4ranks doctor clean
+.PHONY: setup run demo test test-single test-2ranks test-4ranks doctor clean
 
 setup:
 	@scripts/bootstrap.sh
 
-# Until the recipes land: a tiny GPT, PP=2 on 2 CPU ranks, through megatron.training.pretrain.
+# The mHC hybrid recipe (TP2 x PP2, MTP) on 4 CPU ranks through megatron.training.pretrain:
+# one line per iteration, then runs/<name>-cpu-<time>/ with metrics, loss.png and the golden check.
 run: setup
+	.venv/bin/megatron-ext run recipes/hybrid_mhc_tp2_pp2_mtp.yaml
+
+# The first demo: a tiny GPT, PP=2 on 2 CPU ranks.
+demo: setup
 	$(PY) -m megatron_ext.launch.demo
 
 # Unit tests first in one process, then as one pytest session per rank under torchrun:
