@@ -13,12 +13,13 @@ every original is kept so that it can be restored exactly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 VERIFIED_MEGATRON_CORE = ("0.19.2",)
 ALLOW_UNVERIFIED_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED"
@@ -134,6 +135,23 @@ def undo(group: str) -> None:
         original, _ = _applied.pop(patch.target)
         owner, name = _owner_and_name(patch.target)
         setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def suspended(target: str) -> Iterator[None]:
+    """Run with one applied patch's original in place (tests that show why a patch exists);
+    install() leaves it alone meanwhile, and the patch is back afterwards."""
+    if target not in _applied:
+        raise ValueError(f"{target!r} is not applied")
+    original, replacement = _applied[target]
+    owner, name = _owner_and_name(target)
+    setattr(owner, name, original)
+    _applied[target] = (original, original)
+    try:
+        yield
+    finally:
+        setattr(owner, name, replacement)
+        _applied[target] = (original, replacement)
 
 
 def current(target: str) -> Any:

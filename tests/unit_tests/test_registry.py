@@ -80,3 +80,13 @@ def test_install_reapplies_a_patch_replaced_behind_its_back(clean_registry):
     setattr(importlib.import_module(owner_module), attribute, clean_registry[patch.target])
     megatron_ext.install()
     assert registry.current(patch.target) is not clean_registry[patch.target]
+
+
+def test_suspended_puts_the_original_back_for_a_while(clean_registry):
+    megatron_ext.install()
+    target = registry.patches("core")[0].target
+    replacement = registry.current(target)
+    with registry.suspended(target):
+        megatron_ext.install()  # must not re-apply inside the block
+        assert registry.current(target) is clean_registry[target]
+    assert registry.current(target) is replacement

@@ -46,11 +46,12 @@ def test_a_perturbed_gradient_is_caught():
         check_equivalence(TrainPlan(pp=2, steps=1), on_gradients=perturb)
 
 
-def test_upstream_batched_p2p_order_corrupts_vpp_gradients(monkeypatch):
+def test_upstream_batched_p2p_order_corrupts_vpp_gradients():
     """Why the registry replaces _batched_p2p_ops: with megatron-core's own posting order a
     PP=2 x VPP=2 step with batch_p2p_comm=True differs from the reference."""
-    from megatron.core.pipeline_parallel import p2p_communication
+    import megatron_ext
 
-    monkeypatch.setattr(p2p_communication, "_batched_p2p_ops", registry.original(BATCHED_P2P))
-    with pytest.raises(EquivalenceError, match="loss"):
-        check_equivalence(TrainPlan(pp=2, vpp=2, steps=1, config_overrides=dict(batch_p2p_comm=True)))
+    megatron_ext.install()
+    with registry.suspended(BATCHED_P2P):
+        with pytest.raises(EquivalenceError, match="loss"):
+            check_equivalence(TrainPlan(pp=2, vpp=2, steps=1, config_overrides=dict(batch_p2p_comm=True)))
