@@ -24,19 +24,14 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.multimodule.builder import ModuleImpl
 from megatron_ext.multimodule.model import StageContext, core_module
+from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 
 CPU_FRIENDLY = dict(
     hidden_dropout=0.0,
     attention_dropout=0.0,
-    use_cpu_initialization=True,
     params_dtype=torch.float32,
     pipeline_dtype=torch.float32,
-    bias_dropout_fusion=False,
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    gradient_accumulation_fusion=False,
-    apply_rope_fusion=False,
+    **CPU_SAFE_FIELDS,
 )
 
 
