@@ -71,7 +71,7 @@ write_config() {
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
     [ "$slurmd_port" = "$ctld_port" ] && slurmd_port=$(( ctld_port + 1 ))
-    cpus=$(nproc)
+    cpus=$(nproc --all)  # plain nproc honours OMP_NUM_THREADS, which the Makefile sets to 1
     mem=$(( $(free -m | awk '/^Mem:/{print $2}') - 1024 ))
     cat >"$CONF" <<EOF
 # Written by scripts/slurm_single_node.sh: one node, root daemons, no accounting, no cgroups.

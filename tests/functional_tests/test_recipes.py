@@ -58,7 +58,12 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "logs" / f"rank-{summary['world_size'] - 1}.log").is_file()
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert {"lm loss", "num-zeros", "iteration-time"} <= set(metrics)
+    expected = {"lm loss", "iteration-time"}
+    if "multimodule" not in recipe.stem:
+        # megatron.training reports zeros in the gradient; the multi-module entry steps its own
+        # optimizer across grids and does not.
+        expected.add("num-zeros")
+    assert expected <= set(metrics)
     assert metrics["lm loss"]["start_step"] == 1 and metrics["lm loss"]["step_interval"] == 1
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # ... and the progress it saw on the way.
