@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo test test-single test-2ranks test-4ranks doctor clean
+.PHONY: setup run demo test test-single test-2ranks test-4ranks test-install doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -20,7 +20,7 @@ demo: setup
 
 # Unit tests first in one process, then as one pytest session per rank under torchrun:
 # each session runs the tests marked for its world size (tests/conftest.py).
-test: setup test-single test-2ranks test-4ranks
+test: setup test-single test-2ranks test-4ranks test-install
 
 test-single:
 	$(PY) -m pytest tests
@@ -30,6 +30,11 @@ test-2ranks:
 
 test-4ranks:
 	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests
+
+# Build the wheel and install it, as a user would, beside the megatron-core already installed
+# (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.
+test-install:
+	scripts/check_wheel_install.sh $(PY)
 
 doctor: setup
 	.venv/bin/megatron-ext doctor

@@ -18,8 +18,11 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     install_requires=[
-        "megatron-core==0.19.2",
-        "torch>=2.6,<=2.14.1",
+        # Ranges, not pins: pip keeps the megatron-core (a wheel or an editable Megatron-LM
+        # checkout) and torch the user already has. The registry refuses megatron-core code it
+        # was not verified on, with a message, at install() time.
+        "megatron-core>=0.19.2,<0.20",
+        "torch>=2.6,<2.15",
         "numpy",
         "psutil",  # megatron's torch_dist checkpoint writer imports it
         "pyyaml",

@@ -50,6 +50,7 @@ def doctor_report() -> list[str]:
         f"megatron-ext      {megatron_ext.__version__}",
         f"megatron-core     {_package_version('megatron-core')} "
         f"(verified: {', '.join(registry.VERIFIED_MEGATRON_CORE)})",
+        f"megatron-core code {registry.imported_megatron_core().describe()}",
         f"torch             {torch.__version__}",
         f"python            {platform.python_version()}",
         f"gpu               {torch.cuda.get_device_name(0) if gpu else 'none'}",

@@ -101,26 +101,45 @@ stimer = StragglerDetector()
 
 
 # ---- extra arguments ------------------------------------------------------------------------------
+# Upstream dev's (and DeepSeek-V4 configs') spellings of the same two fields, accepted as aliases.
+FLAG_ALIASES = {
+    "--enable-mhc-connections": ("--enable-hyper-connections",),
+    "--mhc-num-residual-streams": ("--num-residual-streams",),
+}
+
+
+def _add_flag(parser: argparse.ArgumentParser, group, flag: str, **kwargs) -> None:
+    """Add ``flag`` and its aliases, leaving out any spelling the parser already declares
+    (a Megatron-LM whose TransformerConfig has the field itself): a second declaration would
+    make argparse raise "conflicting option string"."""
+    declared = parser._option_string_actions
+    names = [name for name in (flag, *FLAG_ALIASES.get(flag, ())) if name not in declared]
+    if names:
+        group.add_argument(*names, dest=flag[2:].replace("-", "_"), **kwargs)
+
+
 def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """megatron-ext's own flags, in their own group of ``--help``, spelled as upstream
-    Megatron-LM spells them (so command lines move between the two). They fill the fields of
-    :class:`megatron_ext.config.MHCTransformerConfig` of the same names."""
+    Megatron-LM main spells them (so command lines move between the two); upstream dev's
+    ``--enable-hyper-connections`` and ``--num-residual-streams`` are accepted as aliases. They
+    fill the fields of :class:`megatron_ext.config.MHCTransformerConfig` of the same names."""
     defaults = MHCTransformerConfig.__dataclass_fields__
     group = parser.add_argument_group(title="megatron-ext", description="mHC residual streams")
-    group.add_argument("--enable-mhc-connections", action="store_true",
-                       help="n manifold-constrained hyper-connection residual streams per layer")
-    group.add_argument("--mhc-num-residual-streams", type=int,
-                       default=defaults["mhc_num_residual_streams"].default,
-                       help="n, the number of residual streams")
-    group.add_argument("--mhc-sinkhorn-iterations", type=int,
-                       default=defaults["mhc_sinkhorn_iterations"].default,
-                       help="Sinkhorn-Knopp iterations making H_res doubly stochastic")
-    group.add_argument("--mhc-init-gating-factor", type=float,
-                       default=defaults["mhc_init_gating_factor"].default,
-                       help="initial alpha_pre/alpha_post/alpha_res")
-    group.add_argument("--mhc-recompute-layer-num", type=int, default=None,
-                       help="layers per mHC recompute group with --recompute-modules mhc "
-                       "(default: the whole stage is one group)")
+    _add_flag(parser, group, "--enable-mhc-connections", action="store_true",
+              help="n manifold-constrained hyper-connection residual streams per layer "
+              "(alias: --enable-hyper-connections)")
+    _add_flag(parser, group, "--mhc-num-residual-streams", type=int,
+              default=defaults["mhc_num_residual_streams"].default,
+              help="n, the number of residual streams (alias: --num-residual-streams)")
+    _add_flag(parser, group, "--mhc-sinkhorn-iterations", type=int,
+              default=defaults["mhc_sinkhorn_iterations"].default,
+              help="Sinkhorn-Knopp iterations making H_res doubly stochastic")
+    _add_flag(parser, group, "--mhc-init-gating-factor", type=float,
+              default=defaults["mhc_init_gating_factor"].default,
+              help="initial alpha_pre/alpha_post/alpha_res")
+    _add_flag(parser, group, "--mhc-recompute-layer-num", type=int, default=None,
+              help="layers per mHC recompute group with --recompute-modules mhc "
+              "(default: the whole stage is one group)")
     return parser
 
 

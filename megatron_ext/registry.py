@@ -80,21 +80,81 @@ def applied_targets() -> list[str]:
     return list(_applied)
 
 
+@dataclass(frozen=True)
+class MegatronCoreCode:
+    """The megatron-core that ``import megatron.core`` gives, and what pip's metadata says.
+
+    They differ when a Megatron-LM checkout is on the path (PYTHONPATH, ``pip install -e``, or
+    the working directory) beside or instead of an installed wheel: the code that runs is the
+    checkout's, whatever version the metadata names.
+    """
+
+    version: str  # from megatron.core.package_info (the code), without the git suffix
+    path: str  # the directory of the imported megatron/core
+    distribution_version: str | None  # pip's metadata for "megatron-core", None if not installed
+    distribution_path: str | None  # where that distribution's megatron/core would be
+
+    @property
+    def from_distribution(self) -> bool:
+        """The imported code is the installed distribution's own files."""
+        return self.distribution_path is not None and os.path.realpath(self.path) == os.path.realpath(
+            self.distribution_path
+        )
+
+    def describe(self) -> str:
+        where = f"megatron-core {self.version} (code at {self.path}"
+        if self.distribution_version is None:
+            return where + "; no megatron-core distribution is installed, so a checkout on the path)"
+        if self.from_distribution and self.distribution_version == self.version:
+            return where + ")"
+        return where + (
+            f"; a checkout or other copy, not the installed megatron-core {self.distribution_version} "
+            f"distribution at {self.distribution_path})"
+        )
+
+
+def imported_megatron_core() -> MegatronCoreCode:
+    """Read the version of the megatron-core code that is actually imported.
+
+    ``megatron.core.package_info`` carries MAJOR/MINOR/PATCH/PRE_RELEASE in the source itself.
+    Its ``__version__`` appends the ``git rev-parse`` of whatever repository the files sit in
+    (even a virtualenv inside an unrelated project), so the version is rebuilt from the parts.
+    """
+    package_info = importlib.import_module("megatron.core.package_info")
+    version = ".".join(str(part) for part in package_info.VERSION[:3]) + str(package_info.VERSION[3])
+    path = os.path.dirname(os.path.abspath(package_info.__file__))
+    try:
+        distribution = metadata.distribution("megatron-core")
+    except metadata.PackageNotFoundError:
+        return MegatronCoreCode(version, path, None, None)
+    return MegatronCoreCode(
+        version, path, distribution.version, str(distribution.locate_file("megatron/core"))
+    )
+
+
 def megatron_core_version() -> str:
-    return metadata.version("megatron-core")
+    """The version of the imported megatron-core code (not pip's metadata)."""
+    return imported_megatron_core().version
 
 
 def check_megatron_core_version(group_patches: list[Patch]) -> None:
-    """Refuse to patch a megatron-core version the patches were not verified on."""
+    """Refuse to patch megatron-core code the patches were not verified on."""
     version = megatron_core_version()
     unverified = [p.target for p in group_patches if version not in p.verified]
     if not unverified:
         return
+    code = f"megatron-core {version}"
+    try:
+        imported = imported_megatron_core()
+        if imported.version == version:  # (a test may stand in for megatron_core_version alone)
+            code = imported.describe()
+    except Exception:
+        pass
     message = (
         f"megatron-ext's patches are verified on megatron-core {', '.join(VERIFIED_MEGATRON_CORE)}, "
-        f"but megatron-core {version} is installed (unverified targets: {', '.join(unverified)}). "
-        f"Install megatron-core=={VERIFIED_MEGATRON_CORE[-1]}, or set {ALLOW_UNVERIFIED_ENV}=1 "
-        "to apply them anyway at your own risk."
+        f"but the imported code is {code} (unverified targets: {', '.join(unverified)}). "
+        f"Install megatron-core=={VERIFIED_MEGATRON_CORE[-1]} (or check out Megatron-LM core_r0.19.0 at "
+        f"that release), or set {ALLOW_UNVERIFIED_ENV}=1 to apply them anyway at your own risk."
     )
     if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         warnings.warn(message, stacklevel=3)
@@ -173,11 +233,15 @@ def original(target: str) -> Any:
 register(
     Patch(
         target="megatron.core.datasets.utils:compile_helpers",
-        make=lambda _original: _skip_compile_helpers,
+        make=lambda original: importlib.import_module(
+            "megatron_ext.checkout"
+        ).compile_helpers_when_missing(original),
         why=(
             "The megatron-core wheel ships the prebuilt helpers_cpp extension but not the "
             "Makefile that compile_helpers() runs; megatron.training's initialisation calls it "
-            "on rank 0 and exits when make fails. The shipped extension is what it would build."
+            "on rank 0 and exits when make fails. The shipped extension is used when it imports; "
+            "a Megatron-LM checkout (Makefile, no extension yet) builds it with its own make; "
+            "otherwise a message says how to get it."
         ),
     )
 )
@@ -232,11 +296,6 @@ register(
         ),
     )
 )
-
-
-def _skip_compile_helpers() -> None:
-    """The wheel's prebuilt dataset helpers are used as they are."""
-    importlib.import_module("megatron.core.datasets.helpers_cpp")
 
 
 # --------------------------------------------------------------------------------------

@@ -174,6 +174,46 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
     return data, problems
 
 
+# extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
+# (DeepSeek-V4 configs) and the TransformerConfig field names of both.
+MHC_EXTRA_ARG_ALIASES = {
+    "enabled": ("--enable-mhc-connections", "--enable-hyper-connections",
+                "enable_mhc_connections", "enable_hyper_connections"),
+    "num_residual_streams": ("--mhc-num-residual-streams", "--num-residual-streams",
+                             "mhc_num_residual_streams", "num_residual_streams"),
+}
+
+
+def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
+    """Move mHC keys of ``extra_args`` (any spelling above) into ``model.mhc``, so that the
+    plan checks and guards see them and the command line carries one spelling."""
+    extra = data.get("extra_args")
+    if not isinstance(extra, dict) or not any(k in extra for keys in MHC_EXTRA_ARG_ALIASES.values() for k in keys):
+        return data, []
+    problems: list[Problem] = []
+    extra = dict(extra)
+    model = dict(data.get("model") or {}) if isinstance(data.get("model") or {}, dict) else {}
+    mhc = dict(model.get("mhc") or {}) if isinstance(model.get("mhc") or {}, dict) else {}
+    for field_name, spellings in MHC_EXTRA_ARG_ALIASES.items():
+        given = {k: extra.pop(k) for k in spellings if k in extra}
+        if not given:
+            continue
+        values = set(map(repr, given.values()))
+        if len(values) > 1:
+            problems.append(Problem("extra_args", f"{', '.join(given)} disagree ({', '.join(values)}); "
+                                                  f"set model.mhc.{field_name} once"))
+            continue
+        value = next(iter(given.values()))
+        if field_name in mhc and mhc[field_name] != value:
+            problems.append(Problem(f"extra_args.{next(iter(given))}",
+                                    f"{value!r} contradicts model.mhc.{field_name}: {mhc[field_name]!r}; "
+                                    "keep one of them"))
+            continue
+        mhc[field_name] = value
+    model["mhc"] = mhc
+    return {**data, "model": model, "extra_args": extra}, problems
+
+
 def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()) -> tuple[Recipe, list[Problem]]:
     """Platform overlay, overrides and schema over a parsed recipe mapping."""
     if not isinstance(raw, dict):
@@ -204,6 +244,8 @@ def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = (
                                     f"(its platforms: {', '.join(known)})"))
     data, override_problems = apply_overrides(data, list(overrides))
     problems += override_problems
+    data, alias_problems = fold_mhc_flag_aliases(data)
+    problems += alias_problems
     recipe, schema_problems = schema.build(data)
     problems += schema_problems
     # Check each other platform's overlay as well, so `validate` sees them all at once.

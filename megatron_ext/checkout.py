@@ -1,0 +1,124 @@
+"""Running megatron-ext against a user's own Megatron-LM checkout instead of the wheel.
+
+A checkout differs from the megatron-core wheel in ways that matter at start-up:
+
+- its ``megatron/core/datasets`` has the ``Makefile`` and ``helpers.cpp`` but no built
+  ``helpers_cpp`` extension until someone runs ``make`` (the wheel ships it prebuilt and
+  no Makefile): :func:`ensure_dataset_helpers` uses the built one, builds it with the
+  checkout's own Makefile, or stops with the command to run;
+- a newer Megatron-LM declares mHC itself (``--enable-mhc-connections`` on main,
+  ``--enable-hyper-connections`` on dev): :func:`refuse_upstream_mhc` stops a patched script
+  with one line naming the megatron-ext entry to use instead;
+- upstream's ``pretrain_gpt.py`` builds a ModelOpt model when ModelOpt is enabled, which has
+  no mHC layers: :func:`refuse_modelopt_with_mhc` says so instead of dropping one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+
+# TransformerConfig fields through which a Megatron-LM declares its own mHC, and the flag each
+# one becomes through megatron's ArgumentGroupFactory.
+UPSTREAM_MHC_FIELDS = {
+    "enable_mhc_connections": "--enable-mhc-connections",  # main (Split 1/N of PR #3430)
+    "enable_hyper_connections": "--enable-hyper-connections",  # dev, DeepSeek-V4 configs
+}
+
+
+class DatasetHelpersMissing(RuntimeError):
+    """megatron's C++ dataset helpers are neither built nor buildable here."""
+
+
+def ensure_dataset_helpers(
+    build: Callable[[], None],
+    datasets_dir: str,
+    import_helpers: Callable[[], object] = lambda: importlib.import_module(HELPERS_MODULE),
+) -> str:
+    """Make megatron's dataset helpers importable; return how ("prebuilt" or "built").
+
+    ``build`` is megatron's own ``compile_helpers`` (``make -C datasets_dir``; it exits the
+    process when make fails, after megatron's own error line). It runs only where the
+    extension is missing and a Makefile exists, i.e. in a Megatron-LM checkout.
+    """
+    try:
+        import_helpers()
+        return "prebuilt"
+    except ImportError as exc:
+        missing = exc
+    makefile = os.path.join(datasets_dir, "Makefile")
+    if not os.path.exists(makefile):
+        raise DatasetHelpersMissing(
+            f"megatron's dataset helpers ({HELPERS_MODULE}) are not importable ({missing}) and "
+            f"{datasets_dir} has no Makefile to build them. Reinstall megatron-core (its wheel "
+            "ships them prebuilt), or in a Megatron-LM checkout run "
+            f"`make -C {datasets_dir}` (needs pybind11 and a C++ compiler)."
+        )
+    logger.info("building megatron's dataset helpers with %s", makefile)
+    build()
+    importlib.invalidate_caches()
+    try:
+        import_helpers()
+    except ImportError as exc:
+        raise DatasetHelpersMissing(
+            f"`make -C {datasets_dir}` ran but {HELPERS_MODULE} is still not importable ({exc}); "
+            "check that the python3 it used (python3-config) is the interpreter running megatron."
+        ) from exc
+    return "built"
+
+
+def compile_helpers_when_missing(original: Callable[[], None]) -> Callable[[], None]:
+    """The replacement of ``megatron.core.datasets.utils.compile_helpers`` (see the registry)."""
+
+    def compile_helpers() -> None:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+        ensure_dataset_helpers(original, os.path.dirname(os.path.abspath(utils.__file__)))
+
+    return compile_helpers
+
+
+def upstream_mhc_flags(config_class: type | None = None) -> list[str]:
+    """The mHC flags that the imported megatron-core's TransformerConfig declares itself."""
+    if config_class is None:
+        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+    fields = getattr(config_class, "__dataclass_fields__", {})
+    return [flag for name, flag in UPSTREAM_MHC_FIELDS.items() if name in fields]
+
+
+def refuse_upstream_mhc(script: str, entry: str, config_class: type | None = None) -> None:
+    """Stop a patched Megatron-LM script whose megatron-core has mHC of its own.
+
+    megatron-ext's mHC is for megatron-core 0.19.x, which has none. Mixing both would register
+    the same flags twice and build two different mHC implementations into one model.
+    """
+    flags = upstream_mhc_flags(config_class)
+    if not flags:
+        return
+    from megatron_ext import registry
+
+    try:
+        where = registry.imported_megatron_core().describe()
+    except Exception:
+        where = "this megatron-core"
+    raise SystemExit(
+        f"{script}: {where} declares mHC itself ({', '.join(flags)}); the megatron-ext patch is for "
+        f"Megatron-LM core_v0.19.x. Use this script unpatched for upstream's mHC, or run "
+        f"`torchrun ... -m {entry}` with megatron-core 0.19.2 for megatron-ext's."
+    )
+
+
+def refuse_modelopt_with_mhc(args: argparse.Namespace) -> None:
+    """ModelOpt builds its own GPT (no mHC layers): refuse the combination by name."""
+    if getattr(args, "enable_mhc_connections", False) and getattr(args, "modelopt_enabled", False):
+        raise SystemExit(
+            "--enable-mhc-connections cannot be combined with ModelOpt (modelopt_enabled: "
+            "quantization, distillation or a ModelOpt checkpoint): ModelOpt builds its own GPT "
+            "without mHC layers. Drop the ModelOpt flags, or train without mHC."
+        )
