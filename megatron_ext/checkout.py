@@ -62,7 +62,14 @@ def ensure_dataset_helpers(
             f"`make -C {datasets_dir}` (needs pybind11 and a C++ compiler)."
         )
     logger.info("building megatron's dataset helpers with %s", makefile)
-    build()
+    try:
+        build()
+    except SystemExit as exc:  # megatron's compile_helpers exits when make fails
+        raise DatasetHelpersMissing(
+            f"`make -C {datasets_dir}` failed (its output is above): building {HELPERS_MODULE} "
+            "needs pybind11 (`pip install pybind11`), a C++ compiler and python3-config of the "
+            "interpreter running megatron on PATH."
+        ) from exc
     importlib.invalidate_caches()
     try:
         import_helpers()

@@ -4,7 +4,8 @@
 - ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
 - ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
 - ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules;
-- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job.
+- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;
+- ``megatron-ext convert-checkpoint IN OUT --model M --to T``: mHC keys upstream <-> megatron-ext.
 
 Recipes and their schema: recipes/README.md.
 """
@@ -236,6 +237,20 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
+    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+
+    try:
+        notes = convert_file(args.input, args.output, args.model, args.to, args.source)
+    except (ConversionError, OSError) as exc:
+        print(f"megatron-ext convert-checkpoint: {exc}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {args.output} ({args.model}, {args.to} layout)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_ext
 
@@ -292,6 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--compare", action="store_true")
     submit.add_argument("--skip-megatron-checks", action="store_true")
 
+    convert = commands.add_parser(
+        "convert-checkpoint",
+        help="rename mHC checkpoint keys between upstream Megatron-LM (PR #6401/dev) and megatron-ext")
+    convert.add_argument("input", help="a torch.save'd model state dict or model_optim_rng.pt")
+    convert.add_argument("output", help="where to write the converted file")
+    convert.add_argument("--model", choices=("gpt", "hybrid"), required=True)
+    convert.add_argument("--to", choices=("upstream", "megatron-ext"), required=True)
+    convert.add_argument("--source", choices=("main", "pr6401", "dev", "megatron-ext"), default="pr6401",
+                         help="where the input comes from: main's H_res orientation differs (a note "
+                         "says so); default: %(default)s")
+
     # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
     # such late positionals unparsed, so they join the targets here.
     args, rest = parser.parse_known_args(argv)
@@ -304,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(doctor_report()))
         return 0
     handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit}
+    handlers["convert-checkpoint"] = _cmd_convert_checkpoint
     if args.command in handlers:
         try:
             return handlers[args.command](args)

@@ -83,6 +83,13 @@ def test_dataset_helpers_missing_without_a_makefile_say_how_to_build_them(tmp_pa
     with pytest.raises(checkout.DatasetHelpersMissing, match=rf"make -C {tmp_path}"):
         checkout.ensure_dataset_helpers(lambda: None, str(tmp_path), missing)
 
+    def failing_make():  # what megatron's compile_helpers does when make fails
+        raise SystemExit(1)
+
+    (tmp_path / "Makefile").write_text("default:\n\tfalse\n")
+    with pytest.raises(checkout.DatasetHelpersMissing, match="pybind11"):
+        checkout.ensure_dataset_helpers(failing_make, str(tmp_path), missing)
+
 
 def test_the_registry_entry_builds_helpers_only_when_missing():
     entry = next(p for p in registry.patches("core") if p.target.endswith(":compile_helpers"))

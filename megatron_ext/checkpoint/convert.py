@@ -1,0 +1,173 @@
+"""Key conversion of mHC checkpoints between upstream Megatron-LM's layouts and ours.
+
+GPT. Upstream main (Split 1/N of PR #3430), PR #6401 and ``dev`` name a GPT layer's mHC
+modules ``decoder.layers.i.self_attention_hyper_connection.*`` and
+``decoder.layers.i.mlp_hyper_connection.*``, as we do, so a GPT checkpoint loads by key.
+Two things differ by source and are not in the keys:
+
+- main mixes the residual streams with H_res, PR #6401/dev (and we) with H_resᵀ: a main
+  checkpoint loads but computes a different function (:data:`H_RES_NOTE`);
+- ``dev``'s GPT contracts the streams with a learned contraction (``decoder.hc_head_fn``,
+  ``hc_head_base``, ``hc_head_scale``); build the model with
+  ``mhc_learned_output_contract=True`` to load those keys (ours defaults to main's mean).
+
+Hybrid. PR #6401 and ``dev`` wrap every Hybrid layer in ``HyperConnectionHybridLayer``: one
+``layers.i.hyper_connection.*`` and the layer itself under ``layers.i.inner_layer.*``. Our
+Hybrid layers carry the hyper connection beside their own parameters, named by the sub-block
+it wraps: ``layers.i.self_attention_hyper_connection.*`` (attention layers),
+``layers.i.mlp_hyper_connection.*`` (MLP and MoE layers), ``layers.i.mixer_hyper_connection.*``
+(Mamba layers), and the layer's parameters at ``layers.i.*``. Shapes are the same, so
+conversion is renaming (:func:`hybrid_to_upstream`, :func:`hybrid_from_upstream`); which
+hyper connection a layer has follows from its inner parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+# Where each source's checkpoints come from (the CLI's --source).
+SOURCES = ("main", "pr6401", "dev", "megatron-ext")
+
+H_RES_NOTE = (
+    "upstream main mixes the residual streams with H_res (mixed_i = sum_j H_res[i, j] x_j); "
+    "PR #6401, dev and megatron-ext use H_res transposed (DeepSeek-V4's orientation). The keys "
+    "and shapes match, so the checkpoint loads, but the model computes a different function "
+    "until it is fine-tuned: expect a higher loss at first."
+)
+LEARNED_CONTRACTION_NOTE = (
+    "dev's GPT contracts the streams with a learned contraction (decoder.hc_head_fn/base/scale): "
+    "build megatron-ext's GPT with mhc_learned_output_contract=True to load those keys."
+)
+
+# The sub-block a hyper connection wraps, named by the inner parameters that identify it.
+HYPER_CONNECTION_BY_INNER = (
+    ("mixer.", "mixer_hyper_connection"),
+    ("self_attention.", "self_attention_hyper_connection"),
+    ("mlp.", "mlp_hyper_connection"),
+)
+OUR_HYPER_CONNECTIONS = tuple(name for _, name in HYPER_CONNECTION_BY_INNER)
+UPSTREAM_HYPER_CONNECTION = "hyper_connection"
+UPSTREAM_INNER = "inner_layer"
+
+_LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.(?P<index>\d+)\.)(?P<rest>.+)$")
+
+
+class ConversionError(ValueError):
+    """The state dict is not in the layout the conversion reads."""
+
+
+def _by_layer(state_dict: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """{layer prefix: {key within the layer: value}}, and every key outside decoder layers."""
+    layers: dict[str, dict[str, Any]] = {}
+    other: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        match = _LAYER_KEY.match(key)
+        if match:
+            layers.setdefault(match["head"], {})[match["rest"]] = value
+        else:
+            other[key] = value
+    return layers, other
+
+
+def hybrid_to_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """megatron-ext Hybrid keys -> PR #6401/dev ``hyper_connection`` + ``inner_layer`` keys."""
+    layers, converted = _by_layer(state_dict)
+    for head, entries in layers.items():
+        found = sorted({rest.split(".", 1)[0] for rest in entries} & set(OUR_HYPER_CONNECTIONS))
+        if len(found) != 1:
+            raise ConversionError(
+                f"{head}: a megatron-ext Hybrid mHC layer has exactly one of "
+                f"{', '.join(OUR_HYPER_CONNECTIONS)}, found {found or 'none'} (is this a GPT or a "
+                "non-mHC checkpoint? GPT keys need no conversion)"
+            )
+        for rest, value in entries.items():
+            module, _, name = rest.partition(".")
+            if module == found[0]:
+                converted[f"{head}{UPSTREAM_HYPER_CONNECTION}.{name}"] = value
+            else:
+                converted[f"{head}{UPSTREAM_INNER}.{rest}"] = value
+    return converted
+
+
+def hybrid_from_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """PR #6401/dev Hybrid keys -> megatron-ext's (the inverse of :func:`hybrid_to_upstream`)."""
+    layers, converted = _by_layer(state_dict)
+    for head, entries in layers.items():
+        inner = {rest[len(UPSTREAM_INNER) + 1:]: v for rest, v in entries.items()
+                 if rest.startswith(UPSTREAM_INNER + ".")}
+        connection = {rest[len(UPSTREAM_HYPER_CONNECTION) + 1:]: v for rest, v in entries.items()
+                      if rest.startswith(UPSTREAM_HYPER_CONNECTION + ".")}
+        stray = set(entries) - {f"{UPSTREAM_INNER}.{k}" for k in inner} - {
+            f"{UPSTREAM_HYPER_CONNECTION}.{k}" for k in connection}
+        if stray or not inner or not connection:
+            raise ConversionError(
+                f"{head}: an upstream Hybrid mHC layer holds only {UPSTREAM_HYPER_CONNECTION}.* and "
+                f"{UPSTREAM_INNER}.* keys (found {sorted(stray) or 'one of them missing'})"
+            )
+        kinds = [name for marker, name in HYPER_CONNECTION_BY_INNER
+                 if any(k.startswith(marker) for k in inner)]
+        if len(kinds) != 1:
+            raise ConversionError(
+                f"{head}: cannot tell which sub-block the hyper connection wraps (inner layer has "
+                f"{'both ' + ' and '.join(kinds) if kinds else 'no mixer, self_attention or mlp'} "
+                "parameters); megatron-ext's Hybrid layers are Mamba, attention-only or MLP/MoE-only"
+            )
+        for rest, value in inner.items():
+            converted[f"{head}{rest}"] = value
+        for name, value in connection.items():
+            converted[f"{head}{kinds[0]}.{name}"] = value
+    return converted
+
+
+def notes_for(source: str, model: str, state_dict: Mapping[str, Any]) -> list[str]:
+    """What a user loading a ``source`` checkpoint of ``model`` must know beyond the keys."""
+    notes = []
+    if source == "main":
+        notes.append(H_RES_NOTE)
+    if model == "gpt" and any(k.endswith("decoder.hc_head_fn") for k in state_dict):
+        notes.append(LEARNED_CONTRACTION_NOTE)
+    return notes
+
+
+def convert_state_dict(state_dict: Mapping[str, Any], model: str, to: str) -> dict[str, Any]:
+    """One model state dict to ``to`` ("upstream" or "megatron-ext"). GPT keys are the same in
+    both layouts and come back unchanged."""
+    if model == "gpt":
+        return dict(state_dict)
+    if model != "hybrid":
+        raise ConversionError(f"model must be 'gpt' or 'hybrid', got {model!r}")
+    if to == "upstream":
+        return hybrid_to_upstream(state_dict)
+    if to == "megatron-ext":
+        return hybrid_from_upstream(state_dict)
+    raise ConversionError(f"to must be 'upstream' or 'megatron-ext', got {to!r}")
+
+
+def _model_entries(checkpoint: Mapping[str, Any]) -> list[str]:
+    """The keys of a Megatron torch checkpoint that hold model state dicts ("model", or
+    "model0", "model1", ... under virtual pipeline stages); none for a bare state dict."""
+    return sorted(k for k in checkpoint if re.fullmatch(r"model\d*", str(k)) and isinstance(checkpoint[k], Mapping))
+
+
+def convert_file(source_path: str, target_path: str, model: str, to: str, source: str) -> list[str]:
+    """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
+    checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
+    Returns the notes a user should read (see :func:`notes_for`)."""
+    import torch
+
+    checkpoint = torch.load(source_path, map_location="cpu", weights_only=False)
+    if not isinstance(checkpoint, Mapping):
+        raise ConversionError(f"{source_path}: expected a state dict or a Megatron checkpoint, got {type(checkpoint).__name__}")
+    entries = _model_entries(checkpoint)
+    notes: list[str] = []
+    if entries:
+        converted = dict(checkpoint)
+        for entry in entries:
+            notes += notes_for(source, model, checkpoint[entry])
+            converted[entry] = convert_state_dict(checkpoint[entry], model, to)
+    else:
+        notes += notes_for(source, model, checkpoint)
+        converted = convert_state_dict(checkpoint, model, to)
+    torch.save(converted, target_path)
+    return list(dict.fromkeys(notes))
