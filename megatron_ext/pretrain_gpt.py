@@ -137,6 +137,9 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(parser, group, "--mhc-init-gating-factor", type=float,
               default=defaults["mhc_init_gating_factor"].default,
               help="initial alpha_pre/alpha_post/alpha_res")
+    _add_flag(parser, group, "--mhc-learned-output-contract", action="store_true",
+              help="GPT: contract the streams with upstream dev's learned contraction "
+              "(decoder.hc_head_*) instead of the mean; loads dev GPT checkpoints")
     _add_flag(parser, group, "--mhc-recompute-layer-num", type=int, default=None,
               help="layers per mHC recompute group with --recompute-modules mhc "
               "(default: the whole stage is one group)")

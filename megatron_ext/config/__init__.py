@@ -42,6 +42,13 @@ class MHCTransformerConfig(TransformerConfig):
     """Layers per mHC recompute block when 'mhc' is in recompute_modules; None makes the
     whole local block one group."""
 
+    mhc_learned_output_contract: bool = False
+    """GPT only: contract the n streams before the final layernorm with upstream dev's
+    (DeepSeek-V4's) learned contraction, ``learned_output_contract`` with parameters
+    ``decoder.hc_head_fn/base/scale``, instead of upstream main's mean. Upstream dev has no
+    switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
+    the learned contraction, as upstream does."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it

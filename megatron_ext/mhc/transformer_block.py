@@ -7,7 +7,9 @@ block-level mHC steps, placed so that pipeline stages compose:
   replicated into ``[s, b, n*h]`` (a viewless tensor, like every block input). Other stages
   receive the n-stream tensor from the previous stage (``set_input_tensor``).
 * contract: where the final layernorm is in this stage, the streams are averaged back to
-  ``[s, b, h]`` just before it (upstream GPT's mean contraction). Other stages return the
+  ``[s, b, h]`` just before it (upstream GPT's mean contraction), or, with
+  ``mhc_learned_output_contract=True``, contracted by upstream dev's learned contraction with
+  ``decoder.hc_head_fn/base/scale`` (the HybridStack's). Other stages return the
   n-stream tensor, which is what travels to the next stage.
 
 It also plans the "mhc" selective recompute (:mod:`megatron_ext.mhc.recompute`): before each
@@ -105,11 +107,49 @@ class HyperConnectionTransformerBlock(TransformerBlock):
                 "(the n streams are contracted right before it); build the block with "
                 "post_layer_norm=True and a layer_norm in its spec"
             )
-        if self.contracts_streams:
+        if self.contracts_streams and getattr(config, "mhc_learned_output_contract", False):
+            self._use_learned_contraction()
+        elif self.contracts_streams:
             self.final_layernorm.register_forward_pre_hook(
                 functools.partial(_contract_before_norm, self.num_residual_streams)
             )
         self.mhc_recompute_enabled = bool(getattr(config, "mhc_recompute_enabled", False))
+
+    # ------------------------------------------------------------------ learned contraction
+    # Upstream dev's GPT contracts with DeepSeek-V4's learned contraction (decoder.hc_head_*),
+    # as our HybridStack does; the parameters and maths are the HybridStack's own.
+
+    def _use_learned_contraction(self) -> None:
+        from megatron_ext.models.hybrid.hybrid_stack import HybridStack
+
+        HybridStack._build_learned_contraction(self)
+        self.final_layernorm.register_forward_pre_hook(self._contract_learned_before_norm)
+
+    def _contract_learned_before_norm(self, _norm: torch.nn.Module, args: tuple) -> tuple:
+        from megatron_ext.models.hybrid.hybrid_stack import HybridStack
+
+        hidden_states, *rest = args
+        return (HybridStack.contract_streams(self, hidden_states), *rest)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron-core's entries plus the block's own ``hc_head_*`` parameters, which the base
+        class (it iterates child modules) would leave out of distributed checkpoints."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = {name: param for name, param in self._parameters.items() if param is not None}
+        if own:
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+            )
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            sharded_state_dict.update(
+                make_sharded_tensors_for_checkpoint(
+                    own, prefix, sharded_offsets=sharded_offsets or (), tp_group=self.tp_group,
+                    dp_cp_group=metadata["dp_cp_group"],
+                )
+            )
+        return sharded_state_dict
 
     # ------------------------------------------------------------------ expand
 

@@ -41,6 +41,7 @@ def test_disabled_mhc_is_exactly_transformer_config():
         "mhc_sinkhorn_iterations",
         "mhc_init_gating_factor",
         "mhc_recompute_layer_num",
+        "mhc_learned_output_contract",
     }
     # repr: the init-method partials are fresh objects per config and compare by identity.
     assert {k: repr(v) for k, v in ours.items() if k not in mhc_fields} == {
