@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo test test-single test-2ranks test-4ranks test-install doctor clean
+.PHONY: setup run demo test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -20,7 +20,7 @@ demo: setup
 
 # Unit tests first in one process, then as one pytest session per rank under torchrun:
 # each session runs the tests marked for its world size (tests/conftest.py).
-test: setup test-single test-2ranks test-4ranks test-install
+test: setup test-single test-2ranks test-4ranks test-install test-gpu-prep
 
 test-single:
 	$(PY) -m pytest tests
@@ -36,8 +36,25 @@ test-4ranks:
 test-install:
 	scripts/check_wheel_install.sh $(PY)
 
+# The CPU side of the GPU check: the wheelhouse builds and fits in 64 MiB, the gpu tests collect.
+test-gpu-prep:
+	scripts/build_wheelhouse.sh build/wheelhouse $(PY)
+	@n=$$($(PY) -m pytest -o addopts="" -p no:cacheprovider tests/gpu -m gpu --collect-only -q | grep -c "::test_"); \
+	  echo "$$n gpu tests collected"; [ $$n -ge 5 ]
+	bash -n scripts/gpu_check.sh
+
+# A wheelhouse to carry to a GPU machine without network (scripts/gpu_check.sh installs from it).
+wheelhouse:
+	scripts/build_wheelhouse.sh wheelhouse $(PY)
+
+# The gpu-marked tests on this machine's GPU (in the Docker image: docker run --gpus all IMAGE make test-gpu).
+GPU_PY := $(if $(wildcard .venv/bin/python),.venv/bin/python,python)
+test-gpu:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a GPU (docker run --gpus all ...)')"
+	$(GPU_PY) -m pytest tests/gpu -m gpu -v -rs
+
 doctor: setup
 	.venv/bin/megatron-ext doctor
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build wheelhouse *.egg-info

@@ -24,6 +24,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "world_size(n): run this test only in an n-rank torchrun session"
     )
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (tests/gpu; skipped without one, run by make test-gpu)"
+    )
     # megatron-core is chatty about optional dependencies that a CPU machine never has.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|MimoModelConfig).*")
     logging.getLogger("megatron").setLevel(logging.WARNING)
