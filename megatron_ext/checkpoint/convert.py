@@ -127,6 +127,13 @@ def notes_for(source: str, model: str, state_dict: Mapping[str, Any]) -> list[st
         notes.append(H_RES_NOTE)
     if model == "gpt" and any(k.endswith("decoder.hc_head_fn") for k in state_dict):
         notes.append(LEARNED_CONTRACTION_NOTE)
+    outside = sorted(k for k in state_dict if "hyper_connection" in k and not _LAYER_KEY.match(k))
+    if model == "hybrid" and outside:
+        notes.append(
+            f"{len(outside)} hyper-connection keys outside decoder.layers (e.g. {outside[0]}; MTP "
+            "layers) were left unchanged: MTP layouts differ between upstream and megatron-ext "
+            "beyond renaming (upstream's e_proj/h_proj), and are not converted."
+        )
     return notes
 
 

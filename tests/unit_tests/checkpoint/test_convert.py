@@ -112,3 +112,9 @@ def test_the_cli_converts_a_megatron_torch_checkpoint_and_notes_mains_orientatio
     assert main(["convert-checkpoint", str(tmp_path / "in.pt"), str(tmp_path / "gpt.pt"),
                  "--model", "gpt", "--to", "megatron-ext", "--source", "main"]) == 0
     assert "H_res" in capsys.readouterr().out
+
+
+def test_mtp_hyper_connections_are_left_alone_with_a_note():
+    notes = convert.notes_for("dev", "hybrid", {"mtp.layers.0.mtp_model_layer.hyper_connection.bias": 0})
+    assert any("MTP" in note and "not converted" in note for note in notes)
+    assert convert.notes_for("pr6401", "hybrid", {"decoder.layers.0.hyper_connection.bias": 0}) == []
