@@ -47,7 +47,9 @@ def test_dev_gpt_keys_and_the_learned_contraction_before_the_final_norm():
         assert {k for k in state if "_extra_state" not in k} == _dev_gpt_keys(plain)
         assert state["decoder.hc_head_fn"].shape == (N, N * H)
         assert state["decoder.hc_head_base"].shape == (N,) and state["decoder.hc_head_scale"].shape == (1,)
-        assert "decoder.hc_head_fn" not in _gpt(mhc=True).state_dict(), "the mean stays the default"
+        main_keys = _dev_gpt_keys(plain) - {f"decoder.hc_head_{p}" for p in ("fn", "base", "scale")}
+        mean_model = {k for k in _gpt(mhc=True).state_dict() if "_extra_state" not in k}
+        assert mean_model == main_keys, "the default (mean) GPT has upstream main's / PR #6401's keys"
 
         seen = {}
         model.decoder.layers[-1].register_forward_hook(lambda m, a, out: seen.update(streams=out[0]))
