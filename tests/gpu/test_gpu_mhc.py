@@ -136,7 +136,10 @@ def test_one_gpu_training_run_of_a_small_mhc_recipe_over_nccl(tmp_path):
                "--device", "gpu", "--no-compare", "--run-dir", str(tmp_path / "run"),
                "parallelism.tp=1", "parallelism.pp=1", "parallelism.sp=false", "training.iterations=6",
                "test.type=regular"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    # One GPU; none of the rendezvous variables an earlier test of this session may have set.
+    rendezvous = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     from megatron_ext.recipes.metrics import read_golden
