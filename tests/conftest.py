@@ -32,6 +32,15 @@ def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+@pytest.fixture(autouse=True)
+def _release_process_groups():
+    """Every test leaves no process group of its own behind (see releasing_new_process_groups)."""
+    from megatron_ext.testing.distributed import releasing_new_process_groups
+
+    with releasing_new_process_groups():
+        yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     world = _session_world_size()
     selected, deselected = [], []
