@@ -4,7 +4,10 @@
 - ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
 - ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
 - ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules;
-- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job.
+- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;
+- ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
+  megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
+  bytes per pipeline edge, without starting anything.
 
 Recipes and their schema: recipes/README.md.
 """
@@ -235,6 +238,53 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from megatron_ext.pipeline import report as rep
+    from megatron_ext.pipeline.schedule import SchedulePlan
+
+    overrides = list(getattr(args, "targets", None) or [])
+    try:
+        if args.recipe:
+            plan, size = rep.plan_from_recipe(args.recipe, overrides, args.platform)
+            if args.microbatches is not None:
+                plan.microbatches = args.microbatches
+        else:
+            if args.pp is None or args.microbatches is None:
+                print("megatron-ext schedule: give --pp and --microbatches (or --recipe RECIPE)",
+                      file=sys.stderr)
+                return 2
+            plan = SchedulePlan(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
+                                microbatch_group_size=args.microbatch_group_size)
+            size = None
+            if args.hidden is not None:
+                if args.seq is None or args.micro_batch_size is None:
+                    print("megatron-ext schedule: --hidden needs --seq and --micro-batch-size",
+                          file=sys.stderr)
+                    return 2
+                size = rep.MessageSize(args.hidden, args.seq, args.micro_batch_size,
+                                       args.mhc_streams or 1, args.dtype_bytes)
+            elif args.mhc_streams:
+                print("megatron-ext schedule: --mhc-streams needs --hidden, --seq and --micro-batch-size",
+                      file=sys.stderr)
+                return 2
+        lines, schedule = rep.report(plan, size, steps=args.steps)
+    except ValueError as exc:
+        print(f"megatron-ext schedule: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    if args.plot:
+        from megatron_ext.pipeline.schedule import simulate
+        from megatron_ext.pipeline.timeline import plot_timeline
+
+        timeline = simulate(schedule)
+        title = (f"{rep.kind_of(plan).split(' (')[0]}: {len(schedule.ranks)} ranks"
+                 + (f" x {plan.vpp} chunks" if plan.vpp else "") + f", {plan.microbatches} micro-batches")
+        plot_timeline(timeline, args.plot, title, schedule.chunks, unit="time (forward = 1, backward = 2)",
+                      note=f"bubble {timeline.bubble():.1%}")
+        print(f"timeline: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_ext
 
@@ -291,6 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--compare", action="store_true")
     submit.add_argument("--skip-megatron-checks", action="store_true")
 
+    schedule = commands.add_parser(
+        "schedule", help="print megatron-core's pipeline schedule: grid, bubble, in-flight, bytes per edge")
+    schedule.add_argument("--pp", type=int, help="pipeline stages (--pipeline-model-parallel-size)")
+    schedule.add_argument("--vpp", type=int, help="chunks per rank (--num-virtual-stages-per-pipeline-rank)")
+    schedule.add_argument("--microbatches", type=int, help="micro-batches per iteration and data-parallel rank")
+    schedule.add_argument("--microbatch-group-size", type=int,
+                          help="--microbatch-group-size-per-virtual-pipeline-stage (default: pp)")
+    schedule.add_argument("--mhc-streams", type=int, help="mHC residual streams n (edges carry n*h)")
+    schedule.add_argument("--hidden", type=int, help="hidden size h (for bytes per edge)")
+    schedule.add_argument("--seq", type=int, help="sequence length (for bytes per edge)")
+    schedule.add_argument("--micro-batch-size", type=int, help="micro-batch size (for bytes per edge)")
+    schedule.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (default: %(default)s)")
+    schedule.add_argument("--recipe", help="take the plan from a recipe (multi-module recipes too)")
+    schedule.add_argument("--platform", default="cpu", help="the recipe's platform overlay (default: %(default)s)")
+    schedule.add_argument("--steps", action="store_true", help="also list every rank's steps with its P2P calls")
+    schedule.add_argument("--plot", metavar="FILE.png", help="draw the timeline with matplotlib")
+    schedule.set_defaults(targets=[])
+
     # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
     # such late positionals unparsed, so they join the targets here.
     args, rest = parser.parse_known_args(argv)
@@ -302,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         print("\n".join(doctor_report()))
         return 0
-    handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit}
+    handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit,
+                "schedule": _cmd_schedule}
     if args.command in handlers:
         try:
             return handlers[args.command](args)
