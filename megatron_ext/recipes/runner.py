@@ -7,7 +7,8 @@ A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says ot
     logs/rank-N.log      each rank's stdout and stderr (ckpt-resume: logs/resume/ too)
     metrics.json         Megatron golden-value JSON of test.metrics (ckpt-resume: of the
                          uninterrupted run; metrics_resume.json: of the resumed one)
-    loss.png             lm loss per step (with golden values and the resumed run when present)
+    loss.png             every logged loss, grad norm and learning rate per step (matplotlib;
+                         golden values dashed, the resumed run dotted from its resume step)
     comparison.txt       the comparison reports, as printed
     summary.json         status, timings, the reports, paths
 
@@ -33,7 +34,7 @@ from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
 from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.recipes.plot import write_png_plot
+from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
@@ -265,12 +266,12 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
     met.write_golden(run_dir / "metrics.json", run_metrics, names)
-    series = {"run": run_metrics.get("lm loss", {})}
+    resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
+        resume_step = recipe.training.iterations // 2
         resumed = met.parse_run_logs(logs / "resume")
         met.write_golden(run_dir / "metrics_resume.json", resumed, names)
-        series["resumed"] = resumed.get("lm loss", {})
         reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names))
 
     golden_path = loaded.golden_path()
@@ -295,10 +296,9 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         golden = met.read_golden(golden_path)
         rules = cmp.rules_for(names, recipe.launch.device, recipe.test.tolerances)
         reports.insert(0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}"))
-        series["golden"] = golden.get("lm loss", {})
 
-    ordered = {k: series[k] for k in ("run", "resumed", "golden") if k in series and series[k]}
-    write_png_plot(run_dir / "loss.png", ordered, title=f"lm loss: {loaded.name} ({loaded.platform})")
+    write_run_plot(run_dir / "loss.png", run_metrics, golden=golden, resumed=resumed,
+                   resume_step=resume_step, title=f"{loaded.name} ({loaded.platform})")
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
