@@ -115,6 +115,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         loaded, run_dir=Path(args.run_dir) if args.run_dir else None, runs_root=Path(args.runs_root),
         compare_golden=not args.no_compare, force_compare=args.compare,
         write_golden=args.write_golden, megatron_checks=not args.skip_megatron_checks,
+        trace=args.trace,
     )
     return outcome.exit_code
 
@@ -305,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="write this run's metrics as the recipe's golden values for the platform")
     run.add_argument("--skip-megatron-checks", action="store_true",
                      help="validate the plan only (skip Megatron's argument checks and the guards)")
+    run.add_argument("--trace", action="store_true",
+                     help="record every rank's pipeline schedule: trace.json, timeline.png and the "
+                     "measured vs theoretical bubble in the summary")
 
     validate = commands.add_parser("validate", help="check recipes: schema, plan, Megatron's checks, guards")
     validate.add_argument("targets", nargs="+", metavar="RECIPE [KEY=VALUE ...]",

@@ -109,7 +109,11 @@ def plan_from_recipe(path: str, overrides: list[str], platform: str = "cpu") -> 
     """The schedule plan (and message size) a recipe trains with."""
     from megatron_ext.recipes import load
 
-    loaded = load(path, platform, overrides)
+    return plan_from_loaded(load(path, platform, overrides))
+
+
+def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
+    """:func:`plan_from_recipe` for an already loaded recipe."""
     r = loaded.recipe
     if r.model.type == "multimodule":
         from megatron_ext.multimodule.train import read_recipe

@@ -63,8 +63,10 @@ _BACKWARD = ["#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"]
 
 
 def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
-                  unit: str = "time units", note: Optional[str] = None) -> Path:
-    """One horizontal bar per pass, one row per rank (rank 0 on top)."""
+                  unit: str = "time units", note: Optional[str] = None,
+                  row_labels: Optional[Sequence[str]] = None) -> Path:
+    """One horizontal bar per pass, one row per rank (rank 0 on top); ``note`` goes under
+    the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,11 +85,11 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
         if width / span > 0.014:
             ax.text(slot.start + width / 2, slot.rank, f"{slot.step.kind}{slot.step.microbatch}",
                     ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_yticks(range(ranks), list(row_labels or [f"rank {r}" for r in range(ranks)]))
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel(unit)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=10)
     handles = []
     for chunk in range(chunks):
         suffix = f" (chunk {chunk})" if chunks > 1 else ""
@@ -95,8 +97,6 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
         handles.append(Patch(color=_BACKWARD[min(chunk, 3)], label=f"backward{suffix}"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.05 * (ranks < 3)),
               ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    if note:
-        ax.text(1.0, 1.01, note, transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

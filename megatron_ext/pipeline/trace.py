@@ -72,6 +72,7 @@ class Event:
     chunk: Optional[int] = None
     call: Optional[str] = None
     messages: list[_Message] = field(default_factory=list)
+    error: Optional[str] = None  # the exception this step raised
 
     def step(self) -> Step:
         if self.call is None:
@@ -83,7 +84,8 @@ class Event:
         return {"iteration": self.iteration, "index": self.index, "start_ns": self.start_ns,
                 "end_ns": self.end_ns, "kind": self.kind, "microbatch": self.microbatch,
                 "chunk": self.chunk, "call": self.call,
-                "messages": [[m.direction, m.microbatch, m.chunk] for m in self.messages]}
+                "messages": [[m.direction, m.microbatch, m.chunk] for m in self.messages],
+                "error": self.error}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Event":
@@ -103,6 +105,7 @@ class Tracer:
         self._produced: dict[int, tuple[Any, int, int]] = {}  # id -> (object, mb, chunk)
         self._received: dict[int, tuple[Any, _Message]] = {}  # id -> (object, its message)
         self.module: Optional[str] = None  # multi-module: the rank's module names
+        self.pipeline_rank: Optional[int] = None  # the theory's rank (world rank if multi-module)
 
     # ------------------------------------------------------------------ bookkeeping
     def begin_iteration(self) -> None:
@@ -165,6 +168,7 @@ class Tracer:
     # ------------------------------------------------------------------ output
     def dump(self, path: Path) -> None:
         Path(path).write_text(json.dumps({"rank": self._rank(), "module": self.module,
+                                          "pipeline_rank": self.pipeline_rank,
                                           "events": [e.to_dict() for e in self.events]}))
 
 
@@ -179,6 +183,7 @@ def _flatten(obj: Any) -> list:
 
 
 _ACTIVE: Optional[Tracer] = None
+_ENVIRONMENT_BLOCK: Any = None
 
 
 def active() -> Optional[Tracer]:
@@ -208,8 +213,10 @@ def start_from_environment() -> Optional[Tracer]:
     directory = os.environ.get(TRACE_ENV)
     if not directory or _ACTIVE is not None:
         return _ACTIVE
-    block = tracing()
-    tracer = block.__enter__()
+    global _ENVIRONMENT_BLOCK
+    # Kept for the life of the process: a collected generator would close and end tracing.
+    _ENVIRONMENT_BLOCK = tracing()
+    tracer = _ENVIRONMENT_BLOCK.__enter__()
 
     def write() -> None:
         rank = int(os.environ.get("RANK", tracer.rank or 0))
@@ -228,6 +235,8 @@ def _run(tracer: Tracer, event: Event, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except BaseException as error:
+        if event.error is None and getattr(error, "_megatron_ext_step", None) is None:
+            event.error = f"{type(error).__name__}: {error}"[:500]
         tracer.annotate(error, event)
         raise
     finally:
@@ -401,6 +410,10 @@ def _default_communicator(model: Any) -> tuple[Any, Any]:
 
 
 def _describe_multimodule(tracer: Tracer, communicator: Any) -> None:
+    """Where this rank sits: its module(s) and the rank of the theory it follows."""
     modules = getattr(communicator, "rank_module_map", None)
     if modules:
         tracer.module = "+".join(modules)
+        tracer.pipeline_rank = tracer._rank()
+    else:
+        tracer.pipeline_rank = communicator.pp_group.rank()

@@ -10,6 +10,8 @@ A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says ot
     loss.png             every logged loss, grad norm and learning rate per step (matplotlib;
                          golden values dashed, the resumed run dotted from its resume step)
     comparison.txt       the comparison reports, as printed
+    trace.json           with --trace: every rank's passes and P2P calls (Chrome trace events)
+    timeline.png         with --trace: the measured pipeline timeline of one iteration
     summary.json         status, timings, the reports, paths
 
 Exit status: 0 trained and every comparison passed (or nothing to compare); 1 a comparison
@@ -201,8 +203,9 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
 
 def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
         compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-        megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
-    """Validate, train locally (every phase), then :func:`finalize`."""
+        megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
+    """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
+    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
     from megatron_ext.launch import local
 
     started = time.monotonic()
@@ -232,8 +235,13 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
             prepare_resume(loaded, run_dir)
         echo(f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
              f"(logs: {phase.log_dir}/rank-*.log)")
+        env = plan.run_environment(loaded)
+        if trace:
+            from megatron_ext.pipeline import run_trace
+
+            env.update(run_trace.environment(run_dir))
         job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
-                             log_dir=phase.log_dir, env=plan.run_environment(loaded),
+                             log_dir=phase.log_dir, env=env,
                              timeout_s=recipe.launch.timeout_s)
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
         results.append({"phase": phase.name, "returncode": result.returncode,
@@ -246,15 +254,22 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
+            if trace:
+                from megatron_ext.pipeline import run_trace
+
+                where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
+                if where:
+                    echo(f"failed at pipeline step: {where}")
+                    what += f"; failed at pipeline step: {where}"
             _write_summary(loaded, run_dir, "training-failed", results, [], time.monotonic() - started)
             return Outcome(EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what)
     return finalize(loaded, run_dir, results, started, compare_golden=compare_golden,
-                    force_compare=force_compare, write_golden=write_golden, echo=echo)
+                    force_compare=force_compare, write_golden=write_golden, echo=echo, trace=trace)
 
 
 def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], started: float,
              compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-             echo: Echo = _default_echo) -> Outcome:
+             echo: Echo = _default_echo, trace: bool = False) -> Outcome:
     """Metrics, plot and comparisons of a finished run directory (local or Slurm)."""
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
@@ -303,9 +318,15 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
         echo(f"  {line}")
+    pipeline = None
+    if trace:
+        from megatron_ext.pipeline import run_trace
+
+        pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)
     seconds = time.monotonic() - started
-    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds)
+    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds,
+                   pipeline=pipeline)
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
@@ -316,7 +337,7 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
 
 
 def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
-                   reports: list[cmp.Report], seconds: float) -> None:
+                   reports: list[cmp.Report], seconds: float, pipeline: Optional[dict] = None) -> None:
     golden = loaded.golden_path()
     summary = {
         "recipe": str(loaded.source),
@@ -332,4 +353,6 @@ def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_resul
         "reports": [r.to_dict() for r in reports],
         "host": os.uname().nodename,
     }
+    if pipeline is not None:  # megatron-ext run --trace
+        summary["pipeline"] = pipeline
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
