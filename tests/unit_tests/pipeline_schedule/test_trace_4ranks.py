@@ -176,3 +176,32 @@ def test_multimodule_encoders_of_different_depths():
     schedule = build_schedule(SchedulePlan(microbatches=3, multimodule=plan))
     assert [plan.warmup_on(r) for r in range(4)] == [1, 2, 1, 0]
     assert_same_order(schedule, gathered)
+
+
+def test_a_failing_shape_check_names_the_step_on_every_rank():
+    """The encoder's first stage hands a [s, b, 1] tensor to its second stage (multi-module
+    ambiguous-shape guard). Under tracing every rank's error keeps its type and names where
+    it stood: rank 0 in its first send, the others in the receive that got the abort marker."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "multimodule"))
+    from multimodule_cases import encoder, language_model, last_dim_one, pipeline_only  # noqa: E402
+
+    from megatron_ext.multimodule import AmbiguousShapeError
+    from megatron_ext.multimodule import ModulePlan as M
+
+    modules = {"enc": M(pp=2), "llm": M(pp=2, first_rank=2)}
+    impls = {"enc": encoder(forward=last_dim_one), "llm": language_model()}
+    outcome = None
+    with tracing(Tracer()):
+        try:
+            pipeline_only(modules, {"enc": ["llm"]}, impls)
+        except AmbiguousShapeError as error:
+            outcome = "\n".join(getattr(error, "__notes__", []))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, outcome)
+    assert all(note is not None for note in everyone), everyone
+    assert "pipeline step: rank 0, module enc, step 2: send_forward(sF0) (iteration 0)" in everyone[0]
+    for rank, module in ((1, "enc"), (2, "llm"), (3, "llm")):
+        assert f"pipeline step: rank {rank}, module {module}, step 0: recv_forward(rF?)" in everyone[rank], everyone
