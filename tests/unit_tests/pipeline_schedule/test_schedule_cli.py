@@ -42,3 +42,14 @@ def test_bad_plans_name_the_flag(capsys):
     assert "must lie in [pp=4, microbatches=2]" in capsys.readouterr().err
     assert cli.main(["schedule", "--pp", "2"]) == 2
     assert "give --pp and --microbatches" in capsys.readouterr().err
+
+
+def test_readme_shows_the_real_output(capsys):
+    """README.md's example is what the command prints, and its picture is in docs/."""
+    readme = (RECIPES.parent / "README.md").read_text()
+    command = "megatron-ext schedule --pp 2 --microbatches 4 --mhc-streams 4 --hidden 64 --seq 32 --micro-batch-size 2"
+    assert command in readme
+    cli.main(command.split()[1:])
+    printed = "\n".join(line.rstrip() for line in capsys.readouterr().out.strip().splitlines())
+    assert printed in readme
+    assert (RECIPES.parent / "docs" / "schedule_pp4_vpp2_m8.png").is_file()
