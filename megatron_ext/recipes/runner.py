@@ -261,6 +261,8 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
                 if where:
                     echo(f"failed at pipeline step: {where}")
                     what += f"; failed at pipeline step: {where}"
+            elif recipe.parallelism.pp > 1 or recipe.model.type == "multimodule":
+                echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
             _write_summary(loaded, run_dir, "training-failed", results, [], time.monotonic() - started)
             return Outcome(EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what)
     return finalize(loaded, run_dir, results, started, compare_golden=compare_golden,
