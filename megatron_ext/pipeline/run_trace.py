@@ -5,7 +5,6 @@ theoretical one, and a check that every rank ran megatron-core's order exactly."
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -13,8 +12,6 @@ from typing import Any, Callable, Optional
 from megatron_ext.pipeline.schedule import build_schedule, compare, simulate, textbook_bubble
 from megatron_ext.pipeline.timeline import chrome_trace, iterations, measured_timeline, plot_timeline
 from megatron_ext.pipeline.trace import TRACE_ENV, Event
-
-log = logging.getLogger(__name__)
 
 TRACE_SUBDIR = "trace"
 

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from megatron_ext.pipeline.schedule import (
-    CARRIES,
     DIRECTIONS,
     Compute,
     Exchange,
@@ -225,6 +224,7 @@ def start_from_environment() -> Optional[Tracer]:
         tracer.dump(Path(directory) / f"trace-rank-{rank}.json")
 
     atexit.register(write)
+    log.info("tracing this rank's pipeline schedule into %s", directory)
     return tracer
 
 

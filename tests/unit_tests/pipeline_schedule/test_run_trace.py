@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.pipeline import run_trace
-from megatron_ext.pipeline.schedule import Compute, Exchange, SchedulePlan, build_schedule
+from megatron_ext.pipeline.schedule import Compute, SchedulePlan, build_schedule
 from megatron_ext.pipeline.trace import Event, Tracer, _Message, traced_forward_step, tracing
 from megatron_ext.recipes import load
 
