@@ -95,8 +95,8 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Option
                                          f" (stage {r['pipeline_rank']})") for r in ranks]
         plot_timeline(timeline, Path(run_dir) / "timeline.png",
                       f"{loaded.name}: measured iteration {shown + 1}", schedule.chunks, unit="ms",
-                      note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} "
-                      "in theory (forward 1, backward 2, free P2P)", row_labels=labels)
+                      note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} in theory",
+                      row_labels=labels)
     echo(f"  pipeline bubble: {entry['bubble_measured']:.1%} measured (median of {len(steady)} "
          f"iteration(s); waiting in P2P counts as idle), {entry['bubble_theoretical']:.1%} in theory"
          + (f" (textbook {entry['bubble_textbook']:.1%})" if "bubble_textbook" in entry else ""))

@@ -74,7 +74,7 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
     from matplotlib.patches import Patch
 
     ranks = timeline.ranks
-    fig, ax = plt.subplots(figsize=(max(6.0, min(16.0, 0.35 * len(timeline.slots) / max(ranks, 1) + 4)),
+    fig, ax = plt.subplots(figsize=(max(8.0, min(16.0, 0.35 * len(timeline.slots) / max(ranks, 1) + 4)),
                                     0.55 * ranks + 1.6))
     span = timeline.makespan or 1.0
     for slot in timeline.slots:

@@ -92,3 +92,17 @@ def test_a_traced_pass_that_raises_names_rank_chunk_and_step():
     note = "\n".join(raised.value.__notes__)
     assert "pipeline step: rank 2, chunk 1, step 7: F3 (iteration 0)" in note
     assert "<-- HERE" in note and "rank 2's schedule" in note
+
+
+def test_tracing_off_leaves_megatrons_functions_untouched():
+    """Outside tracing() every traced target is megatron-core's own function (no wrapper, so
+    no cost); inside it each is wrapped; afterwards the originals are back."""
+    from megatron_ext import registry
+
+    targets = [p.target for p in registry.patches("trace")]
+    assert len(targets) == 5
+    originals = {t: registry.current(t) for t in targets}
+    assert not any(registry.is_applied(t) for t in targets)
+    with tracing():
+        assert all(registry.current(t) is not originals[t] for t in targets)
+    assert all(registry.current(t) is originals[t] for t in targets)
