@@ -26,6 +26,7 @@ setup(
         "numpy",
         "psutil",  # megatron's torch_dist checkpoint writer imports it
         "pyyaml",
+        "matplotlib",  # schedule timelines and loss plots
     ],
     extras_require={
         "test": ["pytest"],

@@ -6,6 +6,9 @@
 - ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules;
 - ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;
 - ``megatron-ext convert-checkpoint IN OUT --model M --to T``: mHC keys upstream <-> megatron-ext.
+- ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
+  megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
+  bytes per pipeline edge, without starting anything.
 
 Recipes and their schema: recipes/README.md.
 """
@@ -114,6 +117,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         loaded, run_dir=Path(args.run_dir) if args.run_dir else None, runs_root=Path(args.runs_root),
         compare_golden=not args.no_compare, force_compare=args.compare,
         write_golden=args.write_golden, megatron_checks=not args.skip_megatron_checks,
+        trace=args.trace,
     )
     return outcome.exit_code
 
@@ -251,6 +255,53 @@ def _cmd_convert_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from megatron_ext.pipeline import report as rep
+    from megatron_ext.pipeline.schedule import SchedulePlan
+
+    overrides = list(getattr(args, "targets", None) or [])
+    try:
+        if args.recipe:
+            plan, size = rep.plan_from_recipe(args.recipe, overrides, args.platform)
+            if args.microbatches is not None:
+                plan.microbatches = args.microbatches
+        else:
+            if args.pp is None or args.microbatches is None:
+                print("megatron-ext schedule: give --pp and --microbatches (or --recipe RECIPE)",
+                      file=sys.stderr)
+                return 2
+            plan = SchedulePlan(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches,
+                                microbatch_group_size=args.microbatch_group_size)
+            size = None
+            if args.hidden is not None:
+                if args.seq is None or args.micro_batch_size is None:
+                    print("megatron-ext schedule: --hidden needs --seq and --micro-batch-size",
+                          file=sys.stderr)
+                    return 2
+                size = rep.MessageSize(args.hidden, args.seq, args.micro_batch_size,
+                                       args.mhc_streams or 1, args.dtype_bytes)
+            elif args.mhc_streams:
+                print("megatron-ext schedule: --mhc-streams needs --hidden, --seq and --micro-batch-size",
+                      file=sys.stderr)
+                return 2
+        lines, schedule = rep.report(plan, size, steps=args.steps)
+    except ValueError as exc:
+        print(f"megatron-ext schedule: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    if args.plot:
+        from megatron_ext.pipeline.schedule import simulate
+        from megatron_ext.pipeline.timeline import plot_timeline
+
+        timeline = simulate(schedule)
+        title = (f"{rep.kind_of(plan).split(' (')[0]}: {len(schedule.ranks)} ranks"
+                 + (f" x {plan.vpp} chunks" if plan.vpp else "") + f", {plan.microbatches} micro-batches")
+        plot_timeline(timeline, args.plot, title, schedule.chunks, unit="time (forward = 1, backward = 2)",
+                      note=f"bubble {timeline.bubble():.1%}")
+        print(f"timeline: {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import megatron_ext
 
@@ -271,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="write this run's metrics as the recipe's golden values for the platform")
     run.add_argument("--skip-megatron-checks", action="store_true",
                      help="validate the plan only (skip Megatron's argument checks and the guards)")
+    run.add_argument("--trace", action="store_true",
+                     help="record every rank's pipeline schedule: trace.json, timeline.png and the "
+                     "measured vs theoretical bubble in the summary")
 
     validate = commands.add_parser("validate", help="check recipes: schema, plan, Megatron's checks, guards")
     validate.add_argument("targets", nargs="+", metavar="RECIPE [KEY=VALUE ...]",
@@ -317,6 +371,23 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--source", choices=("main", "pr6401", "dev", "megatron-ext"), default="pr6401",
                          help="where the input comes from: main's H_res orientation differs (a note "
                          "says so); default: %(default)s")
+    schedule = commands.add_parser(
+        "schedule", help="print megatron-core's pipeline schedule: grid, bubble, in-flight, bytes per edge")
+    schedule.add_argument("--pp", type=int, help="pipeline stages (--pipeline-model-parallel-size)")
+    schedule.add_argument("--vpp", type=int, help="chunks per rank (--num-virtual-stages-per-pipeline-rank)")
+    schedule.add_argument("--microbatches", type=int, help="micro-batches per iteration and data-parallel rank")
+    schedule.add_argument("--microbatch-group-size", type=int,
+                          help="--microbatch-group-size-per-virtual-pipeline-stage (default: pp)")
+    schedule.add_argument("--mhc-streams", type=int, help="mHC residual streams n (edges carry n*h)")
+    schedule.add_argument("--hidden", type=int, help="hidden size h (for bytes per edge)")
+    schedule.add_argument("--seq", type=int, help="sequence length (for bytes per edge)")
+    schedule.add_argument("--micro-batch-size", type=int, help="micro-batch size (for bytes per edge)")
+    schedule.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (default: %(default)s)")
+    schedule.add_argument("--recipe", help="take the plan from a recipe (multi-module recipes too)")
+    schedule.add_argument("--platform", default="cpu", help="the recipe's platform overlay (default: %(default)s)")
+    schedule.add_argument("--steps", action="store_true", help="also list every rank's steps with its P2P calls")
+    schedule.add_argument("--plot", metavar="FILE.png", help="draw the timeline with matplotlib")
+    schedule.set_defaults(targets=[])
 
     # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
     # such late positionals unparsed, so they join the targets here.
@@ -329,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         print("\n".join(doctor_report()))
         return 0
-    handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit}
-    handlers["convert-checkpoint"] = _cmd_convert_checkpoint
+    handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit,
+                "schedule": _cmd_schedule, "convert-checkpoint": _cmd_convert_checkpoint}
     if args.command in handlers:
         try:
             return handlers[args.command](args)

@@ -299,6 +299,37 @@ register(
 
 
 # --------------------------------------------------------------------------------------
+# "trace" patches: applied only inside megatron_ext.pipeline.trace.tracing() (megatron-ext
+# run --trace); outside it nothing is wrapped, so tracing off costs nothing.
+# --------------------------------------------------------------------------------------
+def _trace(attribute: str, maker: str, why: str) -> None:
+    def make(original: Any) -> Any:
+        return getattr(importlib.import_module("megatron_ext.pipeline.trace"), maker)(original)
+
+    register(Patch(target=f"megatron.core.pipeline_parallel.schedules:{attribute}", make=make,
+                   why=why, group="trace"))
+
+
+_trace("forward_step", "traced_forward_step",
+       "Both pipelined schedules run every forward pass through it, with the micro-batch and "
+       "the virtual chunk as arguments: the one place to time and label an F.")
+_trace("backward_step", "traced_backward_step",
+       "Every single-module backward pass; its output tensor identifies the micro-batch and chunk.")
+_trace("backward_step_multimodule", "traced_backward_step",
+       "The multi-module schedule's backward pass (bound by name at each schedule call).")
+_trace("forward_backward_pipelining_without_interleaving", "traced_schedule",
+       "1F1B: one iteration per call; its P2P communicator is handed over wrapped in a recorder "
+       "(the schedule exposes no hook around its exchanges).")
+_trace("forward_backward_pipelining_with_interleaving", "traced_schedule",
+       "The interleaved schedule, likewise.")
+
+
+def _skip_compile_helpers() -> None:
+    """The wheel's prebuilt dataset helpers are used as they are."""
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+
+
+# --------------------------------------------------------------------------------------
 # "cpu" patches: the CPU runtime (megatron_ext.runtime.use_cpu), never on a GPU machine.
 # Together with runtime.cpu.CudaToCpuMode these are everything the runtime redirects.
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ PY="${2:-.venv/bin/python}"
 limit_mib=64
 
 # The packages megatron-ext and its GPU tests need beyond torch, pinned to the venv's versions.
-packages=(megatron-core numpy packaging psutil pyyaml pytest iniconfig pluggy)
+packages=(megatron-core numpy packaging psutil pyyaml pytest iniconfig pluggy
+          matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil tzdata)
 pins=()
 for name in "${packages[@]}"; do
   version="$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")"

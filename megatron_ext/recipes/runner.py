@@ -7,8 +7,11 @@ A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says ot
     logs/rank-N.log      each rank's stdout and stderr (ckpt-resume: logs/resume/ too)
     metrics.json         Megatron golden-value JSON of test.metrics (ckpt-resume: of the
                          uninterrupted run; metrics_resume.json: of the resumed one)
-    loss.png             lm loss per step (with golden values and the resumed run when present)
+    loss.png             every logged loss, grad norm and learning rate per step (matplotlib;
+                         golden values dashed, the resumed run dotted from its resume step)
     comparison.txt       the comparison reports, as printed
+    trace.json           with --trace: every rank's passes and P2P calls (Chrome trace events)
+    timeline.png         with --trace: the measured pipeline timeline of one iteration
     summary.json         status, timings, the reports, paths
 
 Exit status: 0 trained and every comparison passed (or nothing to compare); 1 a comparison
@@ -33,7 +36,7 @@ from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
 from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.recipes.plot import write_png_plot
+from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
@@ -200,8 +203,9 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
 
 def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
         compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-        megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
-    """Validate, train locally (every phase), then :func:`finalize`."""
+        megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
+    """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
+    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
     from megatron_ext.launch import local
 
     started = time.monotonic()
@@ -231,8 +235,13 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
             prepare_resume(loaded, run_dir)
         echo(f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
              f"(logs: {phase.log_dir}/rank-*.log)")
+        env = plan.run_environment(loaded)
+        if trace:
+            from megatron_ext.pipeline import run_trace
+
+            env.update(run_trace.environment(run_dir))
         job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
-                             log_dir=phase.log_dir, env=plan.run_environment(loaded),
+                             log_dir=phase.log_dir, env=env,
                              timeout_s=recipe.launch.timeout_s)
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
         results.append({"phase": phase.name, "returncode": result.returncode,
@@ -245,15 +254,24 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
+            if trace:
+                from megatron_ext.pipeline import run_trace
+
+                where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
+                if where:
+                    echo(f"failed at pipeline step: {where}")
+                    what += f"; failed at pipeline step: {where}"
+            elif recipe.parallelism.pp > 1 or recipe.model.type == "multimodule":
+                echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
             _write_summary(loaded, run_dir, "training-failed", results, [], time.monotonic() - started)
             return Outcome(EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what)
     return finalize(loaded, run_dir, results, started, compare_golden=compare_golden,
-                    force_compare=force_compare, write_golden=write_golden, echo=echo)
+                    force_compare=force_compare, write_golden=write_golden, echo=echo, trace=trace)
 
 
 def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], started: float,
              compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-             echo: Echo = _default_echo) -> Outcome:
+             echo: Echo = _default_echo, trace: bool = False) -> Outcome:
     """Metrics, plot and comparisons of a finished run directory (local or Slurm)."""
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
@@ -265,12 +283,12 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
     met.write_golden(run_dir / "metrics.json", run_metrics, names)
-    series = {"run": run_metrics.get("lm loss", {})}
+    resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
+        resume_step = recipe.training.iterations // 2
         resumed = met.parse_run_logs(logs / "resume")
         met.write_golden(run_dir / "metrics_resume.json", resumed, names)
-        series["resumed"] = resumed.get("lm loss", {})
         reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names))
 
     golden_path = loaded.golden_path()
@@ -295,17 +313,22 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         golden = met.read_golden(golden_path)
         rules = cmp.rules_for(names, recipe.launch.device, recipe.test.tolerances)
         reports.insert(0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}"))
-        series["golden"] = golden.get("lm loss", {})
 
-    ordered = {k: series[k] for k in ("run", "resumed", "golden") if k in series and series[k]}
-    write_png_plot(run_dir / "loss.png", ordered, title=f"lm loss: {loaded.name} ({loaded.platform})")
+    write_run_plot(run_dir / "loss.png", run_metrics, golden=golden, resumed=resumed,
+                   resume_step=resume_step, title=f"{loaded.name} ({loaded.platform})")
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
         echo(f"  {line}")
+    pipeline = None
+    if trace:
+        from megatron_ext.pipeline import run_trace
+
+        pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)
     seconds = time.monotonic() - started
-    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds)
+    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds,
+                   pipeline=pipeline)
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
@@ -316,7 +339,7 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
 
 
 def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
-                   reports: list[cmp.Report], seconds: float) -> None:
+                   reports: list[cmp.Report], seconds: float, pipeline: Optional[dict] = None) -> None:
     golden = loaded.golden_path()
     summary = {
         "recipe": str(loaded.source),
@@ -332,4 +355,6 @@ def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_resul
         "reports": [r.to_dict() for r in reports],
         "host": os.uname().nodename,
     }
+    if pipeline is not None:  # megatron-ext run --trace
+        summary["pipeline"] = pipeline
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

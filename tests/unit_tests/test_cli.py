@@ -25,4 +25,6 @@ def test_doctor_reports_versions_runtime_and_patches():
     assert "cpu runtime       active" in report
     assert "backend           gloo" in report
     for patch in registry.patches():
-        assert f"active   {patch.target}" in report
+        # The "trace" group is applied only while tracing (megatron-ext run --trace).
+        state = "inactive" if patch.group == "trace" else "active  "
+        assert f"{state} {patch.target}" in report

@@ -1,36 +1,45 @@
-"""The loss-curve PNG is a valid PNG, written without matplotlib."""
+"""Run plots drawn with matplotlib: one panel per kind of curve, golden and resumed overlays."""
 
-import struct
-import zlib
+import matplotlib
 
-from megatron_ext.recipes.plot import render, write_png_plot
+matplotlib.use("Agg")
+import matplotlib.figure  # noqa: E402
+import matplotlib.image as mpimg  # noqa: E402
 
+from megatron_ext.recipes import plot  # noqa: E402
 
-def _chunks(data: bytes):
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos = 8
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), f"bad CRC in {kind}"
-        yield kind, body
-        pos += 12 + length
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def test_png_is_well_formed_and_draws_the_curves(tmp_path):
-    series = {"golden": {1: 4.85, 2: 4.8, 3: 4.6}, "run": {1: 4.85, 2: 4.79, 3: 4.61}}
-    path = write_png_plot(tmp_path / "loss.png", series, title="lm loss: test (cpu)")
-    chunks = dict(_chunks(path.read_bytes()))
-    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour) == (8, 2), "8-bit RGB"
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == height * (1 + 3 * width)
-    pixels = {raw[i:i + 3] for y in range(height) for i in range(y * (1 + 3 * width) + 1, (y + 1) * (1 + 3 * width), 3)}
-    assert bytes((31, 119, 180)) in pixels and bytes((214, 39, 40)) in pixels, "both series drawn"
+def test_run_plot_has_a_panel_per_quantity_and_every_overlay(tmp_path, monkeypatch):
+    run = {"lm loss": {1: 4.85, 2: 4.8, 3: 4.6, 4: 4.4}, "mtp_1 loss": {1: 4.9, 2: 4.85, 3: 4.7, 4: 4.5},
+           "grad-norm": {1: 2.0, 2: 1.5, 3: 1.2, 4: 1.1}, "learning-rate": {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3},
+           "num-zeros": {1: 0.0}}
+    golden = {"lm loss": {1: 4.85, 2: 4.81, 3: 4.61, 4: 4.41}}
+    resumed = {"lm loss": {3: 4.6, 4: 4.4}}
+    drawn = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        drawn["panels"] = [(ax.get_ylabel(), [line.get_label() for line in ax.get_lines()])
+                           for ax in fig.axes]
+        drawn["title"] = fig._suptitle.get_text()
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    path = plot.write_run_plot(tmp_path / "loss.png", run, golden, resumed, resume_step=2,
+                               title="gpt_tp2_pp2 (cpu)")
+    assert path.read_bytes()[:8] == PNG
+    assert drawn["title"] == "gpt_tp2_pp2 (cpu)"
+    panels = dict(drawn["panels"])
+    assert list(panels) == ["loss", "gradient norm", "learning rate"]  # num-zeros has no panel
+    assert panels["loss"] == ["lm loss", "lm loss (golden)", "lm loss (resumed)", "mtp_1 loss",
+                              "resumed from step 2"]
+    assert panels["gradient norm"] == ["grad-norm", "resumed from step 2"]
+    height, width, _ = mpimg.imread(path).shape
+    assert width == 800 and height > 600
 
 
-def test_empty_and_flat_series_still_render():
-    assert render({})[:8] == b"\x89PNG\r\n\x1a\n"
-    assert render({"run": {1: 2.0}})[:8] == b"\x89PNG\r\n\x1a\n"
-    assert render({"run": {1: 2.0, 2: 2.0}})[:8] == b"\x89PNG\r\n\x1a\n"
+def test_empty_and_single_point_series_still_render(tmp_path):
+    assert plot.write_run_plot(tmp_path / "a.png", {}).read_bytes()[:8] == PNG
+    assert plot.write_png_plot(tmp_path / "b.png", {"run": {1: 2.0}}).read_bytes()[:8] == PNG

@@ -1,0 +1,671 @@
+"""megatron-core 0.19.2's pipeline schedules as data: what every rank does, in order.
+
+For a plan (pipeline size ``pp``, virtual chunks ``vpp``, micro-batches ``m``, optionally a
+multi-module plan) :func:`build_schedule` returns, per rank, the exact sequence of steps the
+schedule function runs: forward (``F``) and backward (``B``) of a micro-batch on a model
+chunk, and every call into the P2P communicator with the messages it posts. It follows the
+rules of megatron-core's own code, not a textbook picture:
+
+- 1F1B (``forward_backward_pipelining_without_interleaving``): ``pp - rank - 1`` warm-up
+  forwards (capped at ``m``; for multi-module pipelines the builder's per-rank count, the
+  number of stages downstream of the rank), one ``recv_forward`` before the steady state,
+  ``send_forward_recv_backward`` after each steady forward, ``send_backward_recv_forward``
+  after each steady backward except the last (``send_backward``), then the cool-down;
+- interleaved (``forward_backward_pipelining_with_interleaving``, ``overlap_p2p_comm`` off,
+  the default with batched P2P): the chunk order of ``get_schedule_table`` with
+  ``microbatch_group_size_per_vp_stage``, the warm-up ``2 * (pp - rank - 1) + (vpp - 1) * g``,
+  the receive rules of ``recv_tensor_from_previous_stage`` (the leading stage lags by
+  ``pp - 1`` steps; the last chunk's output wraps from the last rank to the first rank's next
+  chunk), the combined four-way exchange that ends the warm-up and every steady step, and the
+  cool-down's ``send_backward_recv_backward``.
+
+A received tensor is labelled with the step that consumes it: the schedule queues received
+activations (gradients) per chunk and its forwards (backwards) of a chunk take them in
+micro-batch order. Within one call the messages are listed in the order megatron-ext's
+batched P2P posts them (forward pair first: send_next, recv_prev, send_prev, recv_next).
+
+:func:`simulate` places the steps on a time axis (forward 1 unit, backward 2 by default) to
+get the bubble fraction, and :class:`Schedule` reports peak in-flight micro-batches per rank
+and bytes per step on each pipeline edge. :mod:`megatron_ext.pipeline.trace` records the same
+steps from a real run; :func:`compare` says where they differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+# The order megatron-ext's batched P2P posts one call's messages (megatron_ext.pipeline.p2p).
+DIRECTIONS = ("send_next", "recv_prev", "send_prev", "recv_next")
+# What each direction carries: activations travel forward, gradients backward.
+CARRIES = {"send_next": "F", "recv_prev": "F", "send_prev": "B", "recv_next": "B"}
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A forward or backward pass of one micro-batch through one model chunk."""
+
+    kind: str  # "F" | "B"
+    microbatch: int
+    chunk: int = 0
+
+    def label(self, chunks: int = 1) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if chunks > 1 else "")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor a P2P call sends or receives: its direction, and the micro-batch and chunk
+    (on this rank) that produced it (sends) or will consume it (receives)."""
+
+    direction: str  # one of DIRECTIONS
+    microbatch: Optional[int]
+    chunk: Optional[int]
+
+    def label(self, chunks: int = 1) -> str:
+        verb = "s" if self.direction.startswith("send") else "r"
+        where = "" if self.microbatch is None else str(self.microbatch)
+        if chunks > 1 and self.chunk is not None:
+            where += f"c{self.chunk}"
+        return f"{verb}{CARRIES[self.direction]}{where or '?'}"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One call into the P2P communicator (``send_forward_recv_backward`` ...) and the
+    messages it posts; a call at the model's ends may post nothing."""
+
+    call: str
+    messages: tuple[Message, ...] = ()
+
+    def label(self, chunks: int = 1) -> str:
+        return "+".join(m.label(chunks) for m in self.messages) or "-"
+
+
+Step = Union[Compute, Exchange]
+
+
+def step_label(step: Step, chunks: int = 1) -> str:
+    return step.label(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SchedulePlan:
+    """What decides a schedule. ``multimodule`` is a
+    :class:`~megatron_ext.multimodule.plan.MultiModulePlan` (then ``pp`` and ``vpp`` are
+    ignored: every rank runs 1F1B with its own warm-up). ``microbatch_group_size`` is
+    megatron's ``microbatch_group_size_per_vp_stage`` (None: ``pp``, megatron's default)."""
+
+    pp: int = 1
+    vpp: Optional[int] = None
+    microbatches: int = 1
+    microbatch_group_size: Optional[int] = None
+    multimodule: Any = None
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def group_size(self) -> int:
+        return self.microbatch_group_size or self.pp
+
+    def problems(self) -> list[str]:
+        """Why megatron-core would refuse this plan (one line each, with the fix)."""
+        problems = []
+        if self.multimodule is not None:
+            return problems
+        if self.pp < 1:
+            problems.append(f"--pp {self.pp}: the pipeline needs at least one stage")
+        if self.microbatches < 1:
+            problems.append(f"--microbatches {self.microbatches}: at least one micro-batch")
+        if self.vpp is not None and self.vpp < 1:
+            problems.append(f"--vpp {self.vpp}: at least one chunk per rank (or leave it out)")
+        if problems or self.vpp is None:
+            return problems
+        if self.pp == 1:
+            problems.append("--vpp needs --pp > 1: megatron interleaves chunks only across stages")
+        g, m = self.group_size, self.microbatches
+        if g > m or g < self.pp:
+            problems.append(
+                f"microbatch_group_size_per_vp_stage={g} must lie in [pp={self.pp}, "
+                f"microbatches={m}] (megatron-core raises otherwise); use at least {self.pp} "
+                "micro-batches"
+            )
+        elif 0 < m % g < self.pp:
+            problems.append(
+                f"{m} micro-batches leave a last group of {m % g} < pp={self.pp} (megatron-core "
+                f"raises: dependency bubbles); use a multiple of {g} or a remainder >= {self.pp}"
+            )
+        return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank step lists
+# ---------------------------------------------------------------------------------------------
+class _RankBuilder:
+    """Collects one rank's steps, labelling received tensors with the step consuming them
+    (the schedule's per-chunk FIFO queues of received activations and gradients)."""
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self._received = {"F": {}, "B": {}}  # kind -> chunk -> tensors received so far
+        self._consumed = {"F": {}, "B": {}}
+
+    def compute(self, kind: str, microbatch: int, chunk: int) -> None:
+        self.steps.append(Compute(kind, microbatch, chunk))
+
+    def exchange(self, call: str, sends: dict[str, tuple[int, int]], receives: dict[str, int]) -> None:
+        """``sends``: direction -> (micro-batch, chunk) sent; ``receives``: direction -> the
+        chunk whose queue the tensor joins."""
+        messages = []
+        for direction in DIRECTIONS:
+            if direction in sends:
+                mb, chunk = sends[direction]
+                messages.append(Message(direction, mb, chunk))
+            elif direction in receives:
+                kind, chunk = CARRIES[direction], receives[direction]
+                queue = self._received[kind].setdefault(chunk, 0)
+                self._received[kind][chunk] = queue + 1
+                messages.append(Message(direction, queue, chunk))
+        self.steps.append(Exchange(call, tuple(messages)))
+
+
+def one_f_one_b(
+    microbatches: int, warmup: int, first: bool, last: bool
+) -> list[Step]:
+    """One rank of ``forward_backward_pipelining_without_interleaving`` (training)."""
+    rank = _RankBuilder()
+    warmup = min(warmup, microbatches)
+    remaining = microbatches - warmup
+
+    def recv_forward():
+        rank.exchange("recv_forward", {}, {} if first else {"recv_prev": 0})
+
+    for i in range(warmup):
+        recv_forward()
+        rank.compute("F", i, 0)
+        rank.exchange("send_forward", {} if last else {"send_next": (i, 0)}, {})
+    if remaining > 0:
+        recv_forward()
+    for i in range(remaining):
+        f = warmup + i
+        rank.compute("F", f, 0)
+        rank.exchange("send_forward_recv_backward",
+                      {} if last else {"send_next": (f, 0)}, {} if last else {"recv_next": 0})
+        rank.compute("B", i, 0)
+        if i == remaining - 1:
+            rank.exchange("send_backward", {} if first else {"send_prev": (i, 0)}, {})
+        else:
+            rank.exchange("send_backward_recv_forward",
+                          {} if first else {"send_prev": (i, 0)}, {} if first else {"recv_prev": 0})
+    for i in range(warmup):
+        b = remaining + i
+        rank.exchange("recv_backward", {}, {} if last else {"recv_next": 0})
+        rank.compute("B", b, 0)
+        rank.exchange("send_backward", {} if first else {"send_prev": (b, 0)}, {})
+    return rank.steps
+
+
+def schedule_table(microbatches: int, chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """megatron's ``get_schedule_table``: (micro-batch, chunk) of every virtual step."""
+    table = []
+    for start in range(0, microbatches, group_size):
+        stop = microbatches if start + group_size >= microbatches else start + group_size
+        table += [(mb, chunk) for chunk in range(chunks) for mb in range(start, stop)]
+    return table
+
+
+def interleaved_warmup(pp: int, rank: int, chunks: int, group_size: int, microbatches: int) -> int:
+    """megatron's ``get_pp_rank_microbatches`` for the interleaved schedule (training)."""
+    warmup = (pp - rank - 1) * 2 + (chunks - 1) * group_size
+    return min(warmup, microbatches * chunks)
+
+
+def interleaved(pp: int, rank: int, chunks: int, microbatches: int, group_size: int) -> list[Step]:
+    """One rank of ``forward_backward_pipelining_with_interleaving`` (training, batched P2P,
+    ``overlap_p2p_comm`` off)."""
+    total = microbatches * chunks
+    table = schedule_table(microbatches, chunks, group_size)
+    warmup = interleaved_warmup(pp, rank, chunks, group_size, microbatches)
+    all_warmup = warmup >= total
+    remaining = total - warmup
+    is_first_rank, is_last_rank = rank == 0, rank == pp - 1
+
+    def chunk_of(k: int, forward: bool) -> int:
+        chunk = table[k % total][1]
+        return chunk if forward else chunks - chunk - 1
+
+    def first_stage(chunk: int) -> bool:  # the model's very first stage: nothing to receive
+        return chunk == 0 and is_first_rank
+
+    def last_stage(chunk: int) -> bool:  # the model's very last stage: computes the loss
+        return chunk == chunks - 1 and is_last_rank
+
+    def receives(k: int, forward: bool) -> tuple[bool, int]:
+        """megatron's ``recv_tensor_from_previous_stage``."""
+        leading = is_first_rank if forward else is_last_rank
+        if not leading:
+            return True, chunk_of(k + 1, forward)
+        recv = True
+        last_chunk = chunks - 1 if forward else 0
+        if k < pp - 1:
+            recv, next_chunk = False, chunk_of(k + 1, forward)
+        else:
+            next_chunk = chunk_of(k - (pp - 1), forward)
+        if next_chunk == last_chunk:
+            recv = False
+        return recv, next_chunk + (1 if forward else -1)
+
+    forwards_done: dict[int, int] = {}
+    backwards_done: dict[int, int] = {}
+
+    def run_forward(k: int) -> tuple[int, int]:
+        chunk = chunk_of(k, True)
+        mb = forwards_done.get(chunk, 0)
+        forwards_done[chunk] = mb + 1
+        steps.compute("F", mb, chunk)
+        return mb, chunk
+
+    def run_backward(k: int) -> tuple[int, int]:
+        chunk = chunk_of(k, False)
+        mb = backwards_done.get(chunk, 0)
+        backwards_done[chunk] = mb + 1
+        steps.compute("B", mb, chunk)
+        return mb, chunk
+
+    steps = _RankBuilder()
+    steps.exchange("recv_forward", {}, {} if first_stage(0) else {"recv_prev": 0})
+    for k in range(warmup):
+        mb, chunk = run_forward(k)
+        recv_prev, next_chunk = receives(k, True)
+        if k == total - 1:
+            recv_prev = False
+        sends = {} if last_stage(chunk) else {"send_next": (mb, chunk)}
+        recvs = {"recv_prev": next_chunk} if recv_prev else {}
+        if k == warmup - 1 and not all_warmup:
+            if not is_last_rank:
+                recvs["recv_next"] = chunks - 1
+            steps.exchange("send_forward_backward_recv_forward_backward", sends, recvs)
+        else:
+            steps.exchange("send_forward_recv_forward", sends, recvs)
+    for k in range(remaining):
+        fk = k + warmup
+        f_mb, f_chunk = run_forward(fk)
+        b_mb, b_chunk = run_backward(k)
+        sends = {}
+        if not last_stage(f_chunk):
+            sends["send_next"] = (f_mb, f_chunk)
+        if not first_stage(b_chunk):
+            sends["send_prev"] = (b_mb, b_chunk)
+        recv_prev, next_f_chunk = receives(fk, True)
+        recv_next, next_b_chunk = receives(k, False)
+        if k == remaining - 1:
+            recv_prev = False
+        recvs = {}
+        if recv_prev:
+            recvs["recv_prev"] = next_f_chunk
+        if recv_next:
+            recvs["recv_next"] = next_b_chunk
+        steps.exchange("send_forward_backward_recv_forward_backward", sends, recvs)
+    if all_warmup:
+        steps.exchange("recv_backward", {}, {} if last_stage(chunks - 1) else {"recv_next": chunks - 1})
+    for k in range(remaining, total):
+        mb, chunk = run_backward(k)
+        recv_next, next_chunk = receives(k, False)
+        if k == total - 1:
+            recv_next = False
+        sends = {} if first_stage(chunk) else {"send_prev": (mb, chunk)}
+        steps.exchange("send_backward_recv_backward", sends,
+                       {"recv_next": next_chunk} if recv_next else {})
+    return steps.steps
+
+
+def multimodule_rank_flags(plan: Any, rank: int) -> tuple[bool, bool]:
+    """megatron's ``MultiModulePipelineCommunicator.is_pp_first_stage`` / ``is_pp_last_stage``
+    for ``rank``: a source module's first stage / a sink module's last stage."""
+    first = last = False
+    for name in plan.modules_on(rank):
+        module = plan.modules[name]
+        pp_rank = module.coordinates(rank)["pp"]
+        first |= pp_rank == 0 and not plan.predecessors(name)
+        last |= pp_rank == module.pp - 1 and not plan.successors(name)
+    return first, last
+
+
+@dataclass
+class Schedule:
+    """Every rank's steps for one training iteration, and what follows from them."""
+
+    plan: SchedulePlan
+    ranks: list[list[Step]]
+    # Physical rank each rank receives from / sends to (for bytes per edge); multi-module
+    # ranks may have several.
+    prev_ranks: list[list[int]] = field(default_factory=list)
+    next_ranks: list[list[int]] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return self.plan.chunks
+
+    def computes(self, rank: int) -> list[Compute]:
+        return [s for s in self.ranks[rank] if isinstance(s, Compute)]
+
+    def peak_in_flight(self) -> list[int]:
+        """Per rank, the most (micro-batch, chunk) forwards whose backward has not run yet:
+        the activations a rank holds at its fullest. With ``vpp`` chunks each holds about
+        1/vpp of a full stage's activations."""
+        peaks = []
+        for rank in range(len(self.ranks)):
+            held = peak = 0
+            for step in self.computes(rank):
+                held += 1 if step.kind == "F" else -1
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+    def messages_per_edge(self) -> dict[tuple[int, int], dict[str, int]]:
+        """(sender, receiver) -> number of activations ("F") and gradients ("B") sent."""
+        edges: dict[tuple[int, int], dict[str, int]] = {}
+        for rank, steps in enumerate(self.ranks):
+            for step in steps:
+                if not isinstance(step, Exchange):
+                    continue
+                for message in step.messages:
+                    if message.direction == "send_next":
+                        peers = self.next_ranks[rank]
+                    elif message.direction == "send_prev":
+                        peers = self.prev_ranks[rank]
+                    else:
+                        continue
+                    for peer in peers:
+                        counts = edges.setdefault((rank, peer), {"F": 0, "B": 0})
+                        counts[CARRIES[message.direction]] += 1
+        return dict(sorted(edges.items()))
+
+    def grid(self) -> list[list[str]]:
+        """Per rank, the labels of its compute steps in order (PyTorch pipelining's view)."""
+        return [[s.label(self.chunks) for s in self.computes(r)] for r in range(len(self.ranks))]
+
+
+def build_schedule(plan: SchedulePlan) -> Schedule:
+    """Every rank's steps for ``plan`` (raises ValueError when megatron-core would refuse it)."""
+    problems = plan.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    m = plan.microbatches
+    if plan.multimodule is not None:
+        mm = plan.multimodule
+        ranks, prev_ranks, next_ranks = [], [], []
+        links = stage_links(mm)
+        for rank in range(mm.world_size):
+            first, last = multimodule_rank_flags(mm, rank)
+            ranks.append(one_f_one_b(m, mm.warmup_on(rank), first, last))
+            prev_ranks.append(links[rank][0])
+            next_ranks.append(links[rank][1])
+        return Schedule(plan, ranks, prev_ranks, next_ranks)
+    p = plan.pp
+    if plan.vpp is None:
+        ranks = [one_f_one_b(m, p - r - 1, r == 0, r == p - 1) for r in range(p)]
+    else:
+        ranks = [interleaved(p, r, plan.vpp, m, plan.group_size) for r in range(p)]
+    return Schedule(plan, ranks, [[(r - 1) % p] for r in range(p)], [[(r + 1) % p] for r in range(p)])
+
+
+def stage_links(mm: Any) -> list[tuple[list[int], list[int]]]:
+    """Per world rank of a multi-module plan, the ranks it receives activations from and
+    sends them to: the same module's neighbouring stage (same tp/cp/dp coordinates), or
+    across a bridge every last-stage rank of a predecessor / first-stage rank of a successor
+    (the bridge's leaders gather, split and broadcast among them)."""
+
+    def stage_ranks(name: str, pp_rank: int) -> list[int]:
+        return [r for r in mm.modules[name].ranks if mm.modules[name].coordinates(r)["pp"] == pp_rank]
+
+    def same_place(name: str, rank: int, pp_rank: int) -> list[int]:
+        here = mm.modules[name].coordinates(rank)
+        return [r for r in stage_ranks(name, pp_rank)
+                if {k: v for k, v in mm.modules[name].coordinates(r).items() if k != "pp"}
+                == {k: v for k, v in here.items() if k != "pp"}]
+
+    links = []
+    for rank in range(mm.world_size):
+        prev, nxt = [], []
+        for name in mm.modules_on(rank):
+            module = mm.modules[name]
+            pp_rank = module.coordinates(rank)["pp"]
+            if pp_rank > 0:
+                prev += same_place(name, rank, pp_rank - 1)
+            else:
+                for src in mm.predecessors(name):
+                    prev += stage_ranks(src, mm.modules[src].pp - 1)
+            if pp_rank < module.pp - 1:
+                nxt += same_place(name, rank, pp_rank + 1)
+            else:
+                for dst in mm.successors(name):
+                    nxt += stage_ranks(dst, 0)
+        links.append((sorted(set(prev)), sorted(set(nxt))))
+    return links
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeline and bubble
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Slot:
+    rank: int
+    step: Compute
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Compute steps placed on a time axis; idle time is the bubble."""
+
+    slots: list[Slot]
+    ranks: int
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.slots), default=0.0) - min((s.start for s in self.slots), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.slots if s.rank == rank)
+
+    def bubble(self) -> float:
+        """Idle share of the iteration, averaged over ranks: 1 - busy / (ranks * makespan)."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / (self.ranks * span)
+
+
+class ScheduleDeadlock(RuntimeError):
+    """No rank can take its next step: the schedule waits on itself."""
+
+
+def _stage_of(schedule: Schedule, rank: int, chunk: int) -> Any:
+    if schedule.plan.multimodule is not None:
+        return rank
+    return chunk * schedule.plan.pp + rank
+
+
+def _dependencies(schedule: Schedule) -> dict[tuple[str, int, Any], list[tuple[str, int, Any]]]:
+    """Which (kind, micro-batch, stage) each compute step waits for."""
+    deps: dict = {}
+    if schedule.plan.multimodule is not None:
+        for rank in range(len(schedule.ranks)):
+            prev, nxt = schedule.prev_ranks[rank], schedule.next_ranks[rank]
+            for mb in range(schedule.plan.microbatches):
+                deps[("F", mb, rank)] = [("F", mb, r) for r in prev]
+                deps[("B", mb, rank)] = [("B", mb, r) for r in nxt] + [("F", mb, rank)]
+        return deps
+    stages = schedule.plan.pp * schedule.chunks
+    for stage in range(stages):
+        for mb in range(schedule.plan.microbatches):
+            deps[("F", mb, stage)] = [("F", mb, stage - 1)] if stage > 0 else []
+            deps[("B", mb, stage)] = [("B", mb, stage + 1)] if stage < stages - 1 else [("F", mb, stage)]
+    return deps
+
+
+def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+    """Each rank runs its compute steps in order, each as soon as the step it depends on
+    (the previous stage's forward, the next stage's backward) has finished; communication
+    is free. Raises :class:`ScheduleDeadlock` if the order cannot complete."""
+    deps = _dependencies(schedule)
+    queues = [schedule.computes(r) for r in range(len(schedule.ranks))]
+    position = [0] * len(queues)
+    clock = [0.0] * len(queues)
+    finished: dict = {}
+    slots = []
+    while any(position[r] < len(queues[r]) for r in range(len(queues))):
+        progressed = False
+        for rank, queue in enumerate(queues):
+            while position[rank] < len(queue):
+                step = queue[position[rank]]
+                key = (step.kind, step.microbatch, _stage_of(schedule, rank, step.chunk))
+                waits = deps.get(key, [])
+                if any(w not in finished for w in waits):
+                    break
+                start = max([clock[rank]] + [finished[w] for w in waits])
+                end = start + (forward_time if step.kind == "F" else backward_time)
+                finished[key] = end
+                clock[rank] = end
+                slots.append(Slot(rank, step, start, end))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(
+                f"rank {r} at {queues[r][position[r]].label(schedule.chunks)}"
+                for r in range(len(queues)) if position[r] < len(queues[r])
+            )
+            raise ScheduleDeadlock(f"the schedule cannot proceed: {stuck}")
+    return Timeline(slots, len(queues))
+
+
+def textbook_bubble(pp: int, microbatches: int, chunks: int = 1) -> float:
+    """(p - 1) / (m + p - 1), divided by the number of chunks for interleaving."""
+    return (pp - 1) / (microbatches + pp - 1) / chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per edge
+# ---------------------------------------------------------------------------------------------
+def message_bytes(hidden: int, seq: int, micro_batch_size: int, mhc_streams: int = 1,
+                  dtype_bytes: int = 4, tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> int:
+    """One exchanged tensor [s', b, n*h]: the sequence split by CP (and TP under sequence
+    parallelism), n residual streams with mHC (megatron_ext.pipeline.shapes)."""
+    s = seq // cp
+    if sequence_parallel:
+        s //= tp
+    return s * micro_batch_size * hidden * max(mhc_streams, 1) * dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------
+def format_timeline(timeline: Timeline, chunks: int = 1, unit: float = 1.0,
+                    mark: Optional[tuple[int, int]] = None) -> str:
+    """The ranks x time-slots grid: one column per ``unit`` of time, each compute step's label
+    in its first column and ``~`` in the rest, ``.`` where the rank idles. ``mark``:
+    (rank, index of its compute step) to flag with ``<-- HERE``."""
+    width = max([len(s.step.label(chunks)) for s in timeline.slots] + [1])
+    start = min((s.start for s in timeline.slots), default=0.0)
+    columns = int(round(timeline.makespan / unit))
+    rows = []
+    for rank in range(timeline.ranks):
+        cells = ["." * 1] * columns
+        for index, slot in enumerate(s for s in timeline.slots if s.rank == rank):
+            first = int(round((slot.start - start) / unit))
+            last = int(round((slot.end - start) / unit))
+            label = slot.step.label(chunks)
+            if mark == (rank, index):
+                label = "[" + label + "]"
+            cells[first] = label
+            for col in range(first + 1, last):
+                cells[col] = "~"
+        rows.append(f"rank {rank} | " + " ".join(c.ljust(width) for c in cells))
+    return "\n".join(rows)
+
+
+def format_steps(schedule: Schedule, rank: int, mark: Optional[int] = None, detail: bool = True) -> str:
+    """One rank's steps, numbered; ``mark`` flags one of them (as PyTorch pipelining does)."""
+    lines = []
+    for index, step in enumerate(schedule.ranks[rank]):
+        if not detail and isinstance(step, Exchange):
+            continue
+        text = step.label(schedule.chunks)
+        if isinstance(step, Exchange):
+            text = f"{step.call}({text})"
+        lines.append(f"  step {index:3}: {text}" + ("   <-- HERE" if index == mark else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing an order with the theory
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Mismatch:
+    rank: int
+    index: int
+    expected: Optional[Step]
+    actual: Optional[Step]
+    chunks: int = 1
+
+    def __str__(self) -> str:
+        def show(step):
+            if step is None:
+                return "nothing (the order ended)"
+            if isinstance(step, Exchange):
+                return f"{step.call}({step.label(self.chunks)})"
+            return step.label(self.chunks)
+
+        step = self.expected or self.actual
+        where = f"rank {self.rank}"
+        if isinstance(step, Compute) and (self.chunks > 1 or step.chunk):
+            where += f", chunk {step.chunk}"
+        return f"{where}, step {self.index}: expected {show(self.expected)}, got {show(self.actual)}"
+
+
+def describe_step(rank: int, index: int, step: Optional[Step], chunks: int = 1,
+                  module: Optional[str] = None) -> str:
+    """"rank 2, chunk 1, step 7: B3" -- where a step sits in the schedule."""
+    parts = [f"rank {rank}"]
+    if module is not None:
+        parts.append(f"module {module}")
+    if isinstance(step, Compute):
+        if chunks > 1 or step.chunk:
+            parts.append(f"chunk {step.chunk}")
+        return ", ".join(parts) + f", step {index}: {step.kind}{step.microbatch}"
+    if isinstance(step, Exchange):
+        return ", ".join(parts) + f", step {index}: {step.call}({step.label(chunks)})"
+    return ", ".join(parts) + f", step {index}"
+
+
+def compare(expected: Sequence[Sequence[Step]], actual: Sequence[Sequence[Step]], chunks: int = 1) -> list[Mismatch]:
+    """The first difference on each rank between two orders (empty: identical)."""
+    mismatches = []
+    for rank, (want, got) in enumerate(itertools.zip_longest(expected, actual, fillvalue=[])):
+        for index, (a, b) in enumerate(itertools.zip_longest(want, got)):
+            if a != b:
+                mismatches.append(Mismatch(rank, index, a, b, chunks))
+                break
+    return mismatches
+
+
+class ScheduleMismatch(AssertionError):
+    """A recorded order differs from megatron-core's rules."""
+
+
+def assert_same_order(schedule: Schedule, actual: Sequence[Sequence[Step]]) -> None:
+    mismatches = compare(schedule.ranks, actual, schedule.chunks)
+    if mismatches:
+        lines = [str(m) for m in mismatches]
+        first = mismatches[0]
+        lines.append(f"rank {first.rank}'s expected order:")
+        lines.append(format_steps(schedule, first.rank, mark=first.index))
+        raise ScheduleMismatch("\n".join(lines))
