@@ -192,14 +192,21 @@ def make_microbatches(plan: TrainPlan, step: int) -> list[dict[str, torch.Tensor
 def split_for_context_parallel(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This CP rank's share of a micro-batch (megatron's ``get_batch_on_this_cp_rank``: the
     load-balanced chunks r and 2*cp-1-r); the batch itself when CP is off."""
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    if ps.get_context_parallel_world_size() == 1:
+    cp_group = _context_parallel_group()
+    if cp_group is None:
         return batch
-    return get_batch_on_this_cp_rank(
-        dict(batch), is_hybrid_cp=False, cp_group=ps.get_context_parallel_group()
-    )
+    return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
+
+
+def _context_parallel_group():
+    """megatron's CP group when CP is on, else None (also where parallel_state is not set
+    up, e.g. multi-module grids, which have no CP)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group(check_initialized=False)
+    return group if group is not None and group.size() > 1 else None
 
 
 def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -208,15 +215,14 @@ def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     The reported loss is the whole micro-batch's: under CP, loss sum and token count are
     summed over the CP group first (megatron's training loop sums the report over DP x CP).
     The returned loss stays this rank's; megatron's schedules and grad reduction combine it."""
-    from megatron.core import parallel_state as ps
-
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), mask.sum()])
-    if ps.get_context_parallel_world_size() > 1:
-        dist.all_reduce(report, group=ps.get_context_parallel_group())
+    cp_group = _context_parallel_group()
+    if cp_group is not None:
+        dist.all_reduce(report, group=cp_group)
     return loss_sum, num_tokens, {"lm loss": (report[0] / report[1]).item()}
 
 
