@@ -27,8 +27,12 @@ pytestmark = [
 PER_TOKEN = dict(calculate_per_token_loss=True)
 
 
+# Small runs: 2 layers (one per stage under PP), 2 micro-batches per step, 2 steps.
+SMALL = dict(steps=2, num_layers=2, global_batch_size=4)
+
+
 def cp_plan(**layout):
-    return mhc_plan(steps=2, config_overrides=PER_TOKEN, **layout)
+    return mhc_plan(config_overrides=PER_TOKEN, **SMALL, **layout)
 
 
 @pytest.mark.parametrize(
@@ -48,8 +52,8 @@ def test_hybrid_mhc_cp2_pp2_mtp_matches_reference(monkeypatch):
     # Megatron scales each CP rank's MTP loss by that rank's token counts before and after the
     # MTP roll; masking every chunk's first token makes them agree with the whole sequence's.
     check_pipelined(
-        monkeypatch, "*-|*-/*-", cp=2, pp=2, steps=2, loss_mask_zero_every=16 // 4,
-        config_overrides=dict(PER_TOKEN),
+        monkeypatch, "*-|*-/*-", cp=2, pp=2, steps=2, global_batch_size=4,
+        loss_mask_zero_every=16 // 4, config_overrides=dict(PER_TOKEN),
     )
 
 
@@ -67,4 +71,6 @@ def test_wrong_global_positions_are_caught(monkeypatch):
 
     monkeypatch.setattr(ContextParallelDotProductAttention, "token_positions", contiguous)
     with pytest.raises(EquivalenceError, match="step 0: loss"):
-        check_mhc(mhc_plan(cp=2, steps=1, config_overrides=PER_TOKEN))
+        check_mhc(mhc_plan(
+            cp=2, steps=1, num_layers=2, global_batch_size=4, config_overrides=PER_TOKEN
+        ))
