@@ -349,12 +349,11 @@ def _check_parallel_plan(r: Recipe, add) -> None:
     if p.sp and p.tp == 1:
         add("parallelism.sp", "sequence parallelism needs tp > 1 (megatron silently turns it off "
                               "at tp=1)")
-    if p.sp and m.seq_length % p.tp:
+    if p.cp > 1:
+        _check_context_parallel(r, add)
+    elif p.sp and m.seq_length % p.tp:
         add("model.seq_length", f"{m.seq_length} is not divisible by tp={p.tp}, which sequence "
                                 "parallelism splits it over")
-    if p.cp > 1 and m.seq_length % (2 * p.cp):
-        add("model.seq_length", f"{m.seq_length} is not divisible by 2 * cp = {2 * p.cp} "
-                                "(context parallelism's load-balanced split)")
     if p.ep > 1 and (p.tp * p.dp * p.cp) % p.ep:
         add("parallelism.ep", f"ep={p.ep} must divide tp * dp * cp = {p.tp * p.dp * p.cp}")
     if m.type == "gpt" and m.num_layers:
@@ -383,6 +382,34 @@ def _check_parallel_plan(r: Recipe, add) -> None:
                                         f"vpp({p.vpp or 1}) = {chunks} model chunks")
             if p.vpp and p.vpp > 1 and p.pp == 1:
                 add("parallelism.vpp", "virtual stages need pp > 1")
+
+
+# Megatron flags that give attention a non-causal mask, which the local context-parallel
+# attention (megatron_ext.models.context_parallel) does not support.
+NON_CAUSAL_MASK_FLAGS = {
+    "--reset-attention-mask": "per-document attention masks",
+    "--window-size": "sliding-window attention",
+}
+
+
+def _check_context_parallel(r: Recipe, add) -> None:
+    """CP's load-balanced split needs 2 * cp equal chunks (each further split over TP under
+    SP); the local CP attention supports causal masks only."""
+    m, p = r.model, r.parallelism
+    divisor = 2 * p.cp * (p.tp if p.sp else 1)
+    if m.seq_length % divisor:
+        what = (f"2 * cp * tp = {divisor} (context parallelism's load-balanced split, each "
+                "chunk split again over tp by sequence parallelism)") if p.sp else (
+                f"2 * cp = {divisor} (context parallelism's load-balanced split)")
+        add("model.seq_length", f"{m.seq_length} is not divisible by {what}")
+    if m.transformer_impl == "transformer_engine":
+        return  # Transformer Engine's own CP attention handles its masks
+    for flag, what in NON_CAUSAL_MASK_FLAGS.items():
+        if r.extra_args.get(flag) not in (None, False):
+            add(f"extra_args.{flag}", f"{what} with cp={p.cp}: megatron-ext's local context-"
+                                      "parallel attention supports causal masks only; remove "
+                                      f"{flag}, set cp=1, or use transformer_impl: "
+                                      "transformer_engine")
 
 
 def _check_training(r: Recipe, add) -> None:

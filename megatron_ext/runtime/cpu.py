@@ -193,7 +193,9 @@ class CudaToCpuMode(TorchFunctionMode):
     - ``device=`` of ``cuda``, ``cuda:N`` or an ordinal becomes ``cpu`` in any torch call;
     - ``Tensor.cuda()`` returns the tensor itself and ``Tensor.to('cuda')`` goes to cpu;
     - ``Tensor.type()`` (no arguments) reports ``torch.cuda.<X>Tensor``: megatron's grad
-      clipping and optimizers assert that string.
+      clipping and optimizers assert that string;
+    - ``pin_memory=True`` is dropped: pinning needs a CUDA driver and only speeds up copies to
+      a GPU (megatron's ``get_pos_emb_on_this_cp_rank`` pins its index under CP).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -207,4 +209,6 @@ class CudaToCpuMode(TorchFunctionMode):
             args = (args[0], CPU) + tuple(args[2:])
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         return func(*args, **kwargs)

@@ -5,9 +5,11 @@
 1. the reference: the same model with every parallel size 1, built from the plan's seed,
    trained on the whole global batch with megatron's no-pipelining schedule and a plain
    torch AdamW + grad-norm clipping;
-2. the sharded run: the plan's TP/PP/VPP/EP/DP with megatron's own DDP, schedules,
+2. the sharded run: the plan's TP/PP/VPP/CP/EP/DP with megatron's own DDP, schedules,
    finalize_model_grads and optimizer (distributed or not), starting from the reference's
-   initial weights (placed by global key and offset);
+   initial weights (placed by global key and offset); with CP each rank keeps its share of
+   every micro-batch as megatron's ``get_batch_on_this_cp_rank`` splits it, and the loss
+   reports are summed over CP as megatron's training loop sums them;
 3. the comparison: the loss of every step, every gradient of every step and every weight
    after the last step, each rank's pieces gathered onto every rank, checked region by
    region and for full coverage. Every rank reaches the same verdict and raises the same
@@ -59,6 +61,11 @@ class TrainPlan:
     lr: float = 1e-3
     clip_grad: float = 1.0
     seed: int = 1234
+    # Loss-mask every position that is a multiple of this (None: a random 10 % only). With CP
+    # and MTP, s // (2 * cp) zeroes every chunk's first token: megatron scales MTP losses by
+    # each CP rank's own token counts before and after its roll, which then equal the whole
+    # sequence's.
+    loss_mask_zero_every: Optional[int] = None
     config_overrides: dict[str, Any] = field(default_factory=dict)
     # Only for the sharded run's config (e.g. pipeline_model_parallel_layout).
     parallel_overrides: dict[str, Any] = field(default_factory=dict)
@@ -168,6 +175,8 @@ def make_microbatches(plan: TrainPlan, step: int) -> list[dict[str, torch.Tensor
         tokens = torch.randint(0, plan.vocab_size, (b, s + 1), generator=generator)
         # Some masked-out tokens make the per-token normalisation matter.
         loss_mask = (torch.rand(b, s, generator=generator) > 0.1).float()
+        if plan.loss_mask_zero_every:
+            loss_mask[:, :: plan.loss_mask_zero_every] = 0.0
         batches.append(
             dict(
                 tokens=tokens[:, :-1].contiguous(),
@@ -180,17 +189,45 @@ def make_microbatches(plan: TrainPlan, step: int) -> list[dict[str, torch.Tensor
     return batches
 
 
+def split_for_context_parallel(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This CP rank's share of a micro-batch (megatron's ``get_batch_on_this_cp_rank``: the
+    load-balanced chunks r and 2*cp-1-r); the batch itself when CP is off."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp_group = _context_parallel_group()
+    if cp_group is None:
+        return batch
+    return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
+
+
+def _context_parallel_group():
+    """megatron's CP group when CP is on, else None (also where parallel_state is not set
+    up, e.g. multi-module grids, which have no CP)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group(check_initialized=False)
+    return group if group is not None and group.size() > 1 else None
+
+
 def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron's pretrain_gpt loss: (sum of masked token losses, token count, report)."""
+    """Megatron's pretrain_gpt loss: (sum of masked token losses, token count, report).
+
+    The reported loss is the whole micro-batch's: under CP, loss sum and token count are
+    summed over the CP group first (megatron's training loop sums the report over DP x CP).
+    The returned loss stays this rank's; megatron's schedules and grad reduction combine it."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": (loss_sum.detach() / num_tokens).item()}
+    report = torch.stack([loss_sum.detach(), mask.sum()])
+    cp_group = _context_parallel_group()
+    if cp_group is not None:
+        dist.all_reduce(report, group=cp_group)
+    return loss_sum, num_tokens, {"lm loss": (report[0] / report[1]).item()}
 
 
 def gpt_forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = split_for_context_parallel(next(data_iterator))
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
@@ -232,6 +269,11 @@ def run_reference(plan: TrainPlan, factory: ModelFactory, forward_step, config_c
                 forward_only=False,
             )
             losses.append(sum(r["lm loss"] for r in reports) / len(reports))
+            if config.calculate_per_token_loss:
+                # What finalize_model_grads does in the sharded run: divide by all the tokens.
+                tokens = sum(batch["loss_mask"].sum() for batch in microbatches)
+                for param in params:
+                    param.grad /= torch.clamp(tokens, min=1)
             grads.append(full_tensors(index, lambda p: p.grad))
             if plan.clip_grad > 0:
                 torch.nn.utils.clip_grad_norm_(params, plan.clip_grad)

@@ -14,7 +14,12 @@ from typing import Any, Optional
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
-from megatron_ext.testing.equivalence import ModelFactory, TrainPlan, masked_lm_loss
+from megatron_ext.testing.equivalence import (
+    ModelFactory,
+    TrainPlan,
+    masked_lm_loss,
+    split_for_context_parallel,
+)
 
 
 def pattern_without_pipeline_segments(pattern: str) -> str:
@@ -77,8 +82,9 @@ def hybrid_model_factory(
 
 
 def hybrid_forward_step(data_iterator, model):
-    """Megatron's forward step for a HybridModel: the loss mask also reaches the MTP losses."""
-    batch = next(data_iterator)
+    """Megatron's forward step for a HybridModel: the loss mask also reaches the MTP losses;
+    under CP each rank keeps its share of the batch."""
+    batch = split_for_context_parallel(next(data_iterator))
     output = model(
         batch["tokens"],
         batch["position_ids"],

@@ -249,11 +249,13 @@ def get_hybrid_stack_local_spec(
     """A HybridStack spec from megatron-core's local (non-Transformer-Engine) modules.
 
     Attention (``*``) is an attention-only TransformerLayer: ``LocalNorm`` input norm and
-    SelfAttention (ColumnParallelLinear / DotProductAttention / RowParallelLinear); MLP
-    (``-``) and MoE (``E``, local experts: they need ``add_bias_linear=False``) are
-    MLP-only layers with a ``LocalNorm`` pre-MLP norm; the final norm is ``LocalNorm``.
-    Mamba (``M``) is built only where ``mamba_ssm`` is installed. ``LocalNorm`` works under
-    sequence parallelism, so the spec runs under every parallelism, on CPU too.
+    SelfAttention (ColumnParallelLinear / ContextParallelDotProductAttention /
+    RowParallelLinear), the GPT local spec's attention; MLP (``-``) and MoE (``E``, local
+    experts: they need ``add_bias_linear=False``) are MLP-only layers with a ``LocalNorm``
+    pre-MLP norm; the final norm is ``LocalNorm``. Mamba (``M``) is built only where
+    ``mamba_ssm`` is installed. ``LocalNorm`` works under sequence parallelism and the core
+    attention under context parallelism (causal masks), so the spec runs under every
+    parallelism, on CPU too.
 
     ``enable_mhc_connections=True`` gives the mHC layers (the config must enable mHC too).
     """
