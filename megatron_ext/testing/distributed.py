@@ -84,12 +84,23 @@ def model_parallel(
     etp: Optional[int] = None,
     seed: int = 1234,
 ) -> Iterator[None]:
-    """megatron-core's model-parallel state for one test; data parallel takes the rest."""
+    """megatron-core's model-parallel state for one test; data parallel takes the rest. Its
+    process groups are destroyed on the way out (see releasing_new_process_groups)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     init_distributed()
     parallel_state.destroy_model_parallel()
+    with releasing_new_process_groups(), _initialized_model_parallel(
+        tp, pp, vpp, cp, ep, etp, seed
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _initialized_model_parallel(tp, pp, vpp, cp, ep, etp, seed) -> Iterator[None]:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
