@@ -9,9 +9,10 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
 * ``mhc-fused``      ``use_fused_mhc=True`` (Triton kernels; with ``--fused``)
 
-Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes): maps (RMS, projection,
-gates, sigmoids, Sinkhorn), Sinkhorn alone, aggregate, merge (mixing + H_post write-back of
-output and bias), for the lean path and the reference.
+Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
+aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
+Sinkhorn alone, merge (mixing + H_post write-back of output and bias). Reference: maps,
+aggregate, merge.
 
 Not a test: absolute numbers depend on the machine and its load. Prints text, and as its
 LAST line one JSON object with every figure.
@@ -104,32 +105,38 @@ def _layer_step(layer, x, mask, recompute: bool):
 
 def _op_steps(args, connection, x, y):
     """fwd+bwd of each mHC op alone on ``connection`` (one sub-layer's worth)."""
+    from megatron_ext.mhc.reference import reference_aggregate
     from megatron_ext.mhc.sinkhorn import sinkhorn_token_last
 
     n, tokens = args.streams, x.shape[0] * x.shape[1]
-    logits = torch.randn(n, n, tokens, device=x.device, requires_grad=True)
-    maps = [m.detach().requires_grad_(True) for m in connection.layer_maps(x)]
-    pre, post, res = maps
     bias = torch.zeros(args.hidden, device=x.device, dtype=x.dtype, requires_grad=True)
-    aggregate_fn, merge_fn = connection.aggregate_fn, connection.merge_fn
 
     def backward_of(fn):
         def step():
             out = fn()
-            outs = out if isinstance(out, tuple) else (out,)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
         return lambda: _timed(x.device.type, step)
 
-    ops = {
-        "maps": backward_of(lambda: tuple(connection.layer_maps(x))),
-        "aggregate": backward_of(lambda: aggregate_fn(x, pre)),
-        "merge": backward_of(lambda: merge_fn(res, x, post, y, bias)),
-    }
-    if not connection.use_reference_path:
-        ops["sinkhorn"] = backward_of(
-            lambda: sinkhorn_token_last(logits, connection.sinkhorn_iterations)
-        )
+    if connection.use_reference_path:
+        h_pre, h_post, h_res = (m.detach() for m in connection.compute_mappings(x))
+        ops = {
+            "maps": backward_of(lambda: connection.compute_mappings(x)),
+            "aggregate": backward_of(lambda: reference_aggregate(x, h_pre.requires_grad_())),
+        }
+    else:
+        _, h_post, h_res = (m.detach() for m in connection.streams_in(x))
+        logits = torch.randn(n, n, tokens, device=x.device, requires_grad=True)
+        ops = {
+            "maps+aggregate": backward_of(lambda: connection.streams_in(x)),
+            "sinkhorn": backward_of(
+                lambda: sinkhorn_token_last(logits, connection.sinkhorn_iterations)
+            ),
+        }
+    h_post.requires_grad_(True)
+    h_res.requires_grad_(True)
+    ops["merge"] = backward_of(lambda: connection.merge_fn(h_res, x, h_post, y, bias))
     return ops
 
 

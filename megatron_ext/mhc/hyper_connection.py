@@ -43,6 +43,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
 from megatron_ext.mhc.reference import (
     reference_aggregate,
     reference_bias_dropout_add_streams,
@@ -50,8 +51,7 @@ from megatron_ext.mhc.reference import (
 )
 from megatron_ext.mhc.sinkhorn import sinkhorn_token_last
 
-# Added to the RMS of the stream vector (outside the sqrt, as upstream) before inverting it.
-_RMS_EPS = 1e-6
+_RMS_EPS = RMS_EPS  # added to the RMS (outside the sqrt, as upstream) before inverting it
 
 
 def _math(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,9 +152,9 @@ def merge_rows(
 ) -> torch.Tensor:
     """``H_resᵀ · residual + dropout(H_post ⊗ (y + bias))`` -> ``[s, b, n*h]``.
 
-    Without dropout this is two passes over the n·h tensor: the mixing ``bmm`` writes the
-    output, then ``baddbmm_`` adds the rank-1 ``h_post ⊗ (y + bias)`` in place, so neither the
-    expanded output nor the expanded bias is ever materialised. With dropout (training,
+    Without dropout this is :class:`~megatron_ext.mhc.lean.MergeStreams`: the mixing ``bmm``
+    writes the output, then the rank-1 ``h_post ⊗ (y + bias)`` is added in place, so neither
+    the expanded output nor the expanded bias is ever materialised. With dropout (training,
     ``dropout_p > 0``) the expansion goes through megatron's bias-dropout-add, one mask
     element per stream element, exactly as :func:`bias_dropout_add_streams` does.
     """
@@ -165,8 +165,7 @@ def merge_rows(
         return _dropout_merge(h_res, residual, h_post, y, bias, dropout_p)
     streams = _token_streams(residual, n)
     written = y if bias is None else y + bias
-    merged = torch.bmm(mix, streams)
-    merged.baddbmm_(post_col, written.reshape(-1, 1, streams.shape[-1]))
+    merged = MergeStreams.apply(mix, streams, post_col, written.reshape(-1, 1, streams.shape[-1]))
     return merged.view(residual.shape)
 
 
@@ -309,11 +308,10 @@ class HyperConnectionModule(MegatronModule):
     def _mapping_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """``z = r · (W x) ⊙ alpha + bias`` ``[T, n²+2n]`` in fp32, ``r = 1 / (RMS(x) + 1e-6)``.
 
-        One projection produces all three maps; the gates are folded into its weight (an
-        ``[n²+2n, n·h]`` scale, instead of a scale of every token's logits).
+        One projection produces all three maps; the gates are folded into its weight.
         """
         x32 = _math(tokens)  # no copy for fp32 streams; the fp32 mapping maths for bf16
-        gated_weight = _math(self.mapping_proj.weight) * self._alpha_vector().unsqueeze(-1)
+        gated_weight = self.gated_weight()
         rms = torch.linalg.vector_norm(x32, dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
         inv_rms = torch.reciprocal(rms + _RMS_EPS)
         projected = torch.nn.functional.linear(x32, gated_weight)
@@ -340,25 +338,21 @@ class HyperConnectionModule(MegatronModule):
         h_res = h_res.permute(2, 0, 1).reshape(*lead, n, n)
         return h_pre.view(*lead, n), h_post.view(*lead, n), h_res
 
-    def layer_maps(self, x: torch.Tensor):
-        """The maps in the form the layer's :meth:`aggregate_fn` / :meth:`merge_fn` take.
+    def gated_weight(self) -> torch.Tensor:
+        """``mapping_proj.weight`` with each row scaled by its gate (fp32): the gates folded
+        into the one projection instead of scaling every token's logits."""
+        return _math(self.mapping_proj.weight) * self._alpha_vector().unsqueeze(-1)
 
-        Lean path: ``(pre_row [T,1,n], post_col [T,n,1], mix [T,n,n])`` in ``x``'s dtype;
-        reference path: :meth:`compute_mappings`' fp32 ``(h_pre, h_post, h_res)``.
-        """
-        if self.use_reference_path:
-            return reference_mappings(self, x)
-        h_pre, h_post, h_res = self._token_maps(x)
-        dtype = x.dtype
-        pre_row = h_pre.to(dtype).unsqueeze(1)
-        post_col = h_post.to(dtype).unsqueeze(-1)
-        mix = h_res.permute(2, 1, 0).to(dtype).contiguous()
-        return pre_row, post_col, mix
-
-    @property
-    def aggregate_fn(self):
-        """``f(x, pre) -> [s, b, h]`` matching :meth:`layer_maps`."""
-        return reference_aggregate if self.use_reference_path else aggregate_rows
+    def streams_in(self, x: torch.Tensor):
+        """Maps and aggregation in one pass (:class:`~megatron_ext.mhc.lean.StreamsIn`):
+        ``[s,b,n*h] -> (sub-layer input [s,b,h], post [T,n,1], mix [T,n,n])``, the maps in
+        ``x``'s dtype and in the form :func:`merge_rows` takes."""
+        n = self.n
+        streams = _token_streams(x, n)
+        aggregated, post, mix = StreamsIn.apply(
+            streams, self.gated_weight(), _math(self.bias), n, self.sinkhorn_iterations
+        )
+        return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
 
     @property
     def merge_fn(self):

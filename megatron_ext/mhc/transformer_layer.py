@@ -12,7 +12,7 @@ For each sub-layer (F = attention or MLP, with its norm):
 megatron-core 0.19.2 has no hooks for this in ``TransformerLayer`` (upstream main refactored
 its forward into overridable steps later), so this class overrides the two monolithic steps
 ``_forward_attention`` and ``_forward_mlp``. Each mHC computation is one small method
-(:meth:`_stream_maps`, :meth:`_aggregate`, :meth:`_normalise`, :meth:`_merge`) and the three
+(:meth:`_maps_and_aggregate`, :meth:`_normalise`, :meth:`_merge`) and the three
 whose outputs are large go through :func:`~megatron_ext.mhc.recompute.run_maybe_checkpointed`,
 so the "mhc" selective recompute can discard and rebuild them.
 
@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
+from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 
 # Where the error messages send people who built a non-mHC layer spec.
@@ -192,17 +193,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------- mHC steps (small on purpose)
 
     @staticmethod
-    def _stream_maps(connection, hidden_states: Tensor):
-        """``(pre, post, res)`` for each token's streams (kept; they are small), in the form
-        of ``connection.layer_maps``."""
-        return connection.layer_maps(hidden_states)
-
-    @staticmethod
-    def _aggregate(connection, hidden_states: Tensor, h_pre: Tensor, recompute) -> Tensor:
-        """Sub-layer input ``Σ_i h_pre_i · x_i`` ``[s, b, h]`` (discardable)."""
-        return run_maybe_checkpointed(recompute, connection.aggregate_fn, (hidden_states, h_pre))
-
-    @staticmethod
     def _normalise(norm, norm_name: str, layer_input: Tensor, recompute) -> Tensor:
         """``norm(layer_input)``; discardable unless the norm is the identity (TE specs fuse it
         into the next linear), whose output is its input."""
@@ -233,10 +223,25 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         with self.bias_dropout_add_exec_handler():
             return run_maybe_checkpointed(recompute, merge, (h_res, residual, h_post, output, bias))
 
+    @staticmethod
+    def _maps_and_aggregate(connection, hidden_states: Tensor, recompute):
+        """``(sub-layer input [s, b, h], h_post, h_res)`` (all discardable).
+
+        Lean path: one Function computes the maps and ``Σ_i h_pre_i · x_i`` (under recompute
+        the maps are rebuilt with the aggregate, as they are one computation). Reference
+        path: fp32 maps (kept), then the aggregate (discardable).
+        """
+        if connection.use_reference_path:
+            h_pre, h_post, h_res = connection.compute_mappings(hidden_states)
+            layer_input = run_maybe_checkpointed(
+                recompute, reference_aggregate, (hidden_states, h_pre)
+            )
+            return layer_input, h_post, h_res
+        return run_maybe_checkpointed(recompute, connection.streams_in, (hidden_states,))
+
     def _connection_in(self, connection, norm, norm_name, hidden_states, recompute, norm_recompute):
         """Maps, aggregate and norm: everything before the sub-layer itself."""
-        h_pre, h_post, h_res = self._stream_maps(connection, hidden_states)
-        layer_input = self._aggregate(connection, hidden_states, h_pre, recompute)
+        layer_input, h_post, h_res = self._maps_and_aggregate(connection, hidden_states, recompute)
         normed = self._normalise(norm, norm_name, layer_input, norm_recompute)
         return normed, h_res, h_post
 
