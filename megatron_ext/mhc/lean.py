@@ -10,8 +10,8 @@ sums of n·h tensors:
   the merge needs, in the activation dtype. Its backward writes the streams' gradient into
   one buffer: the aggregation term (a broadcast product), then the projection term
   (``addmm_``) and the RMS term (``addcmul_``) in place.
-* :class:`MergeStreams` — ``H_resᵀ x + h_post ⊗ (y + bias)``: one mixing ``bmm`` then an
-  in-place broadcast ``addcmul_``; backward is four batched matmuls.
+* :class:`MergeStreams` — ``H_resᵀ x + h_post ⊗ (y + bias)``: one mixing ``bmm``
+  then an in-place broadcast ``addcmul_``; backward is four batched matmuls.
 
 Shapes: streams ``x3 [T, n, h]`` (T = s·b), ``pre`` ``[T, 1, n]``, ``post [T, n, 1]``,
 ``mix [T, n, n]`` with ``mix[t, i, j] = H_res[t][j, i]`` (the H_resᵀ orientation).
@@ -54,7 +54,8 @@ class StreamsIn(torch.autograd.Function):
         x32 = x3.reshape(tokens, n * hidden).to(_math_dtype(x3.dtype))
         norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
         inv_rms = torch.reciprocal(norm / math.sqrt(n * hidden) + RMS_EPS)
-        projected = torch.nn.functional.linear(x32, gated_weight)
+        # x @ Wᵀ with Wᵀ made contiguous first: CPU GEMMs with a 24-wide side run faster.
+        projected = torch.mm(x32, gated_weight.t().contiguous())
         z = torch.addcmul(bias, projected, inv_rms)
         pre = torch.sigmoid(z[:, :n])
         post_gate = torch.sigmoid(z[:, n : 2 * n])
@@ -101,7 +102,7 @@ class StreamsIn(torch.autograd.Function):
         grad_projected = grad_z * inv_rms
         grad_inv_rms = (grad_z * projected).sum(dim=-1, keepdim=True)
         x32 = x3.reshape(tokens, n * hidden).to(math_dtype)
-        grad_weight = torch.mm(grad_projected.t(), x32)
+        grad_weight = torch.mm(grad_projected.t().contiguous(), x32)
         grad_norm = grad_inv_rms * (-inv_rms * inv_rms / math.sqrt(n * hidden))
         # d‖x‖/dx = x/‖x‖, taken as 0 for an all-zero token (as torch's norm backward does).
         rms_coefficient = torch.where(norm > 0, grad_norm / norm, torch.zeros_like(norm))

@@ -77,40 +77,49 @@ def sinkhorn_reference(logits: torch.Tensor, iterations: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- token-last core
 
 
-def _normalise_token_last(m0: torch.Tensor, iterations: int, keep_steps: bool = False):
-    """Alternate row/column normalisation of ``[n, n, T]``; optionally also every step's
-    ``(output, clamped sum, sum-was-not-clamped)`` for the analytic backward."""
-    m, steps = m0, []
+def _normalise_token_last(m0: torch.Tensor, iterations: int) -> torch.Tensor:
+    """Alternate row/column normalisation of ``[n, n, T]``."""
+    m = m0
     for _ in range(iterations):
         for dim in (_ROW_DIM, _COL_DIM):
-            total = m.sum(dim=dim, keepdim=True)
-            if keep_steps:
-                # clamp_min passes no gradient where it clamped; remember where.
-                unclamped = total >= _MIN_DENOMINATOR
-                total = total.clamp_min(_MIN_DENOMINATOR)
-                m = m / total
-                steps.append((m, total, unclamped, dim))
-            else:
-                m = m / total.clamp_min_(_MIN_DENOMINATOR)
-    return m, steps
+            m = m / m.sum(dim=dim, keepdim=True).clamp_min_(_MIN_DENOMINATOR)
+    return m
 
 
 def sinkhorn_forward_token_last(logits: torch.Tensor, iterations: int):
     """``(H [n, n, T], M0)`` from token-last logits ``[n, n, T]`` (compute dtype in, out)."""
     m0 = _exp_shifted(logits, row_dim=_ROW_DIM)
-    projected, _ = _normalise_token_last(m0, iterations)
-    return projected, m0
+    return _normalise_token_last(m0, iterations), m0
 
 
 def sinkhorn_backward_token_last(
     grad: torch.Tensor, m0: torch.Tensor, iterations: int
 ) -> torch.Tensor:
-    """dL/dlogits ``[n, n, T]`` from dL/dH, re-running the loop from the saved M0."""
-    _, steps = _normalise_token_last(m0, iterations, keep_steps=True)
-    for output, total, unclamped, dim in reversed(steps):
-        # y = x / s with s = Σ_dim x:  dx = (g - Σ_dim g·y) / s   (Σ term only if unclamped)
-        through_sum = (grad * output).sum(dim=dim, keepdim=True).mul_(unclamped)
-        grad = (grad - through_sum).div_(total)
+    """dL/dlogits ``[n, n, T]`` from dL/dH, re-running the loop from the saved M0.
+
+    Each step is y = x / s with s = max(Σ_dim x, eps), so dx = g / s - [s > eps] · Σ_dim(g·y) / s
+    (clamp_min passes no gradient where it clamped). The re-run writes every step's
+    (clamped) sum into one buffer, so 1/s and -[s > eps]/s are two ops for all steps.
+    """
+    n, _, tokens = m0.shape
+    steps = 2 * iterations
+    sums = m0.new_empty(steps, n, tokens)
+    outputs, m = [], m0
+    for step in range(steps):
+        dim = _ROW_DIM if step % 2 == 0 else _COL_DIM
+        total = sums[step].unsqueeze(dim)
+        torch.sum(m, dim=dim, keepdim=True, out=total)
+        m = m / total.clamp_min_(_MIN_DENOMINATOR)
+        outputs.append(m)
+    inverse = sums.reciprocal()
+    # A sum exactly at eps counts as clamped here (autograd's clamp would pass it): immaterial.
+    through_sum = inverse.mul_(sums > _MIN_DENOMINATOR).neg_()
+    inverse = sums.reciprocal_()
+    for step in reversed(range(steps)):
+        dim = _ROW_DIM if step % 2 == 0 else _COL_DIM
+        weighted = (grad * outputs[step]).sum(dim=dim, keepdim=True)
+        weighted.mul_(through_sum[step].unsqueeze(dim))
+        grad = torch.addcmul(weighted, grad, inverse[step].unsqueeze(dim))
     # d exp(l - c)/dl = exp(l - c); the rowmax shift c contributes nothing because the output
     # is invariant to scaling a row of M0 (the first step is a row normalisation).
     return grad.mul_(m0)
