@@ -7,7 +7,6 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``mhc``            the mHC layer (lean native path, the default), ``[s, b, n*h]``
 * ``mhc+recompute``  the same with the "mhc" selective recompute (one-layer group)
 * ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
-* ``mhc-fused``      ``use_fused_mhc=True`` (Triton kernels; with ``--fused``)
 
 Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
 aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
@@ -19,7 +18,7 @@ LAST line one JSON object with every figure.
 
     python bench/mhc_layer.py --device cpu --dtype fp32 --hidden 512 --seq 256 --batch 2 --heads 8
     python bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 \\
-        --heads 32 --fused
+        --heads 32
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _config(args, mhc: bool, fused: bool = False):
+def _config(args, mhc: bool):
     from megatron_ext.testing.configs import small_config
 
     fields = dict(
@@ -49,21 +48,19 @@ def _config(args, mhc: bool, fused: bool = False):
         params_dtype=DTYPES[args.dtype],
         bf16=args.dtype == "bf16",
     )
-    if fused:
-        fields["use_fused_mhc"] = True
     if args.device == "cuda":
         fields["use_cpu_initialization"] = False
     return small_config(**fields)
 
 
-def _layer(args, mhc: bool, fused: bool = False, reference: bool = False):
+def _layer(args, mhc: bool, reference: bool = False):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_ext.models.gpt import get_gpt_layer_local_spec
 
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
-    layer = build_module(spec, config=_config(args, mhc, fused), layer_number=1)
+    layer = build_module(spec, config=_config(args, mhc), layer_number=1)
     layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
     if reference:
         for module in layer.modules():
@@ -154,7 +151,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--fused", action="store_true", help="also time use_fused_mhc=True")
     parser.add_argument("--no-reference", action="store_true", help="skip mhc-reference")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -185,10 +181,6 @@ def main() -> None:
         if not args.no_reference:
             reference = _layer(args, True, reference=True)
             runs["mhc-reference"] = _layer_step(reference, x_mhc, mask, False)
-        if args.fused:
-            fused = _layer(args, True, fused=True)
-            runs["mhc-fused"] = _layer_step(fused, x_mhc, mask, False)
-            runs["mhc-fused+recompute"] = _layer_step(fused, x_mhc, mask, True)
         layer_ms = _interleaved(runs, args.warmup, args.iters)
 
         y = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
