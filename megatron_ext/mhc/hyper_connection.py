@@ -246,6 +246,19 @@ def bias_dropout_add_streams(
 # ----------------------------------------------------------------------------- the module
 
 
+def keep_fp32_when_halving(fn):
+    """Wrap an ``nn.Module._apply`` function so fp32 tensors are not cast to bf16/fp16."""
+
+    def apply(tensor):
+        result = fn(tensor)
+        if tensor.dtype == torch.float32 and result.dtype in (torch.bfloat16, torch.float16):
+            return tensor.to(device=result.device)
+        return result
+
+    return apply
+
+
+
 class HyperConnectionModule(MegatronModule):
     """Computes one sub-layer's mHC maps from the n-stream residual.
 
@@ -293,6 +306,18 @@ class HyperConnectionModule(MegatronModule):
         for param in self.parameters():
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
             setattr(param, "sequence_parallel", config.sequence_parallel)
+
+    def _apply(self, fn, recurse=True):
+        """Keep the five mHC parameters fp32 when the model is cast to bf16/fp16.
+
+        megatron's ``Float16Module`` casts the whole model with ``module.bfloat16()``; upstream
+        (PR #6401, dev) exempts the mHC parameters with ``mark_keep_in_fp32``, which
+        megatron-core 0.19.2 does not have. Here a cast from fp32 to a 16-bit dtype leaves
+        this module's tensors fp32 (device moves still apply), so the maps are computed from
+        fp32 weights, megatron's DDP gives them fp32 gradient buffers and the optimizer steps
+        them in fp32.
+        """
+        return super()._apply(keep_fp32_when_halving(fn), recurse)
 
     def _alpha_vector(self) -> torch.Tensor:
         """``[alpha_pre]*n ++ [alpha_post]*n ++ [alpha_res]*n²`` in fp32."""
