@@ -23,8 +23,15 @@ DeepSeek-V4-style weights load. (The rest follows main: the exp/clamp Sinkhorn a
 H_pre, so numerics match DeepSeek-V4 closely but not bit for bit.)
 
 Precision: the mapping maths (RMS factor, projection, sigmoids, Sinkhorn) runs in fp32 even
-for bf16 activations, and the maps are returned in fp32. Aggregation and mixing also
-accumulate in fp32 and cast back to the activation dtype.
+for bf16 activations (:meth:`HyperConnectionModule.compute_mappings` returns fp32 maps). The
+big steps (aggregation, mixing, write-back) take the maps cast to the activation dtype, as
+upstream's fused path does, and run as batched matmuls that accumulate in fp32; they never
+copy the n·h streams to fp32.
+
+Speed (the lean path): one projection for all maps with the gates folded into its weight, a
+token-last Sinkhorn with an analytic backward, aggregation as one batched matmul, and the
+merge as one mixing matmul plus one in-place rank-1 update. :mod:`megatron_ext.mhc.reference`
+keeps the straightforward formulas as the reference.
 """
 
 from __future__ import annotations
@@ -36,10 +43,15 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_ext.mhc.sinkhorn import sinkhorn_knopp
+from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
+from megatron_ext.mhc.reference import (
+    reference_aggregate,
+    reference_bias_dropout_add_streams,
+    reference_mappings,
+)
+from megatron_ext.mhc.sinkhorn import sinkhorn_token_last
 
-# Added to the RMS of the stream vector (outside the sqrt, as upstream) before inverting it.
-_RMS_EPS = 1e-6
+_RMS_EPS = RMS_EPS  # added to the RMS (outside the sqrt, as upstream) before inverting it
 
 
 def _math(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,13 +114,91 @@ def learned_contract(
 
 
 # ----------------------------------------------------------------------------- applying the maps
+#
+# The lean forms work on token-major batches of tiny matrices: the streams as ``[T, n, h]``
+# (T = s·b, a view), the maps as ``pre_row [T, 1, n]``, ``post_col [T, n, 1]`` and
+# ``mix [T, n, n]`` (``mix[t, i, j] = H_res[t][j, i]``, i.e. already transposed), all in the
+# activation dtype. Each big step is then one batched matmul over the n·h tensor, with no
+# expanded copies and no fp32 copies of the streams.
+
+
+def _token_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[..., n*h] -> [T, n, h]`` (a view for contiguous ``x``)."""
+    width = x.shape[-1]
+    if width % n != 0:
+        raise ValueError(
+            f"last dim {width} of the n-stream tensor is not divisible by "
+            f"mhc_num_residual_streams={n}"
+        )
+    return x.reshape(-1, n, width // n)
+
+
+def aggregate_rows(x: torch.Tensor, pre_row: torch.Tensor) -> torch.Tensor:
+    """Sub-layer input ``Σ_i h_pre_i · x_i`` as one batched matmul:
+    ``[s,b,n*h], pre_row [T,1,n] -> [s,b,h]``."""
+    streams = _token_streams(x, pre_row.shape[-1])
+    return torch.bmm(pre_row, streams).view(*x.shape[:-1], streams.shape[-1])
+
+
+def merge_rows(
+    mix: torch.Tensor,
+    residual: torch.Tensor,
+    post_col: torch.Tensor,
+    y: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """``H_resᵀ · residual + dropout(H_post ⊗ (y + bias))`` -> ``[s, b, n*h]``.
+
+    Without dropout this is :class:`~megatron_ext.mhc.lean.MergeStreams`: the mixing ``bmm``
+    writes the output, then the rank-1 ``h_post ⊗ (y + bias)`` is added in place, so neither
+    the expanded output nor the expanded bias is ever materialised. With dropout (training,
+    ``dropout_p > 0``) the expansion goes through megatron's bias-dropout-add, one mask
+    element per stream element, exactly as :func:`bias_dropout_add_streams` does.
+    """
+    n = mix.shape[-1]
+    if training and dropout_p > 0:
+        h_post = post_col.reshape(*y.shape[:-1], n)
+        h_res = mix.transpose(-1, -2).reshape(*y.shape[:-1], n, n)
+        return _dropout_merge(h_res, residual, h_post, y, bias, dropout_p)
+    streams = _token_streams(residual, n)
+    written = y if bias is None else y + bias
+    merged = MergeStreams.apply(mix, streams, post_col, written.reshape(-1, 1, streams.shape[-1]))
+    return merged.view(residual.shape)
+
+
+def _dropout_merge(h_res, residual, h_post, y, bias, dropout_p):
+    """The n-stream bias-dropout-add through megatron's own (unfused) implementation."""
+    mixed = mix_residual(residual, h_res)
+    expanded_bias = None if bias is None else expand_output(bias, h_post)
+    bias_dropout_add = get_bias_dropout_add(True, fused=False)
+    return bias_dropout_add((expand_output(y, h_post), expanded_bias), mixed, dropout_p)
+
+
+def _pre_rows(h_pre: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return h_pre.reshape(-1, 1, h_pre.shape[-1]).to(dtype)
+
+
+def _post_cols(h_post: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return h_post.reshape(-1, h_post.shape[-1], 1).to(dtype)
+
+
+def _mix_matrices(h_res: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., n, n] -> [T, n, n]`` transposed and contiguous (a batch stride of 1 would make
+    CPU ``bmm`` fall back to one matmul per token)."""
+    n = h_res.shape[-1]
+    return h_res.reshape(-1, n, n).transpose(-1, -2).to(dtype).contiguous()
 
 
 def aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
-    """Sub-layer input ``Σ_i h_pre_i · x_i``: ``[s,b,n*h], [s,b,n] -> [s,b,h]``."""
-    streams = _math(_split_streams(x, h_pre.shape[-1]))
-    combined = (_math(h_pre).unsqueeze(-1) * streams).sum(dim=-2)
-    return combined.to(x.dtype)
+    """Sub-layer input ``Σ_i h_pre_i · x_i``: ``[s,b,n*h], [s,b,n] -> [s,b,h]``.
+
+    The maps are cast to ``x``'s dtype (as upstream's fused path does); the matmul
+    accumulates in fp32 either way.
+    """
+    return aggregate_rows(x, _pre_rows(h_pre, x.dtype))
 
 
 def mix_residual(x: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
@@ -116,9 +206,8 @@ def mix_residual(x: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
 
     ``[s,b,n*h], [s,b,n,n] -> [s,b,n*h]``; see the module docstring for why the transpose.
     """
-    streams = _math(_split_streams(x, h_res.shape[-1]))
-    mixed = torch.matmul(_math(h_res).transpose(-1, -2), streams)
-    return _merge_streams(mixed).to(x.dtype)
+    streams = _token_streams(x, h_res.shape[-1])
+    return torch.bmm(_mix_matrices(h_res, x.dtype), streams).view(x.shape)
 
 
 def expand_output(y: torch.Tensor, h_post: torch.Tensor) -> torch.Tensor:
@@ -141,17 +230,33 @@ def bias_dropout_add_streams(
 ) -> torch.Tensor:
     """``mix_residual(residual, h_res) + dropout(h_post ⊗ (y + bias))`` -> ``[s, b, n*h]``.
 
-    Runs through megatron-core's own bias-dropout-add with the n-stream tensors as its ``x``
-    and ``residual``, so dropout masks are drawn per stream element, as upstream does.
+    With dropout it runs through megatron-core's own bias-dropout-add with the n-stream
+    tensors as its ``x`` and ``residual``, so dropout masks are drawn per stream element, as
+    upstream does; without, it is :func:`merge_rows`.
     """
     y, bias = out_with_bias
-    mixed = mix_residual(residual, h_res)
-    expanded_bias = None if bias is None else expand_output(bias, h_post)
-    bias_dropout_add = get_bias_dropout_add(training, fused=False)
-    return bias_dropout_add((expand_output(y, h_post), expanded_bias), mixed, dropout_p)
+    if training and dropout_p > 0:
+        return _dropout_merge(h_res, residual, h_post, y, bias, dropout_p)
+    dtype = residual.dtype
+    return merge_rows(
+        _mix_matrices(h_res, dtype), residual, _post_cols(h_post, dtype), y, bias
+    )
 
 
 # ----------------------------------------------------------------------------- the module
+
+
+def keep_fp32_when_halving(fn):
+    """Wrap an ``nn.Module._apply`` function so fp32 tensors are not cast to bf16/fp16."""
+
+    def apply(tensor):
+        result = fn(tensor)
+        if tensor.dtype == torch.float32 and result.dtype in (torch.bfloat16, torch.float16):
+            return tensor.to(device=result.device)
+        return result
+
+    return apply
+
 
 
 class HyperConnectionModule(MegatronModule):
@@ -177,6 +282,9 @@ class HyperConnectionModule(MegatronModule):
     aggregate = staticmethod(aggregate)
     mix_residual = staticmethod(mix_residual)
     expand_output = staticmethod(expand_output)
+    # True runs the straightforward formulas of megatron_ext.mhc.reference instead of the
+    # lean path (tests compare the two; set it on an instance or on the class).
+    use_reference_path: bool = False
 
     def __init__(self, config, layer_number: int):
         super().__init__(config=config)
@@ -199,6 +307,18 @@ class HyperConnectionModule(MegatronModule):
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
             setattr(param, "sequence_parallel", config.sequence_parallel)
 
+    def _apply(self, fn, recurse=True):
+        """Keep the five mHC parameters fp32 when the model is cast to bf16/fp16.
+
+        megatron's ``Float16Module`` casts the whole model with ``module.bfloat16()``; upstream
+        (PR #6401, dev) exempts the mHC parameters with ``mark_keep_in_fp32``, which
+        megatron-core 0.19.2 does not have. Here a cast from fp32 to a 16-bit dtype leaves
+        this module's tensors fp32 (device moves still apply), so the maps are computed from
+        fp32 weights, megatron's DDP gives them fp32 gradient buffers and the optimizer steps
+        them in fp32.
+        """
+        return super()._apply(keep_fp32_when_halving(fn), recurse)
+
     def _alpha_vector(self) -> torch.Tensor:
         """``[alpha_pre]*n ++ [alpha_post]*n ++ [alpha_res]*n²`` in fp32."""
         n = self.n
@@ -210,31 +330,72 @@ class HyperConnectionModule(MegatronModule):
             ]
         )
 
-    def _mapping_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``z = r · (W x) ⊙ alpha + bias`` in fp32, with ``r = 1 / (RMS(x) + 1e-6)``."""
-        x32 = _math(x)
-        rms = x32.norm(dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
-        inv_rms = 1.0 / (rms + _RMS_EPS)
-        projected = torch.nn.functional.linear(x32, _math(self.mapping_proj.weight))
-        return inv_rms * projected * self._alpha_vector() + _math(self.bias)
+    def _mapping_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``z = r · (W x) ⊙ alpha + bias`` ``[T, n²+2n]`` in fp32, ``r = 1 / (RMS(x) + 1e-6)``.
+
+        One projection produces all three maps; the gates are folded into its weight.
+        """
+        x32 = _math(tokens)  # no copy for fp32 streams; the fp32 mapping maths for bf16
+        gated_weight = self.gated_weight()
+        rms = torch.linalg.vector_norm(x32, dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
+        inv_rms = torch.reciprocal(rms + _RMS_EPS)
+        projected = torch.nn.functional.linear(x32, gated_weight)
+        return torch.addcmul(_math(self.bias), projected, inv_rms)
+
+    def _token_maps(self, x: torch.Tensor):
+        """``(h_pre [T, n], h_post [T, n], H_res token-last [n, n, T])`` in fp32."""
+        n = self.n
+        z = self._mapping_logits(x.reshape(-1, x.shape[-1]))
+        h_pre = torch.sigmoid(z[:, :n])
+        h_post = torch.sigmoid(z[:, n : 2 * n]) * 2.0
+        # Sinkhorn runs token-last: [T, n*n] -> [n, n, T] (a small copy).
+        res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
+        return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
     def compute_mappings(
         self, x: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
+        if self.use_reference_path:
+            return reference_mappings(self, x)
+        n, lead = self.n, x.shape[:-1]
+        h_pre, h_post, h_res = self._token_maps(x)
+        h_res = h_res.permute(2, 0, 1).reshape(*lead, n, n)
+        return h_pre.view(*lead, n), h_post.view(*lead, n), h_res
+
+    def gated_weight(self) -> torch.Tensor:
+        """``mapping_proj.weight`` with each row scaled by its gate (fp32): the gates folded
+        into the one projection instead of scaling every token's logits."""
+        return _math(self.mapping_proj.weight) * self._alpha_vector().unsqueeze(-1)
+
+    def streams_in(self, x: torch.Tensor):
+        """Maps and aggregation in one pass (:class:`~megatron_ext.mhc.lean.StreamsIn`):
+        ``[s,b,n*h] -> (sub-layer input [s,b,h], post [T,n,1], mix [T,n,n])``, the maps in
+        ``x``'s dtype and in the form :func:`merge_rows` takes."""
         n = self.n
-        z = self._mapping_logits(x)
-        h_pre = torch.sigmoid(z[..., :n])
-        h_post = 2.0 * torch.sigmoid(z[..., n : 2 * n])
-        res_logits = z[..., 2 * n :].reshape(*z.shape[:-1], n, n)
-        h_res = sinkhorn_knopp(res_logits, self.sinkhorn_iterations)
-        return h_pre, h_post, h_res
+        streams = _token_streams(x, n)
+        aggregated, post, mix = StreamsIn.apply(
+            streams, self.gated_weight(), _math(self.bias), n, self.sinkhorn_iterations
+        )
+        return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
+
+    @property
+    def merge_fn(self):
+        """``f(res, residual, post, y, bias, *, dropout_p, training) -> [s, b, n*h]``."""
+        if self.use_reference_path:
+            return _reference_merge
+        return merge_rows
 
     def forward(
         self, hidden_states: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s,b,n*h] -> (sub-layer input [s,b,h], h_res [s,b,n,n], h_post [s,b,n])``."""
-        # Upcast once: the mapping maths and the aggregation both read the fp32 streams.
-        x32 = _math(hidden_states)
-        h_pre, h_post, h_res = self.compute_mappings(x32)
-        return aggregate(x32, h_pre).to(hidden_states.dtype), h_res, h_post
+        h_pre, h_post, h_res = self.compute_mappings(hidden_states)
+        aggregate_with = reference_aggregate if self.use_reference_path else aggregate
+        return aggregate_with(hidden_states, h_pre), h_res, h_post
+
+
+def _reference_merge(h_res, residual, h_post, y, bias, *, dropout_p=0.0, training=False):
+    return reference_bias_dropout_add_streams(
+        h_res, residual, h_post, (y, bias), dropout_p, training
+    )

@@ -12,7 +12,7 @@ For each sub-layer (F = attention or MLP, with its norm):
 megatron-core 0.19.2 has no hooks for this in ``TransformerLayer`` (upstream main refactored
 its forward into overridable steps later), so this class overrides the two monolithic steps
 ``_forward_attention`` and ``_forward_mlp``. Each mHC computation is one small method
-(:meth:`_stream_maps`, :meth:`_aggregate`, :meth:`_normalise`, :meth:`_merge`) and the three
+(:meth:`_maps_and_aggregate`, :meth:`_normalise`, :meth:`_merge`) and the three
 whose outputs are large go through :func:`~megatron_ext.mhc.recompute.run_maybe_checkpointed`,
 so the "mhc" selective recompute can discard and rebuild them.
 
@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
-from megatron_ext.mhc.hyper_connection import aggregate, bias_dropout_add_streams
+from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 
 # Where the error messages send people who built a non-mHC layer spec.
@@ -193,16 +193,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------- mHC steps (small on purpose)
 
     @staticmethod
-    def _stream_maps(connection, hidden_states: Tensor):
-        """``(h_pre, h_post, h_res)`` for this token's streams (kept; they are small)."""
-        return connection.compute_mappings(hidden_states)
-
-    @staticmethod
-    def _aggregate(hidden_states: Tensor, h_pre: Tensor, recompute) -> Tensor:
-        """Sub-layer input ``Σ_i h_pre_i · x_i`` ``[s, b, h]`` (discardable)."""
-        return run_maybe_checkpointed(recompute, aggregate, (hidden_states, h_pre))
-
-    @staticmethod
     def _normalise(norm, norm_name: str, layer_input: Tensor, recompute) -> Tensor:
         """``norm(layer_input)``; discardable unless the norm is the identity (TE specs fuse it
         into the next linear), whose output is its input."""
@@ -221,20 +211,37 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             return layer_input
         return run_maybe_checkpointed(recompute, apply_norm, (layer_input,))
 
-    def _merge(self, h_res, residual, h_post, output_with_bias, recompute) -> Tensor:
+    def _merge(
+        self, connection, h_res, residual, h_post, output_with_bias, recompute
+    ) -> Tensor:
         """``H_resᵀ · residual + dropout(H_post ⊗ (y + bias))`` ``[s, b, n*h]`` (discardable
         unless it is the output that ends a recompute group: pass ``recompute=None`` then)."""
         output, bias = output_with_bias
         merge = functools.partial(
-            _merge_streams, dropout_p=self.hidden_dropout, training=self.training
+            connection.merge_fn, dropout_p=self.hidden_dropout, training=self.training
         )
         with self.bias_dropout_add_exec_handler():
             return run_maybe_checkpointed(recompute, merge, (h_res, residual, h_post, output, bias))
 
+    @staticmethod
+    def _maps_and_aggregate(connection, hidden_states: Tensor, recompute):
+        """``(sub-layer input [s, b, h], h_post, h_res)`` (all discardable).
+
+        Lean path: one Function computes the maps and ``Σ_i h_pre_i · x_i`` (under recompute
+        the maps are rebuilt with the aggregate, as they are one computation). Reference
+        path: fp32 maps (kept), then the aggregate (discardable).
+        """
+        if connection.use_reference_path:
+            h_pre, h_post, h_res = connection.compute_mappings(hidden_states)
+            layer_input = run_maybe_checkpointed(
+                recompute, reference_aggregate, (hidden_states, h_pre)
+            )
+            return layer_input, h_post, h_res
+        return run_maybe_checkpointed(recompute, connection.streams_in, (hidden_states,))
+
     def _connection_in(self, connection, norm, norm_name, hidden_states, recompute, norm_recompute):
         """Maps, aggregate and norm: everything before the sub-layer itself."""
-        h_pre, h_post, h_res = self._stream_maps(connection, hidden_states)
-        layer_input = self._aggregate(hidden_states, h_pre, recompute)
+        layer_input, h_post, h_res = self._maps_and_aggregate(connection, hidden_states, recompute)
         normed = self._normalise(norm, norm_name, layer_input, norm_recompute)
         return normed, h_res, h_post
 
@@ -316,7 +323,12 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         # In an attention-only layer the attention output ends the group: keep it.
         keep_output = ends_group and self.mlp_hyper_connection is None
         output = self._merge(
-            h_res, residual, h_post, attention_output_with_bias, None if keep_output else group
+            connection,
+            h_res,
+            residual,
+            h_post,
+            attention_output_with_bias,
+            None if keep_output else group,
         )
         return output, context
 
@@ -347,7 +359,12 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             if norm_group is not None and norm_group is not group:
                 norm_group.discard_and_recompute_on_backward(mlp_output_with_bias[0])
             output = self._merge(
-                h_res, residual, h_post, mlp_output_with_bias, None if ends_group else group
+                connection,
+                h_res,
+                residual,
+                h_post,
+                mlp_output_with_bias,
+                None if ends_group else group,
             )
         output = make_viewless_tensor(
             inp=output, requires_grad=output.requires_grad, keep_graph=True
@@ -368,11 +385,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             output, bias = mlp(mlp_input)
         output = self._maybe_reflatten_from_moe(output, packed_seq_params, unflattened_mbs)
         return output, bias
-
-
-def _merge_streams(h_res, residual, h_post, output, bias, *, dropout_p: float, training: bool):
-    """:func:`bias_dropout_add_streams` with tensor-only positional arguments (checkpointable)."""
-    return bias_dropout_add_streams(h_res, residual, h_post, (output, bias), dropout_p, training)
 
 
 def layer_supports_mhc(module: Any) -> bool:

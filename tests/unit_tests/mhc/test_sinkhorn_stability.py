@@ -58,3 +58,18 @@ def test_product_of_64_unprojected_matrices_grows_without_bound():
     assert all(later > earlier for earlier, later in zip(growth, growth[1:]))
     assert growth[-1] > 1e30
     assert growth[-1] / growth[DEPTH // 2] > 1e15
+
+
+def test_gradient_where_the_clamp_engages_matches_autograd_through_the_loop():
+    """A column at the bottom of the range sums to ~1e-44 < 1e-6: the clamp engages and must
+    pass no gradient through that sum, exactly as autograd through clamp_min does."""
+    from megatron_ext.mhc.sinkhorn import sinkhorn_reference
+
+    logits = _uniform_logits(8, N, N, bound=50.0, seed=4).double()
+    logits[:, :, 0] = -50.0
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5)).double()
+    ours = logits.clone().requires_grad_(True)
+    (sinkhorn_knopp(ours, 20) * weights).sum().backward()
+    reference = logits.clone().requires_grad_(True)
+    (sinkhorn_reference(reference, 20) * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-9, atol=1e-12)

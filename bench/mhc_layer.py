@@ -1,0 +1,226 @@
+"""Forward+backward time of one mHC transformer layer vs one plain layer, side by side.
+
+Variants, run interleaved in one process (plain, mhc, mhc+recompute, ..., plain, ...) so load
+and drift hit all alike; medians and ratios to plain are reported:
+
+* ``plain``          megatron-core's layer from megatron-ext's local GPT spec, ``[s, b, h]``
+* ``mhc``            the mHC layer (lean native path, the default), ``[s, b, n*h]``
+* ``mhc+recompute``  the same with the "mhc" selective recompute (one-layer group)
+* ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
+
+Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
+aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
+Sinkhorn alone, merge (mixing + H_post write-back of output and bias). Reference: maps,
+aggregate, merge.
+
+Not a test: absolute numbers depend on the machine and its load. Prints text, and as its
+LAST line one JSON object with every figure.
+
+    python bench/mhc_layer.py --device cpu --dtype fp32 --hidden 512 --seq 256 --batch 2 --heads 8
+    python bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 \\
+        --heads 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _config(args, mhc: bool):
+    from megatron_ext.testing.configs import small_config
+
+    fields = dict(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=args.streams,
+        params_dtype=DTYPES[args.dtype],
+        bf16=args.dtype == "bf16",
+    )
+    if args.device == "cuda":
+        fields["use_cpu_initialization"] = False
+    return small_config(**fields)
+
+
+def _layer(args, mhc: bool, reference: bool = False):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_ext.models.gpt import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
+    layer = build_module(spec, config=_config(args, mhc), layer_number=1)
+    layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
+    if reference:
+        for module in layer.modules():
+            if hasattr(module, "use_reference_path"):
+                module.use_reference_path = True
+    return layer
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(device: str, fn) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _layer_step(layer, x, mask, recompute: bool):
+    from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup
+
+    def step():
+        if recompute:  # what HyperConnectionTransformerBlock does for a one-layer group
+            layer.mhc_recompute = LayerRecompute(MHCRecomputeGroup(), ends_group=True)
+        output, _ = layer(x, attention_mask=mask)
+        output.backward(torch.ones_like(output))
+
+    def run():
+        elapsed = _timed(x.device.type, step)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return elapsed
+
+    return run
+
+
+def _op_steps(args, connection, x, y):
+    """fwd+bwd of each mHC op alone on ``connection`` (one sub-layer's worth)."""
+    from megatron_ext.mhc.reference import reference_aggregate
+    from megatron_ext.mhc.sinkhorn import sinkhorn_token_last
+
+    n, tokens = args.streams, x.shape[0] * x.shape[1]
+    bias = torch.zeros(args.hidden, device=x.device, dtype=x.dtype, requires_grad=True)
+
+    def backward_of(fn):
+        def step():
+            out = fn()
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        return lambda: _timed(x.device.type, step)
+
+    if connection.use_reference_path:
+        h_pre, h_post, h_res = (m.detach() for m in connection.compute_mappings(x))
+        ops = {
+            "maps": backward_of(lambda: connection.compute_mappings(x)),
+            "aggregate": backward_of(lambda: reference_aggregate(x, h_pre.requires_grad_())),
+        }
+    else:
+        _, h_post, h_res = (m.detach() for m in connection.streams_in(x))
+        logits = torch.randn(n, n, tokens, device=x.device, requires_grad=True)
+        ops = {
+            "maps+aggregate": backward_of(lambda: connection.streams_in(x)),
+            "sinkhorn": backward_of(
+                lambda: sinkhorn_token_last(logits, connection.sinkhorn_iterations)
+            ),
+        }
+    h_post.requires_grad_(True)
+    h_res.requires_grad_(True)
+    ops["merge"] = backward_of(lambda: connection.merge_fn(h_res, x, h_post, y, bias))
+    return ops
+
+
+def _interleaved(runs: dict, warmup: int, iters: int) -> dict:
+    times = {name: [] for name in runs}
+    for iteration in range(warmup + iters):
+        for name, run in runs.items():
+            elapsed = run()
+            if iteration >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--no-reference", action="store_true", help="skip mhc-reference")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU")
+
+    from megatron_ext.testing.distributed import model_parallel
+
+    s, b, h, n = args.seq, args.batch, args.hidden, args.streams
+    dtype, device = DTYPES[args.dtype], args.device
+    with model_parallel():
+        plain, mhc = _layer(args, False), _layer(args, True)
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+        x_plain = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
+        x_mhc = torch.randn(s, b, n * h, device=device, dtype=dtype, requires_grad=True)
+        runs = {
+            "plain": _layer_step(plain, x_plain, mask, False),
+            "mhc": _layer_step(mhc, x_mhc, mask, False),
+            "mhc+recompute": _layer_step(mhc, x_mhc, mask, True),
+        }
+        reference = None
+        if not args.no_reference:
+            reference = _layer(args, True, reference=True)
+            runs["mhc-reference"] = _layer_step(reference, x_mhc, mask, False)
+        layer_ms = _interleaved(runs, args.warmup, args.iters)
+
+        y = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
+        x_ops = x_mhc.detach().requires_grad_(True)
+        op_runs = {}
+        for label, layer in (("lean", mhc), ("reference", reference)):
+            if layer is None:
+                continue
+            connection = layer.mlp_hyper_connection
+            for op, run in _op_steps(args, connection, x_ops, y).items():
+                op_runs[f"{label}/{op}"] = run
+        op_ms = _interleaved(op_runs, args.warmup, args.iters)
+
+    threads = torch.get_num_threads() if device == "cpu" else None
+    where = f"CPU ({threads} threads)" if device == "cpu" else torch.cuda.get_device_name()
+    print(
+        f"one layer, fwd+bwd, {where}, {args.dtype}: s={s} b={b} h={h} heads={args.heads} "
+        f"n={n}, median of {args.iters} interleaved runs"
+    )
+    ratios = {name: ms / layer_ms["plain"] for name, ms in layer_ms.items()}
+    for name, ms in layer_ms.items():
+        print(f"  {name:<20} {ms:9.2f} ms   ({ratios[name]:.3f}x plain)")
+    print("each mHC op alone, fwd+bwd, one sub-layer:")
+    for name, ms in op_ms.items():
+        print(f"  {name:<20} {ms:9.3f} ms")
+    result = {
+        "bench": "mhc_layer",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "device": where,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "dtype": args.dtype,
+        "sizes": dict(seq=s, batch=b, hidden=h, heads=args.heads, streams=n),
+        "iters": args.iters,
+        "layer_ms": layer_ms,
+        "ratio_to_plain": ratios,
+        "op_ms": op_ms,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The lean native mHC sub-layer: two autograd Functions with hand-written backwards.
+
+One mHC sub-layer touches the n·h stream tensor in two places, and each is one Function here,
+so autograd never builds expanded copies, zero-filled slice gradients or per-source gradient
+sums of n·h tensors:
+
+* :class:`StreamsIn` — everything before the sub-layer: the RMS factor and the one projection
+  for all maps (gates already folded into its weight), the sigmoids, the token-last Sinkhorn,
+  and the aggregation ``Σ_i h_pre_i x_i``. It returns the sub-layer input and the two maps
+  the merge needs, in the activation dtype. Its backward writes the streams' gradient into
+  one buffer: the aggregation term (a broadcast product), then the projection term
+  (``addmm_``) and the RMS term (``addcmul_``) in place.
+* :class:`MergeStreams` — ``H_resᵀ x + h_post ⊗ (y + bias)``: one mixing ``bmm``
+  then an in-place broadcast ``addcmul_``; backward is four batched matmuls.
+
+Shapes: streams ``x3 [T, n, h]`` (T = s·b), ``pre`` ``[T, 1, n]``, ``post [T, n, 1]``,
+``mix [T, n, n]`` with ``mix[t, i, j] = H_res[t][j, i]`` (the H_resᵀ orientation).
+The mapping maths is fp32 (float64 stays float64) whatever the activation dtype.
+:mod:`megatron_ext.mhc.reference` has the same maths as plain formulas.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_ext.mhc.sinkhorn import (
+    _check_iterations,
+    sinkhorn_backward_token_last,
+    sinkhorn_forward_token_last,
+)
+
+# Added to the RMS of the stream vector (outside the sqrt, as upstream) before inverting it.
+RMS_EPS = 1e-6
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class StreamsIn(torch.autograd.Function):
+    """``StreamsIn.apply(x3, gated_weight, bias, n, iterations) -> (aggregate [T, 1, h],
+    post [T, n, 1], mix [T, n, n])``.
+
+    ``gated_weight`` is ``mapping_proj.weight`` scaled row-wise by the gates (fp32),
+    ``bias`` the static part of the maps (fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, x3, gated_weight, bias, n: int, iterations: int):
+        _check_iterations(iterations)
+        tokens, _, hidden = x3.shape
+        x32 = x3.reshape(tokens, n * hidden).to(_math_dtype(x3.dtype))
+        norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
+        inv_rms = torch.reciprocal(norm / math.sqrt(n * hidden) + RMS_EPS)
+        # x @ Wᵀ with Wᵀ made contiguous first: CPU GEMMs with a 24-wide side run faster.
+        projected = torch.mm(x32, gated_weight.t().contiguous())
+        z = torch.addcmul(bias, projected, inv_rms)
+        pre = torch.sigmoid(z[:, :n])
+        post_gate = torch.sigmoid(z[:, n : 2 * n])
+        res, m0 = sinkhorn_forward_token_last(z[:, 2 * n :].t().reshape(n, n, -1), iterations)
+
+        dtype = x3.dtype
+        pre_row = pre.to(dtype).unsqueeze(1)
+        aggregated = torch.bmm(pre_row, x3)
+        post = (post_gate * 2.0).to(dtype).unsqueeze(-1)
+        mix = res.permute(2, 1, 0).to(dtype).contiguous()
+
+        ctx.save_for_backward(x3, gated_weight, norm, inv_rms, projected, pre, post_gate, m0)
+        ctx.iterations = iterations
+        return aggregated, post, mix
+
+    @staticmethod
+    def backward(ctx, grad_aggregated, grad_post, grad_mix):
+        x3, gated_weight, norm, inv_rms, projected, pre, post_gate, m0 = ctx.saved_tensors
+        tokens, n, hidden = x3.shape
+        math_dtype = gated_weight.dtype
+
+        # Aggregation: d pre = g · x_iᵀ per token; d x starts as pre_i · g (the accumulator).
+        grad_aggregated = grad_aggregated.reshape(tokens, 1, hidden)
+        grad_pre = torch.bmm(grad_aggregated, x3.transpose(1, 2)).squeeze(1).to(math_dtype)
+        grad_x3 = pre.to(x3.dtype).unsqueeze(-1) * grad_aggregated
+
+        # Maps -> logits z = [pre | post | res]; sigmoid' = s(1-s), post = 2·s.
+        grad_z_pre = grad_pre * pre * (1.0 - pre)
+        if grad_post is None:
+            grad_z_post = torch.zeros_like(post_gate)
+        else:
+            grad_post = grad_post.reshape(tokens, n).to(math_dtype)
+            grad_z_post = grad_post * 2.0 * post_gate * (1.0 - post_gate)
+        if grad_mix is None:
+            grad_z_res = torch.zeros(tokens, n * n, dtype=math_dtype, device=x3.device)
+        else:
+            grad_res = grad_mix.to(math_dtype).permute(2, 1, 0).contiguous()
+            grad_z_res = sinkhorn_backward_token_last(grad_res, m0, ctx.iterations)
+            grad_z_res = grad_z_res.reshape(n * n, tokens).t()
+        grad_z = torch.cat([grad_z_pre, grad_z_post, grad_z_res], dim=1)
+
+        # z = projected · inv_rms + bias, projected = x Wᵀ, inv_rms = 1/(‖x‖/√(nh) + eps).
+        grad_bias = grad_z.sum(dim=0)
+        grad_projected = grad_z * inv_rms
+        grad_inv_rms = (grad_z * projected).sum(dim=-1, keepdim=True)
+        x32 = x3.reshape(tokens, n * hidden).to(math_dtype)
+        grad_weight = torch.mm(grad_projected.t().contiguous(), x32)
+        grad_norm = grad_inv_rms * (-inv_rms * inv_rms / math.sqrt(n * hidden))
+        # d‖x‖/dx = x/‖x‖, taken as 0 for an all-zero token (as torch's norm backward does).
+        rms_coefficient = torch.where(norm > 0, grad_norm / norm, torch.zeros_like(norm))
+
+        grad_x = grad_x3.view(tokens, n * hidden)
+        if grad_x.dtype == math_dtype:
+            grad_x.addmm_(grad_projected, gated_weight)
+            grad_x.addcmul_(x32, rms_coefficient)
+        else:  # bf16/fp16 streams: the mapping term in fp32, added once in the stream dtype
+            mapping_term = torch.addcmul(
+                torch.mm(grad_projected, gated_weight), x32, rms_coefficient
+            )
+            grad_x.add_(mapping_term.to(grad_x.dtype))
+        return grad_x3, grad_weight, grad_bias, None, None
+
+
+class MergeStreams(torch.autograd.Function):
+    """``MergeStreams.apply(mix, x3, post, written) -> [T, n, h]``:
+    ``mixed_i = Σ_j mix[i, j] x_j`` plus ``post_i · written`` (``written [T, 1, h]`` is
+    ``y + bias``)."""
+
+    @staticmethod
+    def forward(ctx, mix, x3, post, written):
+        merged = torch.bmm(mix, x3)
+        merged.addcmul_(post, written)
+        ctx.save_for_backward(mix, x3, post, written)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        mix, x3, post, written = ctx.saved_tensors
+        grad = grad.contiguous()
+        need = ctx.needs_input_grad
+        grad_mix = torch.bmm(grad, x3.transpose(1, 2)) if need[0] else None
+        grad_x3 = torch.bmm(mix.transpose(1, 2), grad) if need[1] else None
+        grad_post = torch.bmm(grad, written.transpose(1, 2)) if need[2] else None
+        grad_written = torch.bmm(post.transpose(1, 2), grad) if need[3] else None
+        return grad_mix, grad_x3, grad_post, grad_written
+
+
+__all__ = ["MergeStreams", "RMS_EPS", "StreamsIn"]

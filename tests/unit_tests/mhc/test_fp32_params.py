@@ -1,0 +1,65 @@
+"""bf16 training keeps the mHC parameters fp32 (upstream's mark_keep_in_fp32, absent in
+megatron-core 0.19.2): under megatron's Float16Module the five parameters of every hyper
+connection stay fp32, megatron's DDP gives them fp32 gradient buffers, and megatron's mixed-
+precision optimizer steps them in fp32, while every other parameter is bf16."""
+
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+
+from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_ext.testing.configs import small_config
+from megatron_ext.testing.distributed import model_parallel
+
+pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+
+
+def _is_mhc(name: str) -> bool:
+    return "hyper_connection" in name
+
+
+def test_mhc_parameters_stay_fp32_under_float16module_and_train_in_fp32():
+    with model_parallel(seed=1):
+        config = small_config(
+            num_layers=2, hidden_size=32, num_attention_heads=4, enable_mhc_connections=True,
+            mhc_num_residual_streams=4, bf16=True, params_dtype=torch.bfloat16,
+        )
+        model = GPTModel(config, get_gpt_layer_local_spec(enable_mhc_connections=True),
+                         vocab_size=VOCAB, max_sequence_length=SEQ)
+        model = Float16Module(config, model)
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        assert any(_is_mhc(name) for name in dtypes)
+        for name, dtype in dtypes.items():
+            assert dtype == (torch.float32 if _is_mhc(name) else torch.bfloat16), name
+
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16),
+            [ddp],
+            use_gloo_process_groups=False,
+        )
+        before = {n: p.detach().clone() for n, p in ddp.named_parameters() if _is_mhc(n)}
+
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+        positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        loss = ddp(tokens, positions, mask, labels=tokens).float().mean()
+        loss.backward()
+        finalize_model_grads([ddp])
+        for name, param in ddp.named_parameters():
+            if _is_mhc(name):
+                assert param.main_grad.dtype == torch.float32, name
+                assert param.main_grad.abs().sum() > 0, name
+        succeeded, _, _ = optimizer.step()
+        assert succeeded
+        for name, param in ddp.named_parameters():
+            if _is_mhc(name):
+                assert param.dtype == torch.float32, name
+                assert not torch.equal(param.detach(), before[name]), f"{name} was not updated"
