@@ -234,6 +234,29 @@ register(
 )
 
 
+_DEAD_MTP_OUTPUT_WEIGHT_WHY = (
+    "With tied embeddings and MTP under PP, the MTP stage (pre_process=False) gets an "
+    "output_layer.weight because the allocation condition looks only at pre_process; the "
+    "stage feeds its embedding copy to the output layer instead, so the weight never gets a "
+    "gradient (constant num-zeros) and a torch_dist save asserts in LanguageModule's tied "
+    "state dict. It is released right after construction (cf. Megatron-LM PR #7577)."
+)
+
+for _model_target in (
+    "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+    "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__",
+):
+    register(
+        Patch(
+            target=_model_target,
+            make=lambda original: importlib.import_module(
+                "megatron_ext.models.tied_output"
+            ).init_without_dead_output_weight(original),
+            why=_DEAD_MTP_OUTPUT_WEIGHT_WHY,
+        )
+    )
+
+
 def _skip_compile_helpers() -> None:
     """The wheel's prebuilt dataset helpers are used as they are."""
     importlib.import_module("megatron.core.datasets.helpers_cpp")
