@@ -32,6 +32,7 @@ from typing import Callable, Optional
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
+from megatron_ext.recipes import safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_png_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -78,7 +79,12 @@ def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(iterations // 2))
 
 
-RESUME_SHELL = ('rm -rf "{ckpt}/iter_{last:07d}" && echo {half} > "{ckpt}/latest_checkpointed_iteration.txt"')
+def resume_shell(ckpt: Path, iterations: int) -> str:
+    """The shell twin of :func:`prepare_resume` (paths quoted)."""
+    q = shlex.quote
+    last = Path(ckpt) / f"iter_{iterations:07d}"
+    tracker = Path(ckpt) / "latest_checkpointed_iteration.txt"
+    return f"rm -rf {q(str(last))} && echo {int(iterations) // 2} > {q(str(tracker))}"
 
 
 def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> str:
@@ -87,19 +93,21 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
-        + (f", overrides: {' '.join(loaded.overrides)}" if loaded.overrides else "") + ")",
-        f"# {plan.describe(loaded)}",
+        safety.comment(f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
+                       + (f", overrides: {shlex.join(loaded.overrides)}" if loaded.overrides else "") + ")"),
+        safety.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
     if env:
+        for key in env:
+            if not safety.ENV_KEY.match(str(key)):
+                raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
     for i, phase in enumerate(phases(loaded, run_dir)):
         if phase.name == "resume":
-            it = recipe.training.iterations
-            lines.append(RESUME_SHELL.format(ckpt=run_dir / "checkpoints", last=it, half=it // 2))
+            lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(recipe.world_size), "-m", recipe.entry]
@@ -169,7 +177,13 @@ class Outcome:
 
 def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    for where, value in (("name", loaded.name), ("platform", loaded.platform)):
+        problem = safety.name_problem(where, value)
+        if problem is not None:
+            raise safety.UnsafeValueError(str(problem))
     base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
+    if not safety.inside(root, base):
+        raise safety.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
         n += 1

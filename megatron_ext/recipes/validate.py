@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from megatron_ext.recipes import plan
+from megatron_ext.recipes import plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
@@ -63,7 +63,7 @@ def entry_importable(module: Optional[str]) -> bool:
 
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
-    result = Validation(problems=plan.plan_problems(loaded))
+    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded))
     recipe = loaded.recipe
     entry = recipe.entry
     if not entry_importable(entry):
