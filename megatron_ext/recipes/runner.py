@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -216,8 +217,6 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
         compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
         megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`."""
-    from megatron_ext.launch import local
-
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
@@ -239,7 +238,30 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
     write_run_files(loaded, run_dir)
     echo(f"  run directory {run_dir}")
-    results = []
+    results: list[dict] = []
+    try:
+        return _run_phases(loaded, run_dir, results, started, compare_golden, force_compare,
+                           write_golden, echo)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the launcher stopped the ranks
+        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        raise
+
+
+def _write_interrupted_summary(loaded: LoadedRecipe, run_dir: Path, results: list[dict],
+                               started: float, exc: BaseException, echo: Echo) -> None:
+    signum = getattr(exc, "signum", None)
+    how = f"stopped by {signal.Signals(signum).name}" if signum else "interrupted (Ctrl-C)"
+    results.append({"phase": "interrupted", "returncode": 128 + (signum or signal.SIGINT),
+                    "seconds": round(time.monotonic() - started, 2), "reason": how})
+    _write_summary(loaded, run_dir, "interrupted", results, [], time.monotonic() - started)
+    echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
+
+
+def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], started: float,
+                compare_golden: bool, force_compare: bool, write_golden: bool, echo: Echo) -> Outcome:
+    from megatron_ext.launch import local
+
+    recipe = loaded.recipe
     for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             prepare_resume(loaded, run_dir)
