@@ -238,7 +238,10 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
                     follower.poll()
                 codes = {r: p.poll() for r, p in procs.items()}
                 if failed_rank is None:
-                    bad = [r for r, c in codes.items() if c not in (None, 0)]
+                    # Several may have ended since the last poll: a rank killed by a signal
+                    # caused its peers' communication errors, not the other way round.
+                    bad = sorted((r for r, c in codes.items() if c not in (None, 0)),
+                                 key=lambda r: (codes[r] >= 0, r))
                     if bad:
                         failed_rank, failed_at = bad[0], time.monotonic()
                 if all(c is not None for c in codes.values()):
@@ -267,6 +270,22 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     else:
         returncode = next((c for c in codes.values() if c), 0)
     return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out)
+
+
+def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
+    """Which rank failed first, where, and its original error (from the marker a failing
+    rank writes, :mod:`megatron_ext.launch.faults`); else how the first failing rank ended."""
+    from megatron_ext.launch import faults
+
+    code = result.rank_codes.get(result.failed_rank) if result.failed_rank is not None else None
+    if code is not None and code < 0:  # killed from outside: its peers' errors follow from it
+        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+    reported = faults.first_failure(job.log_path(r) for r in range(job.nproc))
+    if reported is not None:
+        return str(reported)
+    if result.failed_rank is not None:
+        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+    return None
 
 
 def tail(path: Path, lines: int = 30) -> list[str]:

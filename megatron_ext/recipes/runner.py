@@ -257,6 +257,14 @@ def _write_interrupted_summary(loaded: LoadedRecipe, run_dir: Path, results: lis
     echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
 
 
+def _echo_first_failure(job, result, echo: Echo) -> None:
+    from megatron_ext.launch import local
+
+    summary = local.failure_summary(job, result)
+    if summary:
+        echo(f"  first failure: {summary}")
+
+
 def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], started: float,
                 compare_golden: bool, force_compare: bool, write_golden: bool, echo: Echo) -> Outcome:
     from megatron_ext.launch import local
@@ -278,6 +286,7 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
             what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
                 f"rank {rank} exited with {result.returncode}"
+            _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")

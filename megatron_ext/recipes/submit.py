@@ -69,6 +69,16 @@ def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tup
     return (None if problems else job), problems
 
 
+def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
+    """The earliest failure any rank reported (rank, where, original error)."""
+    from megatron_ext.launch import faults
+
+    logs = [step.log_dir / f"rank-{r}.log" for step in job.steps for r in range(job.world_size)]
+    failure = faults.first_failure(logs)
+    if failure is not None:
+        echo(f"  first failure: {failure}")
+
+
 def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] = None,
            runs_root: Path = Path("runs"), dry_run: bool = False, wait: bool = True,
            compare_golden: bool = True, force_compare: bool = False,
@@ -130,6 +140,7 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
                       "returncode": result.exit_code, "seconds": round(result.seconds, 2)}]
     if not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
+        _echo_first_failure(job, echo)
         runner._write_summary(loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
     return runner.finalize(loaded, run_dir, phase_results, started, compare_golden=compare_golden,

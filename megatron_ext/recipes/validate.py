@@ -188,6 +188,9 @@ def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[li
                                     if message else "Megatron's parser rejected the command line")]
                 stage = "megatron validate_args"
                 megatron_arguments.validate_args(args, {})
+                mhc_problem = launch.mhc_flags_without_mhc(argv, args)
+                if mhc_problem:
+                    return [Problem("megatron arguments", mhc_problem)]
             stage = f"config ({config_class.__name__})"
             config = build_config(args, config_class)
             stage = "guard"
