@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from megatron_ext.recipes import plan, safety
+from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
@@ -66,6 +66,10 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded))
     recipe = loaded.recipe
     entry = recipe.entry
+    unknown = entries.entry_problem(entry)
+    if unknown is not None:  # never look it up: finding a module imports its packages
+        result.problems.append(unknown)
+        return result
     if not entry_importable(entry):
         result.notes.append(f"entry module {entry} is not importable here; `run` needs it")
     if result.problems or not megatron_checks:
