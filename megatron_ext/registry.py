@@ -257,6 +257,22 @@ for _model_target in (
     )
 
 
+register(
+    Patch(
+        target="megatron.training.checkpointing:check_checkpoint_args",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.guards.checkpoint_args"
+        ).checking_model_settings(original),
+        why=(
+            "megatron.training compares only a few model arguments on load and skips "
+            "padded_vocab_size for distributed checkpoints: an mHC checkpoint loads silently "
+            "into an mHC-off model (hyper-connection weights dropped) and a TP change that "
+            "re-pads the vocabulary changes the loss. Both are refused, naming the fix."
+        ),
+    )
+)
+
+
 def _skip_compile_helpers() -> None:
     """The wheel's prebuilt dataset helpers are used as they are."""
     importlib.import_module("megatron.core.datasets.helpers_cpp")
