@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -344,6 +345,9 @@ def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             problems.append(Problem(where, f"must be a number, got {value!r}"))
+            return value
+        if not math.isfinite(value):
+            problems.append(Problem(where, f"must be a finite number, got {value!r}"))
             return value
         return float(value)
     if tp is str:
