@@ -25,7 +25,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
     },

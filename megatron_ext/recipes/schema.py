@@ -37,7 +37,9 @@ class Problem:
     what: str
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.what}" if self.where else self.what
+        text = f"{self.where}: {self.what}" if self.where else self.what
+        # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
+        return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 class RecipeError(ValueError):
