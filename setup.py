@@ -29,7 +29,7 @@ setup(
         "matplotlib",  # schedule timelines and loss plots
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
     },

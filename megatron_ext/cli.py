@@ -405,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in handlers:
         try:
             return handlers[args.command](args)
-        except KeyboardInterrupt:  # the launchers have stopped their ranks / left the job
-            print("megatron-ext: interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:  # the launchers have stopped their ranks / left the job
+            signum = getattr(exc, "signum", None)  # SIGTERM/SIGHUP (launch.local.Interrupted)
+            print(f"megatron-ext: {exc or 'interrupted'}", file=sys.stderr)
+            return 128 + signum if signum else 130
     parser.print_help()
     return 0
 

@@ -322,6 +322,43 @@ _trace("forward_backward_pipelining_without_interleaving", "traced_schedule",
        "(the schedule exposes no hook around its exchanges).")
 _trace("forward_backward_pipelining_with_interleaving", "traced_schedule",
        "The interleaved schedule, likewise.")
+_DEAD_MTP_OUTPUT_WEIGHT_WHY = (
+    "With tied embeddings and MTP under PP, the MTP stage (pre_process=False) gets an "
+    "output_layer.weight because the allocation condition looks only at pre_process; the "
+    "stage feeds its embedding copy to the output layer instead, so the weight never gets a "
+    "gradient (constant num-zeros) and a torch_dist save asserts in LanguageModule's tied "
+    "state dict. It is released right after construction (cf. Megatron-LM PR #7577)."
+)
+
+for _model_target in (
+    "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+    "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__",
+):
+    register(
+        Patch(
+            target=_model_target,
+            make=lambda original: importlib.import_module(
+                "megatron_ext.models.tied_output"
+            ).init_without_dead_output_weight(original),
+            why=_DEAD_MTP_OUTPUT_WEIGHT_WHY,
+        )
+    )
+
+
+register(
+    Patch(
+        target="megatron.training.checkpointing:check_checkpoint_args",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.guards.checkpoint_args"
+        ).checking_model_settings(original),
+        why=(
+            "megatron.training compares only a few model arguments on load and skips "
+            "padded_vocab_size for distributed checkpoints: an mHC checkpoint loads silently "
+            "into an mHC-off model (hyper-connection weights dropped) and a TP change that "
+            "re-pads the vocabulary changes the loss. Both are refused, naming the fix."
+        ),
+    )
+)
 
 
 def _skip_compile_helpers() -> None:

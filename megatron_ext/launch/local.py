@@ -7,22 +7,26 @@ the OS picks (``TORCHELASTIC_USE_AGENT_STORE``: every rank connects as a client,
 races other programs for a port), and its own log file ``LOG_DIR/rank-N.log``
 (stdout and stderr). :func:`launch` follows one rank's log while the run goes (a callback
 per line, for progress), and stops the run as torchrun does: when a rank fails, the others
-get SIGTERM after a short grace, then SIGKILL; on timeout or Ctrl-C, all of them. Every rank
-runs in its own process group, so checkpoint writers it spawned stop with it.
+get SIGTERM after a short grace, then SIGKILL; on timeout, Ctrl-C, SIGTERM or SIGHUP (raised
+as :class:`Interrupted`), all of them. Every rank runs in its own process group, so checkpoint
+writers and resource trackers it spawned stop with it, and what a dead rank leaves in its
+group is ended when the run ends.
 
 Only the processes this launcher started are ever signalled, by their ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 POLL_S = 0.2
 GRACE_S = 10.0
@@ -121,6 +125,71 @@ class LogFollower:
             self.on_line(line.rstrip("\r"))
 
 
+class Interrupted(KeyboardInterrupt):
+    """The launcher got SIGTERM or SIGHUP (a scheduler's stop, a closed terminal): handled
+    like Ctrl-C, every rank stopped first. ``signum`` says which signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP raise :class:`Interrupted` (only in the main
+    thread, where Python delivers signals); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    fired: list[int] = []
+
+    def raise_interrupted(signum, _frame):
+        if fired:  # already stopping: a second signal must not cut the clean-up short
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def reap_groups(procs: dict[int, subprocess.Popen], grace_s: float = 2.0) -> None:
+    """End what is left in the process groups of ranks that have exited: checkpoint writers,
+    multiprocessing resource trackers and other helpers a rank spawned (a rank killed with
+    SIGKILL cannot stop them itself). The group id is the rank's pid (its own session)."""
+    groups = [p.pid for p in procs.values() if p.poll() is not None and _group_alive(p.pid)]
+    for pgid in groups:
+        _kill_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+        time.sleep(0.05)
+    for pgid in groups:
+        _kill_group(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the rank's own process group (start_new_session=True)
@@ -154,40 +223,45 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     follow = job.nproc - 1 if follow_rank is None else follow_rank
     follower = LogFollower(job.log_path(follow), on_line) if on_line else None
     failed_rank, timed_out = None, False
-    try:
-        for rank in range(job.nproc):
-            env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True)}
-            with open(job.log_path(rank), "w") as log:
-                procs[rank] = subprocess.Popen(
-                    job.rank_command(), cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                )
-        failed_at = None
-        while True:
+    with stop_signals_interrupt():
+        try:
+            for rank in range(job.nproc):
+                env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True)}
+                with open(job.log_path(rank), "w") as log:
+                    procs[rank] = subprocess.Popen(
+                        job.rank_command(), cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )
+            failed_at = None
+            while True:
+                if follower:
+                    follower.poll()
+                codes = {r: p.poll() for r, p in procs.items()}
+                if failed_rank is None:
+                    # Several may have ended since the last poll: a rank killed by a signal
+                    # caused its peers' communication errors, not the other way round.
+                    bad = sorted((r for r, c in codes.items() if c not in (None, 0)),
+                                 key=lambda r: (codes[r] >= 0, r))
+                    if bad:
+                        failed_rank, failed_at = bad[0], time.monotonic()
+                if all(c is not None for c in codes.values()):
+                    break
+                if failed_at is not None and time.monotonic() - failed_at > job.grace_s:
+                    stop(procs)
+                    break
+                if time.monotonic() - start > job.timeout_s:
+                    timed_out = True
+                    stop(procs)
+                    break
+                time.sleep(POLL_S)
+        except BaseException:
+            stop(procs, grace_s=2.0)
+            raise
+        finally:
             if follower:
-                follower.poll()
-            codes = {r: p.poll() for r, p in procs.items()}
-            if failed_rank is None:
-                bad = [r for r, c in codes.items() if c not in (None, 0)]
-                if bad:
-                    failed_rank, failed_at = bad[0], time.monotonic()
-            if all(c is not None for c in codes.values()):
-                break
-            if failed_at is not None and time.monotonic() - failed_at > job.grace_s:
-                stop(procs)
-                break
-            if time.monotonic() - start > job.timeout_s:
-                timed_out = True
-                stop(procs)
-                break
-            time.sleep(POLL_S)
-    except BaseException:
-        stop(procs, grace_s=2.0)
-        raise
-    finally:
-        if follower:
-            follower.poll(final=True)
-        del store  # the ranks are gone; close the rendezvous server
+                follower.poll(final=True)
+            del store  # the ranks are gone; close the rendezvous server
+            reap_groups(procs)
     codes = {r: p.poll() for r, p in procs.items()}
     if timed_out:
         returncode = 124
@@ -196,6 +270,22 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     else:
         returncode = next((c for c in codes.values() if c), 0)
     return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out)
+
+
+def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
+    """Which rank failed first, where, and its original error (from the marker a failing
+    rank writes, :mod:`megatron_ext.launch.faults`); else how the first failing rank ended."""
+    from megatron_ext.launch import faults
+
+    code = result.rank_codes.get(result.failed_rank) if result.failed_rank is not None else None
+    if code is not None and code < 0:  # killed from outside: its peers' errors follow from it
+        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+    reported = faults.first_failure(job.log_path(r) for r in range(job.nproc))
+    if reported is not None:
+        return str(reported)
+    if result.failed_rank is not None:
+        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+    return None
 
 
 def tail(path: Path, lines: int = 30) -> list[str]:

@@ -76,8 +76,22 @@ def time_limit_seconds(text: str) -> int:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
+def _check_directive_values(job: SlurmJob) -> None:
+    """#SBATCH lines cannot be quoted for bash (they are comments); refuse line breaks."""
+    from megatron_ext.recipes.safety import check_directives
+
+    check_directives([
+        ("job name", job.name), ("partition", job.partition), ("account", job.account),
+        ("time", job.time), ("run directory", job.run_dir), ("working directory", job.workdir),
+        *((f"sbatch_args[{i}]", a) for i, a in enumerate(job.sbatch_args)),
+    ])
+
+
 def sbatch_script(job: SlurmJob) -> str:
+    """The batch script. Every value that reaches shell is quoted; values on #SBATCH lines
+    are checked (:class:`megatron_ext.recipes.safety.UnsafeValueError`)."""
     q = shlex.quote
+    _check_directive_values(job)
     run_dir = str(job.run_dir)
     lines = [
         "#!/bin/bash",
@@ -117,6 +131,11 @@ def sbatch_script(job: SlurmJob) -> str:
         container = [f"--container-image={job.container_image}",
                      f"--container-mounts={','.join(mounts)}",
                      f"--container-workdir={job.workdir}"]
+    from megatron_ext.recipes.safety import ENV_KEY, UnsafeValueError
+
+    for key in job.env:
+        if not ENV_KEY.match(str(key)):
+            raise UnsafeValueError(f"environment key {str(key)!r} is not a variable name")
     for i, step in enumerate(job.steps):
         lines += ["", f"# ---- {step.name}: {job.world_size} tasks ----"]
         if step.before:
@@ -129,7 +148,7 @@ def sbatch_script(job: SlurmJob) -> str:
         srun = ["srun", "--mpi=none", "--kill-on-bad-exit=1", f"--ntasks={job.world_size}",
                 f"--output={step.log_dir}/rank-%t.log", *container]
         inner = f'{rank_env}; exec {q(job.python)} -m {q(step.module)} "$@"'
-        head = " ".join(srun) + f" bash -c {q(inner)} megatron-ext"
+        head = shlex.join(srun) + f" bash -c {q(inner)} megatron-ext"
         groups: list[list[str]] = []
         for a in step.args:
             if a.startswith("--") or not groups:

@@ -154,9 +154,28 @@ def parse_megatron_args(
     """
     from megatron.training.arguments import parse_and_validate_args
 
+    import sys
+
     defaults = {"eval_interval": DEFAULT_EVAL_INTERVAL, **(parser_defaults or {})}
     provider = _with_parser_defaults(extra_args_providers, defaults)
-    return parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+    args = parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+    problem = mhc_flags_without_mhc(sys.argv[1:], args)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    return args
+
+
+def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> Optional[str]:
+    """``--mhc-*`` flags are ignored unless mHC is on, so a forgotten
+    ``--enable-mhc-connections`` would train a different model without a word: refuse."""
+    if getattr(args, "enable_mhc_connections", False):
+        return None
+    given = sorted({token.split("=", 1)[0] for token in argv if token.startswith("--mhc-")})
+    if not given:
+        return None
+    return (f"{', '.join(given)} given without --enable-mhc-connections, so mHC would be off and "
+            "they would do nothing; add --enable-mhc-connections (recipes: model.mhc.enabled: true) "
+            "or remove them")
 
 
 # ---- 4. pretrain ---------------------------------------------------------------------------------
@@ -178,18 +197,42 @@ def run_pretrain(
     model_provider: Callable,
     **pretrain_kwargs: Any,
 ) -> None:
-    """``megatron.training.pretrain`` with ``args`` as parsed by :func:`parse_megatron_args`."""
+    """``megatron.training.pretrain`` with ``args`` as parsed by :func:`parse_megatron_args`.
+
+    A rank that raises (model build, forward, backward, optimizer step, checkpoint I/O)
+    reports where and exits at once instead of waiting on its peers
+    (:func:`megatron_ext.launch.faults.run_failing_fast`); ``MEGATRON_EXT_FAULT`` is honoured
+    at every training step."""
     from megatron.training import inprocess_restart, pretrain
 
+    from megatron_ext.launch import faults
+
+    faults.fault_from_env()  # a malformed MEGATRON_EXT_FAULT fails here, before training
     store = None
     if getattr(args, "inprocess_restart", False):
         pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    pretrain(
+    faults.run_failing_fast(
+        pretrain,
         pretrain_config(args),
         train_valid_test_datasets_provider,
         model_type,
-        forward_step,
+        forward_step_with_faults(forward_step),
         model_provider=model_provider,
         store=store,
         **pretrain_kwargs,
     )
+
+
+def forward_step_with_faults(forward_step: Callable) -> Callable:
+    """``forward_step`` that first tells :mod:`megatron_ext.launch.faults` the training step
+    (Megatron's ``args.curr_iteration`` counts finished iterations; steps count from 1)."""
+    from megatron.training import get_args
+
+    from megatron_ext.launch import faults
+
+    @functools.wraps(forward_step)
+    def wrapped(*args: Any, **kwargs: Any):
+        faults.at_step(int(getattr(get_args(), "curr_iteration", 0)) + 1)
+        return forward_step(*args, **kwargs)
+
+    return wrapped

@@ -263,6 +263,7 @@ def train(mm: MultiModuleRecipe, log=print) -> list[float]:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from megatron_ext.launch import faults
     from megatron_ext.multimodule import MultiModulePipelineConfig, build, vlm
     from megatron_ext.multimodule.grads import global_grad_norm
 
@@ -282,35 +283,36 @@ def train(mm: MultiModuleRecipe, log=print) -> list[float]:
     forward_step = vlm.make_forward_step(mm.language_model)
     last_rank = dist.get_rank() == dist.get_world_size() - 1
     losses = []
-    try:
-        for iteration in range(1, t.iterations + 1):
-            start = time.perf_counter()
-            pipeline.zero_grad_buffer()
-            optimizer.zero_grad(set_to_none=True)
-            batches = vlm.local_batches(pipeline, data, iteration - 1, num_microbatches, t.micro_batch_size)
-            reports = pipeline.forward_backward(forward_step, iter(batches), num_microbatches)
-            # Megatron's lm loss: the mean over micro-batches and language-model replicas.
-            total = torch.tensor([sum(r["lm loss"] for r in reports), len(reports)]
-                                 if pipeline.reports_loss else [0.0, 0.0], dtype=torch.float64)
-            dist.all_reduce(total)
-            loss = float(total[0] / total[1])
-            grad_norm = global_grad_norm(pipeline)
-            scale = min(1.0, t.clip_grad / (grad_norm + 1e-6)) if t.clip_grad > 0 else 1.0
-            for p in params:
-                p.grad = p.main_grad * scale
-            optimizer.step()
-            elapsed_ms = (time.perf_counter() - start) * 1e3
-            losses.append(loss)
-            if last_rank:
-                log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{t.iterations:8d} "
-                    f"| consumed samples: {iteration * t.global_batch_size:12d} "
-                    f"| elapsed time per iteration (ms): {elapsed_ms:.1f} "
-                    f"| learning rate: {t.lr:.6E} | global batch size: {t.global_batch_size:5d} "
-                    f"| lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} "
-                    f"| number of skipped iterations:   0 | number of nan iterations:   0 |")
-                sys.stdout.flush()
-    finally:
-        pipeline.destroy()
+    # No try/finally around destroy(): it starts with a barrier, which a failing rank would
+    # block in while its peers wait on it. A failure ends the rank (main's fail-fast) instead.
+    for iteration in range(1, t.iterations + 1):
+        faults.at_step(iteration)
+        start = time.perf_counter()
+        pipeline.zero_grad_buffer()
+        optimizer.zero_grad(set_to_none=True)
+        batches = vlm.local_batches(pipeline, data, iteration - 1, num_microbatches, t.micro_batch_size)
+        reports = pipeline.forward_backward(forward_step, iter(batches), num_microbatches)
+        # Megatron's lm loss: the mean over micro-batches and language-model replicas.
+        total = torch.tensor([sum(r["lm loss"] for r in reports), len(reports)]
+                             if pipeline.reports_loss else [0.0, 0.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        loss = float(total[0] / total[1])
+        grad_norm = global_grad_norm(pipeline)
+        scale = min(1.0, t.clip_grad / (grad_norm + 1e-6)) if t.clip_grad > 0 else 1.0
+        for p in params:
+            p.grad = p.main_grad * scale
+        optimizer.step()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        losses.append(loss)
+        if last_rank:
+            log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{t.iterations:8d} "
+                f"| consumed samples: {iteration * t.global_batch_size:12d} "
+                f"| elapsed time per iteration (ms): {elapsed_ms:.1f} "
+                f"| learning rate: {t.lr:.6E} | global batch size: {t.global_batch_size:5d} "
+                f"| lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} "
+                f"| number of skipped iterations:   0 | number of nan iterations:   0 |")
+            sys.stdout.flush()
+    pipeline.destroy()
     return losses
 
 
@@ -335,4 +337,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_ext.launch.faults import run_failing_fast
+
+    sys.exit(run_failing_fast(main))

@@ -30,8 +30,59 @@ from megatron_ext.recipes import schema
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
 
 
+MAX_ALIASES = 32
+"""Anchors and aliases are fine for sharing a block; nested alias bombs (a 1.3 KB document
+expanding to gigabytes when the recipe is merged and checked) are not."""
+MAX_DEPTH = 32
+"""Deeper than any recipe needs; Python's recursion limit is far away."""
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); recipes mean a number."""
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); recipes mean a number.
+    Duplicate keys, alias bombs and absurd nesting are YAML errors, not silent surprises."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):  # noqa: D102 - PyYAML hook
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {MAX_ALIASES} aliases (*name): refused as an alias bomb",
+                    event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML hook
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:
+                    duplicate = False  # unhashable: construct_mapping reports it
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"duplicate key {key!r} (the first value would be silently replaced)",
+                        key_node.start_mark)
+                if not isinstance(key, (list, dict)):
+                    seen[key] = True
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -39,6 +90,14 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
 )
+
+
+def yaml_error_line(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (PyYAML's own text spans several lines)."""
+    what = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return " ".join(f"{what}{where}".split())
 
 
 def parse_yaml(text: str) -> Any:
@@ -261,11 +320,16 @@ def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)
     try:
-        raw = parse_yaml(path.read_text())
+        raw = parse_yaml(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(str(path), [Problem("", f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} "
+                                                  f"at offset {exc.start}")]) from None
     except yaml.YAMLError as exc:
-        raise RecipeError(str(path), [Problem("", f"not valid YAML: {exc}")]) from None
+        raise RecipeError(str(path), [Problem("", f"not valid YAML: {yaml_error_line(exc)}")]) from None
+    except RecursionError:
+        raise RecipeError(str(path), [Problem("", "not valid YAML: nested too deeply")]) from None
     recipe, problems = resolve(raw, platform, overrides)
     if problems:
         raise RecipeError(str(path), problems)

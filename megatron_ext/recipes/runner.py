@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Callable, Optional
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
+from megatron_ext.recipes import safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -81,7 +83,12 @@ def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(iterations // 2))
 
 
-RESUME_SHELL = ('rm -rf "{ckpt}/iter_{last:07d}" && echo {half} > "{ckpt}/latest_checkpointed_iteration.txt"')
+def resume_shell(ckpt: Path, iterations: int) -> str:
+    """The shell twin of :func:`prepare_resume` (paths quoted)."""
+    q = shlex.quote
+    last = Path(ckpt) / f"iter_{iterations:07d}"
+    tracker = Path(ckpt) / "latest_checkpointed_iteration.txt"
+    return f"rm -rf {q(str(last))} && echo {int(iterations) // 2} > {q(str(tracker))}"
 
 
 def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> str:
@@ -90,19 +97,21 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
-        + (f", overrides: {' '.join(loaded.overrides)}" if loaded.overrides else "") + ")",
-        f"# {plan.describe(loaded)}",
+        safety.comment(f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
+                       + (f", overrides: {shlex.join(loaded.overrides)}" if loaded.overrides else "") + ")"),
+        safety.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
     if env:
+        for key in env:
+            if not safety.ENV_KEY.match(str(key)):
+                raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
     for i, phase in enumerate(phases(loaded, run_dir)):
         if phase.name == "resume":
-            it = recipe.training.iterations
-            lines.append(RESUME_SHELL.format(ckpt=run_dir / "checkpoints", last=it, half=it // 2))
+            lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(recipe.world_size), "-m", recipe.entry]
@@ -172,7 +181,13 @@ class Outcome:
 
 def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    for where, value in (("name", loaded.name), ("platform", loaded.platform)):
+        problem = safety.name_problem(where, value)
+        if problem is not None:
+            raise safety.UnsafeValueError(str(problem))
     base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
+    if not safety.inside(root, base):
+        raise safety.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
         n += 1
@@ -206,8 +221,6 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
         megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
     rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
-    from megatron_ext.launch import local
-
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
@@ -229,7 +242,39 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
     write_run_files(loaded, run_dir)
     echo(f"  run directory {run_dir}")
-    results = []
+    results: list[dict] = []
+    try:
+        return _run_phases(loaded, run_dir, results, started, compare_golden, force_compare,
+                           write_golden, echo, trace)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the launcher stopped the ranks
+        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        raise
+
+
+def _write_interrupted_summary(loaded: LoadedRecipe, run_dir: Path, results: list[dict],
+                               started: float, exc: BaseException, echo: Echo) -> None:
+    signum = getattr(exc, "signum", None)
+    how = f"stopped by {signal.Signals(signum).name}" if signum else "interrupted (Ctrl-C)"
+    results.append({"phase": "interrupted", "returncode": 128 + (signum or signal.SIGINT),
+                    "seconds": round(time.monotonic() - started, 2), "reason": how})
+    _write_summary(loaded, run_dir, "interrupted", results, [], time.monotonic() - started)
+    echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
+
+
+def _echo_first_failure(job, result, echo: Echo) -> None:
+    from megatron_ext.launch import local
+
+    summary = local.failure_summary(job, result)
+    if summary:
+        echo(f"  first failure: {summary}")
+
+
+def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], started: float,
+                compare_golden: bool, force_compare: bool, write_golden: bool, echo: Echo,
+                trace: bool = False) -> Outcome:
+    from megatron_ext.launch import local
+
+    recipe = loaded.recipe
     for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             prepare_resume(loaded, run_dir)
@@ -251,6 +296,7 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
             what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
                 f"rank {rank} exited with {result.returncode}"
+            _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")

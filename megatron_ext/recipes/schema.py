@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,7 +37,9 @@ class Problem:
     what: str
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.what}" if self.where else self.what
+        text = f"{self.where}: {self.what}" if self.where else self.what
+        # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
+        return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 class RecipeError(ValueError):
@@ -344,6 +347,9 @@ def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             problems.append(Problem(where, f"must be a number, got {value!r}"))
+            return value
+        if not math.isfinite(value):
+            problems.append(Problem(where, f"must be a finite number, got {value!r}"))
             return value
         return float(value)
     if tp is str:

@@ -18,6 +18,7 @@ from megatron_ext.launch import slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.recipes import plan, runner
 from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.safety import UnsafeValueError
 from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 
@@ -54,8 +55,7 @@ def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tup
     for phase in runner.phases(loaded, run_dir):
         before = None
         if phase.name == "resume":
-            it = recipe.training.iterations
-            before = runner.RESUME_SHELL.format(ckpt=run_dir / "checkpoints", last=it, half=it // 2)
+            before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
         steps.append(slurm.Step(phase.name, recipe.entry, phase.args, phase.log_dir, before))
     job = slurm.SlurmJob(
         name=loaded.name, run_dir=run_dir, steps=steps, nodes=nodes, tasks_per_node=per_node,
@@ -67,6 +67,16 @@ def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tup
         sbatch_args=cfg.sbatch_args,
     )
     return (None if problems else job), problems
+
+
+def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
+    """The earliest failure any rank reported (rank, where, original error)."""
+    from megatron_ext.launch import faults
+
+    logs = [step.log_dir / f"rank-{r}.log" for step in job.steps for r in range(job.world_size)]
+    failure = faults.first_failure(logs)
+    if failure is not None:
+        echo(f"  first failure: {failure}")
 
 
 def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] = None,
@@ -87,7 +97,11 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
         for p in problems:
             echo(f"cannot submit: {p}")
         return Outcome(EXIT_INVALID, None, message="; ".join(problems))
-    script = slurm.sbatch_script(job)
+    try:
+        script = slurm.sbatch_script(job)
+    except UnsafeValueError as exc:
+        echo(f"cannot submit: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
     if dry_run:
         print(script, end="")
         return Outcome(0, None)
@@ -126,6 +140,7 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
                       "returncode": result.exit_code, "seconds": round(result.seconds, 2)}]
     if not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
+        _echo_first_failure(job, echo)
         runner._write_summary(loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
     return runner.finalize(loaded, run_dir, phase_results, started, compare_golden=compare_golden,

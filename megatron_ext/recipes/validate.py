@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from megatron_ext.recipes import plan
+from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
@@ -61,11 +61,48 @@ def entry_importable(module: Optional[str]) -> bool:
         return False
 
 
+# Sizes and counts that must be at least 1 (the plan checks divide by them), and those that
+# must not be negative; None (unset) is always fine.
+POSITIVE_FIELDS = (
+    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+    "model.num_query_groups", "model.seq_length", "model.max_position_embeddings",
+    "model.mtp_num_layers", "model.num_experts", "model.moe_router_topk",
+    "model.mhc.num_residual_streams", "model.mhc.recompute_layer_num",
+    "parallelism.tp", "parallelism.pp", "parallelism.vpp", "parallelism.cp", "parallelism.ep",
+    "parallelism.dp", "training.iterations", "training.micro_batch_size", "training.global_batch_size",
+    "training.lr_decay_iters", "training.eval_interval", "data.tokenizer.vocab_size", "launch.nodes",
+    "launch.nproc", "launch.timeout_s", "launch.slurm.gpus_per_node",
+)
+NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters")
+
+
+def size_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Zero or negative sizes, named before any check divides by them."""
+    problems = []
+    for path in (*POSITIVE_FIELDS, *NON_NEGATIVE_FIELDS):
+        node: Any = loaded.recipe
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        if not isinstance(node, int) or isinstance(node, bool):
+            continue  # unset, or a type problem the schema reported
+        low = 1 if path in POSITIVE_FIELDS else 0
+        if node < low:
+            problems.append(Problem(path, f"must be at least {low}, got {node}"))
+    return problems
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
-    result = Validation(problems=plan.plan_problems(loaded))
+    sizes = size_problems(loaded)
+    if sizes:  # the plan checks would divide by them
+        return Validation(problems=safety.recipe_problems(loaded) + sizes)
+    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded))
     recipe = loaded.recipe
     entry = recipe.entry
+    unknown = entries.entry_problem(entry)
+    if unknown is not None:  # never look it up: finding a module imports its packages
+        result.problems.append(unknown)
+        return result
     if not entry_importable(entry):
         result.notes.append(f"entry module {entry} is not importable here; `run` needs it")
     if result.problems or not megatron_checks:
@@ -188,6 +225,9 @@ def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[li
                                     if message else "Megatron's parser rejected the command line")]
                 stage = "megatron validate_args"
                 megatron_arguments.validate_args(args, {})
+                mhc_problem = launch.mhc_flags_without_mhc(argv, args)
+                if mhc_problem:
+                    return [Problem("megatron arguments", mhc_problem)]
             stage = f"config ({config_class.__name__})"
             config = build_config(args, config_class)
             stage = "guard"

@@ -54,9 +54,9 @@ def hybrid_model_factory(
     """megatron-ext's HybridModel with the local stack spec (mHC when the config enables it);
     chunks of a pipelined config take their segment of ``pattern``.
 
-    With MTP under pipeline parallelism pass ``share_embeddings_and_output_weights=False``:
-    megatron-core 0.19.2 allocates an (unused) output-layer weight on a tied MTP stage that is
-    not the first, and its ``sharded_state_dict`` then refuses that weight."""
+    Tied embeddings with MTP under pipeline parallelism need megatron_ext.install(): it
+    releases the unused output-layer weight megatron-core 0.19.2 allocates on such a stage
+    (megatron_ext.models.tied_output)."""
     from megatron_ext.models.hybrid import HybridModel, get_hybrid_stack_local_spec
 
     def build(config, pre_process: bool, post_process: bool, vp_stage: Optional[int]):

@@ -99,7 +99,7 @@ def test_cpu_sbatch_script_runs_each_phase_as_one_srun_step(tmp_path):
     assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in script
     assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in script
     assert "export CUDA_VISIBLE_DEVICES='' OMP_NUM_THREADS=1" in script
-    assert f"echo 5 > \"{tmp_path}/run/checkpoints/latest_checkpointed_iteration.txt\"" in script
+    assert f"echo 5 > {tmp_path}/run/checkpoints/latest_checkpointed_iteration.txt" in script
     assert "--save-interval 5" in script and f"--load {tmp_path}/run/checkpoints" in script
     assert f"exec {sys.executable} -m megatron_ext.pretrain_gpt" in script
     assert "job_exit_code" in script

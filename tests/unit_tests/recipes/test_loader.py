@@ -139,3 +139,37 @@ def test_the_schema_documents_every_leaf_field():
     assert {"model.mhc.enabled", "parallelism.vpp", "training.lr_schedule", "test.type",
             "launch.slurm.container_image", "data.tokenizer.vocab_size"} <= paths
     assert all(doc for _, _, _, doc in rows), [row for row in rows if not row[3]]
+
+
+HOSTILE_DOCUMENTS = {
+    "duplicate key": (MINIMAL + "description: one\ndescription: two\n",
+                      "not valid YAML: duplicate key 'description' (the first value would be silently replaced) (line"),
+    "alias bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\n"
+                   + "".join(f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
+                   "refused as an alias bomb"),
+    "deep nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nested deeper than 32 levels"),
+    "infinite float": (MINIMAL.replace("training: {", "training: {lr: .inf, "), "training.lr: must be a finite number, got inf"),
+    "nan float": (MINIMAL.replace("training: {", "training: {lr: .nan, "), "training.lr: must be a finite number, got nan"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_DOCUMENTS)
+def test_hostile_documents_give_one_line_errors(write_recipe, case):
+    text, message = HOSTILE_DOCUMENTS[case]
+    with pytest.raises(RecipeError) as error:
+        load(write_recipe(text))
+    lines = [str(p) for p in error.value.problems]
+    assert any(message in line for line in lines), lines
+    assert all("\n" not in line for line in lines)
+
+
+def test_non_utf8_bytes_are_a_recipe_error(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(MINIMAL.encode() + b"description: \xff\xfe\n")
+    with pytest.raises(RecipeError, match=r"not UTF-8 text: byte 0xff at offset \d+"):
+        load(path)
+
+
+def test_non_finite_override_is_a_recipe_error(write_recipe):
+    with pytest.raises(RecipeError, match="training.lr: must be a finite number"):
+        load(write_recipe(MINIMAL), overrides=["training.lr=.inf"])

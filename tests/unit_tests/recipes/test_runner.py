@@ -24,7 +24,7 @@ def test_command_sh_is_the_exact_runnable_command(tmp_path):
     assert "export CUDA_VISIBLE_DEVICES='' OMP_NUM_THREADS=1" in script
     assert script.count("-m torch.distributed.run --standalone --nproc_per_node 2 -m megatron_ext.pretrain_gpt") == 2
     assert "    --pipeline-model-parallel-layout 'E|tt|tt|L' \\\n" in script
-    assert f'rm -rf "{tmp_path}/checkpoints/iter_0000010"' in script
+    assert f'rm -rf {tmp_path}/checkpoints/iter_0000010 && echo 5 > ' in script
     assert "    --seed 5 \\\n" in script
 
 

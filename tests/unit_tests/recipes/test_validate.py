@@ -1,6 +1,7 @@
 """`validate`: Megatron's own argument checks, the config's checks and megatron-ext's guards,
 run in this process for rank 0 of the recipe's world, with no process group."""
 
+import argparse
 import os
 import sys
 
@@ -68,3 +69,18 @@ def test_gpu_platforms_are_judged_without_this_machines_missing_libraries():
                     ["model.mhc.enabled=true", "model.mtp_num_layers=1", "model.position_embedding=rope"],
                     platform="gpu-cluster")
     assert [p.where for p in result.problems] == ["guard"], "guards still run for GPU recipes"
+
+
+def test_mhc_flags_without_enable_mhc_connections_are_rejected(tmp_path):
+    """--mhc-* would be silently ignored without --enable-mhc-connections."""
+    from megatron_ext.launch.training import mhc_flags_without_mhc
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MINIMAL + "extra_args: {--mhc-sinkhorn-iterations: 5}\n")
+    problems = [str(p) for p in validate(load(recipe)).problems]
+    assert any("--mhc-sinkhorn-iterations given without --enable-mhc-connections" in p for p in problems), problems
+    on = argparse.Namespace(enable_mhc_connections=True)
+    off = argparse.Namespace(enable_mhc_connections=False)
+    assert mhc_flags_without_mhc(["--mhc-num-residual-streams=2"], on) is None
+    assert "--mhc-num-residual-streams" in mhc_flags_without_mhc(["--mhc-num-residual-streams=2"], off)
+    assert mhc_flags_without_mhc(["--hidden-size", "8"], off) is None

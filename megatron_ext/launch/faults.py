@@ -1,0 +1,174 @@
+"""Fault injection and fail-fast exits for training entry points.
+
+``MEGATRON_EXT_FAULT="rank=R,step=S[,kind=raise|kill|hang]"`` makes global rank ``R`` fail at
+training step ``S`` (1-based, as Megatron's log counts iterations): ``raise`` (default) raises
+:class:`InjectedFault`, ``kill`` sends the rank SIGKILL, ``hang`` sleeps forever. Unset, nothing
+happens; every training entry (``pretrain_gpt``, ``pretrain_hybrid``,
+``multimodule.train``) calls :func:`at_step` once per step.
+
+:func:`run_failing_fast` runs a rank's work so that an exception can never leave the other
+ranks waiting: the traceback and one marker line (:data:`MARKER`, naming the rank, where it
+was and the original error) go to the rank's log, then the process exits at once with status
+1, skipping clean-up that would wait on peers (a barrier in a ``finally``, process-group
+destruction, atexit handlers). The launcher then stops the other ranks (local launcher after
+its grace period, ``srun --kill-on-bad-exit``, torchrun), and :func:`failure_report` reads the
+marker back for ``megatron-ext run`` / ``submit``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+FAULT_ENV = "MEGATRON_EXT_FAULT"
+KINDS = ("raise", "kill", "hang")
+MARKER = "[megatron-ext] rank failed:"
+_MARKER_LINE = re.compile(re.escape(MARKER) + r" rank=(\d+) time=([\d.]+) where=(.*?) error=(.*)$")
+
+
+class InjectedFault(RuntimeError):
+    """The failure MEGATRON_EXT_FAULT asked for."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str = "raise"
+
+
+def parse_fault(text: str) -> Fault:
+    """``rank=R,step=S[,kind=K]`` -> :class:`Fault`; a clear ValueError otherwise."""
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("rank", "step", "kind"):
+            raise ValueError(f"{FAULT_ENV}={text!r}: expected rank=R,step=S[,kind=raise|kill|hang]")
+        fields[key.strip()] = value.strip()
+    try:
+        rank, step = int(fields["rank"]), int(fields["step"])
+    except (KeyError, ValueError):
+        raise ValueError(f"{FAULT_ENV}={text!r}: rank and step must be integers") from None
+    kind = fields.get("kind", "raise")
+    if kind not in KINDS or rank < 0 or step < 1:
+        raise ValueError(f"{FAULT_ENV}={text!r}: kind is one of {', '.join(KINDS)}, rank >= 0, step >= 1")
+    return Fault(rank, step, kind)
+
+
+_fault: Optional[Fault] = None
+_fault_read = False
+_fired = False
+_current_step: Optional[int] = None
+
+
+def fault_from_env() -> Optional[Fault]:
+    global _fault, _fault_read
+    if not _fault_read:
+        text = os.environ.get(FAULT_ENV, "").strip()
+        _fault, _fault_read = (parse_fault(text) if text else None), True
+    return _fault
+
+
+def _global_rank() -> int:
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def at_step(step: int) -> None:
+    """Called by the entries at (every micro-batch of) training step ``step``: records where
+    training is, and fires the injected fault once when rank and step match."""
+    global _fired, _current_step
+    _current_step = step
+    fault = fault_from_env()
+    if fault is None or _fired or step != fault.step or _global_rank() != fault.rank:
+        return
+    _fired = True
+    if fault.kind == "kill":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+    raise InjectedFault(f"injected by {FAULT_ENV} on rank {fault.rank} at step {fault.step}")
+
+
+def where(exc: BaseException) -> str:
+    """The training step (if one had started) and the innermost frame of the error."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    place = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    step = f"step {_current_step}" if _current_step is not None else "start-up (before step 1)"
+    return f"{step}, {place}"
+
+
+def report_failure(exc: BaseException, stream: Any = None) -> str:
+    """Write the traceback and the marker line; returns the marker line."""
+    stream = stream or sys.stderr
+    first_line = " ".join((str(exc).strip() or "").split())
+    error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    line = f"{MARKER} rank={_global_rank()} time={time.time():.3f} where={where(exc)} error={error}"
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
+    print(line, file=stream, flush=True)
+    return line
+
+
+def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``work(*args, **kwargs)``; on an exception report it and exit with status 1 at once."""
+    try:
+        return work(*args, **kwargs)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any error must end this rank, not hang it
+        sys.stdout.flush()  # what the rank printed before, so the report ends its log
+        report_failure(exc)
+        os._exit(1)
+
+
+# ---- reading it back (launchers) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    time: float
+    where: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed at {self.where}: {self.error}"
+
+
+def failure_in_log(path: Path) -> Optional[RankFailure]:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(text.splitlines()):
+        match = _MARKER_LINE.search(line)
+        if match:
+            return RankFailure(int(match.group(1)), float(match.group(2)), match.group(3), match.group(4))
+    return None
+
+
+def first_failure(logs: Iterable[Path]) -> Optional[RankFailure]:
+    """The earliest reported failure among the rank logs (the others fail because of it)."""
+    found = [f for f in (failure_in_log(p) for p in logs) if f is not None]
+    return min(found, key=lambda f: f.time) if found else None
+
+
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"

@@ -1,0 +1,87 @@
+"""What a recipe may put into generated shell: names, environment keys, Slurm directives.
+
+A recipe is data someone may have sent you. Its values reach three generated scripts
+(``command.sh``, ``sbatch.sh`` and the ``#SBATCH`` header) and the run directory's path,
+so each value is either quoted with :func:`shlex.quote` where the script is written, or,
+where quoting cannot help, rejected here before anything is written:
+
+- the recipe ``name`` and the platform name become file names (run directory, golden-value
+  path) and the Slurm job name: a safe character set, no path separators;
+- ``launch.env`` keys are exported by name, so they must be shell identifiers;
+- ``#SBATCH`` lines are comments to bash but would end at a line break, so no value placed
+  on one may hold a line break or NUL.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Optional
+
+from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.schema import Problem
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
+SAFE_NAME_TEXT = "1-100 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+LINE_BREAKING = re.compile(r"[\n\r\x00\x0b\x0c\x85\u2028\u2029]")
+
+
+class UnsafeValueError(ValueError):
+    """A value that cannot be placed into a generated script safely."""
+
+
+def name_problem(where: str, value: str) -> Optional[Problem]:
+    if SAFE_NAME.match(value or ""):
+        return None
+    return Problem(where, f"{value!r} is not a safe name: use {SAFE_NAME_TEXT}")
+
+
+def directive_problem(where: str, value: object) -> Optional[Problem]:
+    """A value for an ``#SBATCH`` line: anything but a line break (sbatch reads the line
+    itself; bash must keep seeing one comment)."""
+    if value is not None and LINE_BREAKING.search(str(value)):
+        return Problem(where, f"{str(value)!r} holds a line break or NUL, which would end the "
+                              "#SBATCH line and run the rest as shell; remove it")
+    return None
+
+
+def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Every value of the recipe that no quoting can make safe."""
+    recipe = loaded.recipe
+    problems: list[Optional[Problem]] = [
+        name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
+        name_problem("platform", loaded.platform),
+    ]
+    for key in recipe.launch.env:
+        if not ENV_KEY.match(str(key)):
+            problems.append(Problem(f"launch.env.{key}", f"{str(key)!r} is not an environment "
+                                    "variable name: use letters, digits and _, not starting with a digit"))
+    slurm = recipe.launch.slurm
+    for field_name in ("partition", "account", "time", "container_image"):
+        problems.append(directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name)))
+    for i, value in enumerate([*slurm.sbatch_args]):
+        problems.append(directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
+    for i, value in enumerate([*slurm.container_mounts]):
+        problems.append(directive_problem(f"launch.slurm.container_mounts[{i}]", value))
+    return [p for p in problems if p is not None]
+
+
+def check_directives(values: Iterable[tuple[str, object]]) -> None:
+    """Raise :class:`UnsafeValueError` for the first value that would break an #SBATCH line."""
+    for where, value in values:
+        problem = directive_problem(where, value)
+        if problem is not None:
+            raise UnsafeValueError(str(problem))
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether ``path`` resolves to ``root`` or below it (symlinks and '..' followed)."""
+    root, path = Path(root).resolve(), Path(path).resolve()
+    return path == root or root in path.parents
+
+
+def comment(text: str) -> str:
+    """Text for a ``#`` comment line of a script: line breaks and controls escaped."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
