@@ -22,14 +22,15 @@ demo: setup
 # each session runs the tests marked for its world size (tests/conftest.py).
 test: setup test-single test-2ranks test-4ranks test-install test-gpu-prep
 
+# --durations: the log shows where the time goes (make test must stay under 20 minutes).
 test-single:
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 test-2ranks:
-	$(TORCHRUN) --nproc_per_node 2 -m pytest tests/unit_tests
+	$(TORCHRUN) --nproc_per_node 2 -m pytest tests/unit_tests --durations=10
 
 test-4ranks:
-	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests
+	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests --durations=10
 
 # Build the wheel and install it, as a user would, beside the megatron-core already installed
 # (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.

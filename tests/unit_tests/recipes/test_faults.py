@@ -18,6 +18,9 @@ def fresh_fault_state(monkeypatch):
     monkeypatch.setattr(faults, "_fired", False)
     monkeypatch.setattr(faults, "_current_step", None)
     monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    # Earlier tests of this session may have started a world of one (rank 0): these tests
+    # speak of the rank through RANK, as a rank before init_process_group does.
+    monkeypatch.setattr(faults, "_global_rank", lambda: int(faults.os.environ.get("RANK", "0")))
 
 
 def test_parse():
