@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from megatron_ext.multimodule.train import _parse_args, load_recipe, read_recipe, validate_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
