@@ -322,6 +322,8 @@ _trace("forward_backward_pipelining_without_interleaving", "traced_schedule",
        "(the schedule exposes no hook around its exchanges).")
 _trace("forward_backward_pipelining_with_interleaving", "traced_schedule",
        "The interleaved schedule, likewise.")
+
+
 _DEAD_MTP_OUTPUT_WEIGHT_WHY = (
     "With tied embeddings and MTP under PP, the MTP stage (pre_process=False) gets an "
     "output_layer.weight because the allocation condition looks only at pre_process; the "
@@ -359,11 +361,6 @@ register(
         ),
     )
 )
-
-
-def _skip_compile_helpers() -> None:
-    """The wheel's prebuilt dataset helpers are used as they are."""
-    importlib.import_module("megatron.core.datasets.helpers_cpp")
 
 
 # --------------------------------------------------------------------------------------
