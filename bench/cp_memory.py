@@ -27,7 +27,7 @@ import json
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from activation_memory import measure_step  # bench/ is on sys.path when run as a script
 
 
 def _model(args):
@@ -67,32 +67,9 @@ def _batch(args):
 
 
 def _measure(model, batch):
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def step(saved):
-        def pack(tensor):
-            saved.append(tensor)
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in saved
-            if t.untyped_storage().data_ptr() and t.untyped_storage().data_ptr() not in parameters
-        }
-        saved.clear()
-        loss.backward()
-        return sum(storages.values())
-
-    step([])  # allocate .grad once, so the measured step allocates only activations
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        kept = step([])
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return kept, peak
+    return measure_step(
+        model, lambda: model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+    )
 
 
 def _max_over_ranks(value: float) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from activation_memory import measure_step  # bench/ is on sys.path when run as a script
 
 
 def _model(args, mhc: bool, recompute: bool, layer_num):
@@ -50,32 +50,7 @@ def _model(args, mhc: bool, recompute: bool, layer_num):
 
 def _measure(model, batch):
     tokens, positions, mask, labels = batch
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def step(saved):
-        def pack(tensor):
-            saved.append(tensor)
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = model(tokens, positions, mask, labels=labels).mean()
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in saved
-            if t.untyped_storage().data_ptr() and t.untyped_storage().data_ptr() not in parameters
-        }
-        saved.clear()
-        loss.backward()
-        return sum(storages.values())
-
-    step([])  # allocate .grad once, so the measured step allocates only activations
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        kept = step([])
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return kept, peak
+    return measure_step(model, lambda: model(tokens, positions, mask, labels=labels).mean())
 
 
 def main() -> None:
