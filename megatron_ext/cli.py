@@ -22,6 +22,8 @@ import platform
 import sys
 from importlib import metadata
 
+from megatron_ext.launch.startup import torch_compile_deferred
+
 
 def _package_version(name: str) -> str:
     try:
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                 "schedule": _cmd_schedule, "convert-checkpoint": _cmd_convert_checkpoint}
     if args.command in handlers:
         try:
-            return handlers[args.command](args)
+            with torch_compile_deferred():  # the commands import megatron but never compile
+                return handlers[args.command](args)
         except KeyboardInterrupt as exc:  # the launchers have stopped their ranks / left the job
             signum = getattr(exc, "signum", None)  # SIGTERM/SIGHUP (launch.local.Interrupted)
             print(f"megatron-ext: {exc or 'interrupted'}", file=sys.stderr)

@@ -39,9 +39,10 @@ import time
 
 _PROGRAM_START_TIME = time.time()  # before the heavy imports, for megatron's start-up report
 
-from megatron_ext.launch import silence_warnings_off_rank_zero
+from megatron_ext.launch import silence_warnings_off_rank_zero, startup
 
 silence_warnings_off_rank_zero()  # megatron's imports below warn identically on every rank
+startup.defer_torch_compile()  # until the imports below are done: see launch/startup.py
 
 import argparse
 import json
@@ -78,6 +79,8 @@ from megatron_ext.models.gpt import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+
+startup.restore_torch_compile()
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
 ENTRY_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}

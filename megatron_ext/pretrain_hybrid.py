@@ -23,9 +23,10 @@ import time
 
 _PROGRAM_START_TIME = time.time()  # before the heavy imports, for megatron's start-up report
 
-from megatron_ext.launch import silence_warnings_off_rank_zero
+from megatron_ext.launch import silence_warnings_off_rank_zero, startup
 
 silence_warnings_off_rank_zero()  # megatron's imports below warn identically on every rank
+startup.defer_torch_compile()  # until the imports below are done: see launch/startup.py
 
 import argparse
 from functools import partial
@@ -55,6 +56,8 @@ from megatron_ext.models.hybrid import (
     get_hybrid_stack_local_spec,
     get_hybrid_stack_with_transformer_engine_spec,
 )
+
+startup.restore_torch_compile()
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -174,7 +174,8 @@ def _owner_and_name(target: str) -> tuple[Any, str]:
 def apply(group: str) -> None:
     """Apply every patch of ``group``; patches already applied are left alone."""
     group_patches = patches(group)
-    check_megatron_core_version(group_patches)
+    if any(p.module_name.split(".")[0] == "megatron" for p in group_patches):
+        check_megatron_core_version(group_patches)  # (a torch-only group need not import megatron)
     for patch in group_patches:
         owner, name = _owner_and_name(patch.target)
         if patch.target in _applied and getattr(owner, name) is _applied[patch.target][1]:
@@ -225,6 +226,27 @@ def original(target: str) -> Any:
     if target in _applied:
         return _applied[target][0]
     return current(target)
+
+
+# --------------------------------------------------------------------------------------
+# "startup" patch: applied only while a process imports megatron (megatron_ext.launch.startup).
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target="torch:compile",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.launch.startup"
+        ).compile_on_first_call(original),
+        why=(
+            "megatron-core applies torch.compile to its fusion functions at import "
+            "(megatron.core.jit), which imports torch's compiler: ~40% of an entry point's import "
+            "time on every rank, for functions a CPU run never calls. While megatron is imported, "
+            "functions are compiled by the real torch.compile at their first call instead "
+            "(torch.compile is lazy already, so what runs is unchanged)."
+        ),
+        group="startup",
+    )
+)
 
 
 # --------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import warnings
 
 import pytest
 
+from megatron_ext.launch import startup
+
 
 def _session_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -30,6 +32,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # megatron-core is chatty about optional dependencies that a CPU machine never has.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|MimoModelConfig).*")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # Collection imports megatron: without torch's compiler, as the entry points do.
+    startup.defer_torch_compile()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    startup.restore_torch_compile()
 
 
 @pytest.fixture(autouse=True)
