@@ -45,6 +45,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import learned_contract
 
 
@@ -228,7 +229,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
                 f"streams, but it has {', '.join(plain)}; build mtp_block_spec with "
                 "HyperConnectionMTPLayer (get_hybrid_stack_local_spec(enable_mhc_connections=True))"
             )
-        block.__class__ = cls
+        registry.adopt(block, cls)
         return block
 
     def forward(
