@@ -36,6 +36,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
+from megatron_ext.models.lm_loss import masked_token_loss
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
 ENTRY_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -231,9 +232,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
     at the end, so the loss is a true per-token mean however the masks vary. The report entry
     ``[loss_sum, num_tokens]`` is what ``lm loss`` is logged from.
     """
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
+    loss, mask = masked_token_loss(loss_mask, output_tensor)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     _validate_loss(loss, get_args())

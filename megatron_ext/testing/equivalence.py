@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.testing.configs import CPU_SAFE_FIELDS
+from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import Piece, full_tensors, load_full_weights, local_pieces, shard_index
@@ -216,9 +217,7 @@ def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     The reported loss is the whole micro-batch's: under CP, loss sum and token count are
     summed over the CP group first (megatron's training loop sums the report over DP x CP).
     The returned loss stays this rank's; megatron's schedules and grad reduction combine it."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(losses * mask)
+    loss_sum, mask = masked_token_loss(loss_mask, output_tensor)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), mask.sum()])
     cp_group = _context_parallel_group()
