@@ -37,14 +37,8 @@ from megatron.training import get_args, print_rank_0
 from megatron_ext import training_steps
 from megatron_ext.config import MHCTransformerConfig
 
-# The entry hooks recipes and tools look up on an entry module: the shared training steps.
-from megatron_ext.training_steps import (  # noqa: F401  (re-exported entry hooks)
-    ENTRY_DEFAULTS,
-    add_megatron_ext_args,
-    forward_step,
-    train_valid_test_datasets_provider,
-    transformer_config,
-)
+# The hooks megatron-ext validate looks up on an entry module (the shared training steps').
+from megatron_ext.training_steps import ENTRY_DEFAULTS, add_megatron_ext_args, transformer_config  # noqa: F401
 from megatron_ext.launch.training import ArgsProvider
 from megatron_ext.models.hybrid import (
     HybridModel,

@@ -532,16 +532,20 @@ def private(target: str) -> Any:
 
 def adopt(instance: Any, cls: type) -> Any:
     """Turn a just-built megatron-core ``instance`` into our subclass ``cls`` in place; the
-    adopted class must be a declared ``class_adoption`` seam and exactly the instance's type."""
+    adopted class must be a declared ``class_adoption`` seam and exactly the instance's type
+    (a subclass of it may have state ``cls`` does not know)."""
     for seam in seams("class_adoption"):
         base = _resolve(seam.target)
-        if type(instance) is base and issubclass(cls, base):
-            instance.__class__ = cls
-            return instance
-    raise TypeError(
-        f"cannot adopt a {type(instance).__module__}.{type(instance).__qualname__} as "
-        f"{cls.__qualname__}: only an exact instance of a declared class_adoption seam can be"
-    )
+        if not issubclass(cls, base):
+            continue
+        if type(instance) is not base:
+            raise TypeError(
+                f"only a plain megatron-core {base.__name__} can be adopted, got "
+                f"{type(instance).__name__}"
+            )
+        instance.__class__ = cls
+        return instance
+    raise TypeError(f"{cls.__qualname__} adopts no declared class_adoption seam")
 
 
 def assign(obj: Any, attribute: str, value: Any, seam: str) -> None:

@@ -83,12 +83,7 @@ class HyperConnectionTransformerBlock(TransformerBlock):
     @classmethod
     def adopt(cls, block: TransformerBlock) -> "HyperConnectionTransformerBlock":
         """Make a just-built megatron-core ``TransformerBlock`` this class, in place."""
-        if type(block) is not TransformerBlock:
-            raise TypeError(
-                "only a plain megatron-core TransformerBlock can be adopted, got "
-                f"{type(block).__name__}"
-            )
-        registry.adopt(block, cls)
+        registry.adopt(block, cls)  # (refuses anything but a plain TransformerBlock)
         block._setup_streams()
         return block
 

@@ -247,5 +247,9 @@ def test_adopt_takes_only_exact_declared_classes():
     class Plain:
         pass
 
-    with pytest.raises(TypeError, match="declared class_adoption"):
+    with pytest.raises(TypeError, match="adopts no declared class_adoption seam"):
         registry.adopt(Plain(), type("Sub", (Plain,), {}))
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    with pytest.raises(TypeError, match="only a plain megatron-core TransformerBlock can be adopted"):
+        registry.adopt(Plain(), type("Adopter", (TransformerBlock,), {}))

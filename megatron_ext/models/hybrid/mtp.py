@@ -214,10 +214,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
     @classmethod
     def adopt(cls, block: MultiTokenPredictionBlock) -> "HyperConnectionMTPBlock":
         if type(block) is not MultiTokenPredictionBlock:
-            raise TypeError(
-                "only a plain megatron-core MultiTokenPredictionBlock can be adopted, got "
-                f"{type(block).__name__}"
-            )
+            registry.adopt(block, cls)  # raises: only a plain MultiTokenPredictionBlock
         plain = [
             type(layer).__name__
             for layer in block.layers
