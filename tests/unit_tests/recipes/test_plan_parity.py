@@ -10,7 +10,7 @@ from megatron_ext.recipes import plan
 
 LAYOUTS = ["E|tt|tt|L", "E|(tt|)*6,L", "Ettt|(tt|)*3,m|L", "Et*3|t|tL", "(|t)*2,t|L", "E|t|m|L"]
 PATTERNS = ["*-*-|*-*-/*-", "*-|*-|*-|/*-", "M*M-M*M-|M*M-M*M-|M*M-M*M-|/*-", "*-E", "*-/*-/*-",
-            "MG*D+-E|-", "*|*"]
+            "MGD+-E|-", "*M-E|G-", "*|*"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
