@@ -99,17 +99,8 @@ def model_provider(
     return HybridModel(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(args),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
         hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
+        **training_steps.language_model_kwargs(args, pre_process, post_process),
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )

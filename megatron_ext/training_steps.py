@@ -145,6 +145,22 @@ def transformer_config(args: argparse.Namespace, config_class: type[TransformerC
     return core_transformer_config_from_args(args, config_class=config_class)
 
 
+def language_model_kwargs(args: argparse.Namespace, pre_process: bool, post_process: bool) -> dict[str, Any]:
+    """The constructor arguments GPTModel and HybridModel take alike from the flags."""
+    return dict(
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
 # ---- batches, loss and the forward step ---------------------------------------------------------
 def _stage_reads_data(vp_stage: Optional[int], config: TransformerConfig) -> tuple[bool, bool]:
     """(does this stage read batches, does it host MTP layers). The first stage embeds
