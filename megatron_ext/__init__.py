@@ -13,11 +13,13 @@ from megatron_ext import registry
 
 
 def install() -> None:
-    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly).
+    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly) and check
+    the private seams it depends on (once per process).
 
     With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
     records its pipeline schedule (:mod:`megatron_ext.pipeline.trace`)."""
     registry.apply("core")
+    registry.verify_seams()
     from megatron_ext.pipeline.trace import start_from_environment
 
     start_from_environment()

@@ -71,6 +71,13 @@ def doctor_report() -> list[str]:
         verified = ", ".join(patch.verified)
         lines.append(f"  [{patch.group:4}] {state:8} {patch.target} (verified on {verified})")
         lines.append(f"         why: {patch.why}")
+    lines.append("private seams (depended on, not replaced; checked by install()):")
+    for seam in registry.seams():
+        problem = registry.seam_problem(seam)
+        state = "ok" if problem is None else "BROKEN"
+        verified = f"{seam.package} {', '.join(seam.verified)}"
+        lines.append(f"  [{seam.kind}] {state} {seam.target} (verified on {verified})")
+        lines.append(f"         why: {seam.why}" if problem is None else f"         {problem}")
     if runtime.cpu_active():
         lines.append("cpu runtime also pushes: CudaToCpuMode (device='cuda' -> cpu, Tensor.cuda(), Tensor.type())")
     return lines

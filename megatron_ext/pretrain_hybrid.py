@@ -4,9 +4,9 @@
     torchrun --nproc_per_node N -m megatron_ext.pretrain_hybrid \\
         --hybrid-layer-pattern "*-E*-|*-E*-" <any Megatron flags>
 
-Only the model is Hybrid-specific; everything else is :mod:`megatron_ext.pretrain_gpt`'s (by
-import): the mHC flags (upstream's spellings), data (mock or indexed GPT datasets), batches,
-loss, forward step, the machine defaults and the hand-off to ``pretrain``.
+Only the model is Hybrid-specific; everything else is :mod:`megatron_ext.training_steps`, shared
+with :mod:`megatron_ext.pretrain_gpt`: the mHC flags (upstream's spellings), data (mock or indexed
+GPT datasets), batches, loss, forward step, the machine defaults and the hand-off to ``pretrain``.
 
 :func:`model_provider` builds :class:`megatron_ext.models.hybrid.HybridModel` for this
 pipeline stage (or virtual stage) from ``--hybrid-layer-pattern``, whose ``|`` segments
@@ -29,27 +29,17 @@ silence_warnings_off_rank_zero()  # megatron's imports below warn identically on
 startup.defer_torch_compile()  # until the imports below are done: see launch/startup.py
 
 import argparse
-from functools import partial
 from typing import Optional
 
-from megatron.core.enums import ModelType
 from megatron.core.transformer.spec_utils import import_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import get_args, print_rank_0
-from megatron.training.training import set_startup_timestamps
 
-from megatron_ext import pretrain_gpt as gpt
+from megatron_ext import training_steps
 from megatron_ext.config import MHCTransformerConfig
 
-# The entry hooks recipes and tools look up on an entry module are pretrain_gpt's own.
-from megatron_ext.pretrain_gpt import (  # noqa: F401  (re-exported entry hooks)
-    ENTRY_DEFAULTS,
-    add_megatron_ext_args,
-    forward_step,
-    train_valid_test_datasets_provider,
-    transformer_config,
-)
-from megatron_ext.launch import training as launch
+# The hooks megatron-ext validate looks up on an entry module (the shared training steps').
+from megatron_ext.training_steps import ENTRY_DEFAULTS, add_megatron_ext_args, transformer_config  # noqa: F401
 from megatron_ext.launch.training import ArgsProvider
 from megatron_ext.models.hybrid import (
     HybridModel,
@@ -62,12 +52,7 @@ startup.restore_torch_compile()
 
 def check_args(args: argparse.Namespace) -> None:
     """What this entry needs beyond Megatron's own validation."""
-    used = [flag for dest, flag in gpt.UNSUPPORTED_FLAGS.items() if getattr(args, dest, None)]
-    if used:
-        raise SystemExit(
-            "megatron_ext.pretrain_hybrid does not support " + ", ".join(used) + ". "
-            "Use Megatron-LM's own pretrain_hybrid.py for these."
-        )
+    training_steps.reject_unsupported_flags(args, entry="megatron_ext.pretrain_hybrid")
     if args.hybrid_layer_pattern is None:
         raise SystemExit(
             "megatron_ext.pretrain_hybrid needs --hybrid-layer-pattern (e.g. \"*-*-|*-*-\": '*' "
@@ -117,17 +102,8 @@ def model_provider(
     return HybridModel(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(args),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
         hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
+        **training_steps.language_model_kwargs(args, pre_process, post_process),
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
@@ -139,20 +115,12 @@ def main(
 ) -> None:
     """Train a HybridModel from the command line's Megatron flags (see
     :func:`megatron_ext.pretrain_gpt.main` for ``config_class`` and ``extra_args_provider``)."""
-    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    runtime = launch.select_runtime()
-    args = launch.parse_megatron_args(
-        extra_args_providers=(add_megatron_ext_args, extra_args_provider),
-        parser_defaults={**ENTRY_DEFAULTS, **launch.machine_defaults(on_cpu=runtime == "cpu")},
-    )
-    check_args(args)
-    gpt.fall_back_to_local_layers(args)
-    launch.run_pretrain(
-        args,
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=partial(model_provider, config_class=config_class),
+    training_steps.train(
+        model_provider,
+        _PROGRAM_START_TIME,
+        check_args=check_args,
+        config_class=config_class,
+        extra_args_provider=extra_args_provider,
     )
 
 

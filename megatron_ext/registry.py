@@ -215,6 +215,28 @@ def suspended(target: str) -> Iterator[None]:
         _applied[target] = (original, replacement)
 
 
+@contextlib.contextmanager
+def applied(target: str) -> Iterator[None]:
+    """Run with one registered patch applied (whatever its group), then restore what was there.
+    A patch already applied stays applied."""
+    patch = next((p for p in _PATCHES if p.target == target), None)
+    if patch is None:
+        raise KeyError(f"{target!r} is not a registered patch")
+    if target in _applied:
+        yield
+        return
+    owner, name = _owner_and_name(target)
+    original = getattr(owner, name)
+    replacement = patch.make(original)
+    setattr(owner, name, replacement)
+    _applied[target] = (original, replacement)
+    try:
+        yield
+    finally:
+        _applied.pop(target, None)
+        setattr(owner, name, original)
+
+
 def current(target: str) -> Any:
     """What ``target`` is right now (patched or not)."""
     owner, name = _owner_and_name(target)
@@ -448,3 +470,316 @@ _cpu("megatron.training.training:build_train_valid_test_data_iterators",
      "Data-iterator construction draws from the CPU generator, which is also the stand-in "
      "CUDA generator here; forking keeps dropout identical between resumed and continuous runs.",
      wraps=True)
+
+
+# --------------------------------------------------------------------------------------
+# Seams: private megatron-core / torch / argparse surfaces megatron-ext depends on without
+# replacing them (overridden private methods, private functions it calls, classes whose
+# instances it adopts, private attributes it reads). Each is declared once with why; the
+# product obtains private symbols through private() and adopts instances through adopt(),
+# and verify_seams() (run by install()) checks each still exists with the signature it was
+# written against. tests/unit_tests/test_registry_static.py fails on an undeclared one.
+# --------------------------------------------------------------------------------------
+SEAM_KINDS = (
+    "private_method_override",  # a subclass of ours overrides this private method
+    "private_function",  # we call this private function or method
+    "class_adoption",  # we turn a built instance of this class into our subclass (__class__)
+    "private_attribute",  # we read this private attribute (``()`` in a target: of an instance)
+    "object_attribute",  # we rewrite this attribute on objects megatron built
+)
+
+
+class SeamMismatchError(RuntimeError):
+    """A declared private seam is missing or changed its signature in the installed code."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One private dependency: ``target`` is ``module:qualname``; ``signature`` (parameter
+    names, ``None`` for presence only) is what our code was written against."""
+
+    target: str
+    kind: str
+    why: str
+    signature: tuple[str, ...] | None = None
+    verified: tuple[str, ...] = VERIFIED_MEGATRON_CORE
+
+    @property
+    def package(self) -> str:
+        """The distribution whose version ``verified`` names."""
+        top = self.target.split(".", 1)[0].split(":", 1)[0]
+        return {"megatron": "megatron-core", "torch": "torch"}.get(top, "python")
+
+
+_SEAMS: dict[str, Seam] = {}
+_seams_verified = False
+
+
+def declare(seam: Seam) -> Seam:
+    """Add a seam; a target may be declared only once."""
+    if seam.kind not in SEAM_KINDS:
+        raise ValueError(f"seam {seam.target!r}: kind {seam.kind!r} is not one of {SEAM_KINDS}")
+    if seam.target in _SEAMS:
+        raise ValueError(f"seam target {seam.target!r} is declared twice")
+    if ":" not in seam.target:
+        raise ValueError(f"seam target {seam.target!r} must look like 'module:qualname'")
+    _SEAMS[seam.target] = seam
+    return seam
+
+
+def seams(kind: str | None = None) -> list[Seam]:
+    """The declared seams, optionally only those of one kind."""
+    return [s for s in _SEAMS.values() if kind is None or s.kind == kind]
+
+
+def _resolve(target: str) -> Any:
+    """``module:a.b`` -> the object; a part ending in ``()`` is instantiated without arguments
+    (``argparse:ArgumentParser()._actions`` is an instance attribute)."""
+    module_name, path = target.split(":", 1)
+    owner: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        owner = getattr(owner, part.removesuffix("()"))
+        if part.endswith("()"):
+            owner = owner()
+    return owner
+
+
+def private(target: str) -> Any:
+    """A declared private symbol (``module:qualname``), e.g.
+    ``registry.private("megatron.core.tensor_parallel.random:_fork_rng")``."""
+    if target not in _SEAMS:
+        raise KeyError(f"{target!r} is not a declared seam in megatron_ext/registry.py")
+    return _resolve(target)
+
+
+def adopt(instance: Any, cls: type) -> Any:
+    """Turn a just-built megatron-core ``instance`` into our subclass ``cls`` in place; the
+    adopted class must be a declared ``class_adoption`` seam and exactly the instance's type
+    (a subclass of it may have state ``cls`` does not know)."""
+    for seam in seams("class_adoption"):
+        base = _resolve(seam.target)
+        if not issubclass(cls, base):
+            continue
+        if type(instance) is not base:
+            raise TypeError(
+                f"only a plain megatron-core {base.__name__} can be adopted, got "
+                f"{type(instance).__name__}"
+            )
+        instance.__class__ = cls
+        return instance
+    raise TypeError(f"{cls.__qualname__} adopts no declared class_adoption seam")
+
+
+def assign(obj: Any, attribute: str, value: Any, seam: str) -> None:
+    """Rewrite ``attribute`` on an object megatron built, under a declared object_attribute seam."""
+    if seam not in _SEAMS or _SEAMS[seam].kind != "object_attribute":
+        raise KeyError(f"{seam!r} is not a declared object_attribute seam")
+    setattr(obj, attribute, value)
+
+
+def _package_version(package: str) -> str:
+    if package == "megatron-core":
+        return megatron_core_version()
+    if package == "torch":
+        return importlib.import_module("torch").__version__.split("+")[0]
+    import platform
+
+    return platform.python_version()
+
+
+def seam_problem(seam: Seam) -> str | None:
+    """Why ``seam`` does not hold in the imported code (None when it does)."""
+    import inspect
+
+    try:
+        obj = _resolve(seam.target)
+    except (ImportError, AttributeError) as exc:
+        return f"{seam.target} is missing ({type(exc).__name__}: {exc})"
+    if seam.signature is None:
+        return None
+    try:
+        found = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return f"{seam.target} has no readable signature"
+    if found != seam.signature:
+        return f"{seam.target} takes ({', '.join(found)}), written for ({', '.join(seam.signature)})"
+    return None
+
+
+def verify_seams(force: bool = False) -> None:
+    """Check every declared seam (once per process unless ``force``); raise naming each broken
+    target and the version found, unless MEGATRON_EXT_ALLOW_UNVERIFIED=1 (then warn)."""
+    global _seams_verified
+    if _seams_verified and not force:
+        return
+    problems = [(s, p) for s in _SEAMS.values() if (p := seam_problem(s)) is not None]
+    _seams_verified = True
+    if not problems:
+        return
+    lines = [
+        f"  {problem} [{seam.kind}; verified on {seam.package} {', '.join(seam.verified)}, "
+        f"found {_package_version(seam.package)}]"
+        for seam, problem in problems
+    ]
+    message = "megatron-ext depends on private code that changed:\n" + "\n".join(lines) + (
+        f"\nInstall the verified versions, or set {ALLOW_UNVERIFIED_ENV}=1 to go on at your own risk."
+    )
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        warnings.warn(message, stacklevel=2)
+        return
+    raise SeamMismatchError(message)
+
+
+_TORCH = ("2.14",)
+_PYTHON = ("3.12",)
+
+_MCORE = "megatron.core"
+_LAYER = f"{_MCORE}.transformer.transformer_layer:TransformerLayer"
+_MTP = f"{_MCORE}.transformer.multi_token_prediction"
+_BRIDGE = f"{_MCORE}.pipeline_parallel.bridge_communicator:BridgeCommunicator"
+_MULTIMODULE = f"{_MCORE}.pipeline_parallel.multimodule_communicator"
+_RANDOM = f"{_MCORE}.tensor_parallel.random"
+
+# ---- overridden private methods -------------------------------------------------------
+declare(Seam(
+    f"{_LAYER}._forward_attention", "private_method_override",
+    "HyperConnectionTransformerLayer runs the attention sub-layer on the n streams "
+    "(aggregate, attend, merge); TransformerLayer.forward calls this hook.",
+    ("self", "hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb",
+     "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+     "inference_context", "packed_seq_params", "sequence_len_offset", "padding_mask",
+     "inference_params"),
+))
+declare(Seam(
+    f"{_LAYER}._forward_mlp", "private_method_override",
+    "HyperConnectionTransformerLayer runs the MLP sub-layer on the n streams.",
+    ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
+))
+declare(Seam(
+    f"{_MTP}:MultiTokenPredictionLayer._concat_embeddings", "private_method_override",
+    "The Hybrid mHC MTP layer contracts the n streams before concatenating the embedding.",
+    ("self", "hidden_states", "decoder_input"),
+))
+declare(Seam(
+    f"{_MTP}:MultiTokenPredictionLayer._postprocess", "private_method_override",
+    "The Hybrid mHC MTP layer keeps its output as n streams for the next depth.",
+    ("self", "hidden_states"),
+))
+declare(Seam(
+    f"{_BRIDGE}._get_or_create_broadcast_pg", "private_method_override",
+    "GridBridgeCommunicator creates the broadcast groups on the grids' backend (upstream "
+    "hard-codes nccl, which fails on CPU/gloo) and caches them per pipeline.",
+    ("ranks_list",),
+))
+declare(Seam(
+    f"{_BRIDGE}._get_or_create_bridge_pg", "private_method_override",
+    "GridBridgeCommunicator: the leader (bridge) groups, likewise on the grids' backend.",
+    ("ranks",),
+))
+declare(Seam(
+    f"{_MULTIMODULE}:MultiModulePipelineCommunicator._build_bridge_comms",
+    "private_method_override",
+    "MultiModuleCommunicator builds GridBridgeCommunicators instead of megatron's bridges.",
+    ("self",),
+))
+declare(Seam(
+    "torch.nn.modules.module:Module._apply", "private_method_override",
+    "HyperConnectionModule keeps its mapping parameters fp32 when the model is cast to "
+    "bf16/fp16 (.half(), Float16Module): every cast goes through _apply.",
+    ("self", "fn", "recurse"), _TORCH,
+))
+
+# ---- private functions called --------------------------------------------------------
+declare(Seam(
+    f"{_RANDOM}:_get_all_rng_states", "private_function",
+    "mHC recompute saves the CPU, CUDA and tracker RNG states at the first forward so the "
+    "recomputed dropout masks match.",
+    (),
+))
+declare(Seam(
+    f"{_RANDOM}:_set_all_rng_states", "private_function",
+    "mHC recompute restores those states before recomputing.",
+    ("cpu_rng_state", "cuda_rng_state", "cuda_rng_state_tracker"),
+))
+declare(Seam(
+    f"{_RANDOM}:_fork_rng", "private_function",
+    "mHC recompute restores the caller's RNG states after recomputing.",
+    (),
+))
+declare(Seam(
+    f"{_MULTIMODULE}:_prepare_tensor_for_comm", "private_function",
+    "MultiModuleCommunicator shapes tensors for the bridge exactly as megatron's does.",
+    ("tensor",),
+))
+declare(Seam(
+    f"{_MULTIMODULE}:_restore_tensor_from_comm", "private_function",
+    "MultiModuleCommunicator restores received tensors exactly as megatron's does.",
+    ("tensor",),
+))
+declare(Seam(
+    f"{_MCORE}.pipeline_parallel.schedules:_build_default_pg_collection", "private_function",
+    "Schedule tracing hands the schedule the process groups it would build itself.",
+    (),
+))
+declare(Seam(
+    f"{_MCORE}.parallel_state:_set_global_memory_buffer", "private_function",
+    "Multi-module pipelines never call initialize_model_parallel, which creates the global "
+    "memory buffer local attention needs; there is no public creator.",
+    (),
+))
+declare(Seam(
+    "torch.autograd:_is_checkpoint_valid", "private_function",
+    "mHC recompute refuses torch.autograd.grad through a recomputed region, as megatron's "
+    "CheckpointFunction does.",
+    (), _TORCH,
+))
+declare(Seam(
+    "argparse:ArgumentParser._get_formatter", "private_function",
+    "The --help repair formats each help string as argparse would.",
+    ("self",), _PYTHON,
+))
+declare(Seam(
+    "argparse:HelpFormatter._expand_help", "private_function",
+    "The --help repair finds megatron help strings that do not %-format.",
+    ("self", "action"), _PYTHON,
+))
+
+# ---- class adoptions ------------------------------------------------------------------
+declare(Seam(
+    f"{_MCORE}.transformer.transformer_block:TransformerBlock", "class_adoption",
+    "megatron's GPTModel builds its decoder block itself; HyperConnectionTransformerBlock "
+    "adopts it in place (its attributes: config, layers, final_layernorm, post_process).",
+    ("config", "spec", "post_layer_norm", "pre_process", "post_process", "pg_collection",
+     "vp_stage"),
+))
+declare(Seam(
+    f"{_MTP}:MultiTokenPredictionBlock", "class_adoption",
+    "megatron's HybridModel builds its MTP block itself; HyperConnectionMTPBlock adopts it.",
+    ("config", "spec", "vp_stage", "pg_collection", "mtp_layer_pattern", "mtp_num_depths",
+     "hybrid_submodules", "mamba_submodules", "name"),
+))
+
+# ---- private attributes read -----------------------------------------------------------
+declare(Seam(
+    "argparse:ArgumentParser()._option_string_actions", "private_attribute",
+    "Our flags and their aliases skip spellings megatron's parser already declares.",
+    None, _PYTHON,
+))
+declare(Seam(
+    "argparse:ArgumentParser()._actions", "private_attribute",
+    "The --help repair and the parser-default check walk every action of megatron's parser.",
+    None, _PYTHON,
+))
+declare(Seam(
+    "torch.distributed.distributed_c10d:_world.pg_map", "private_attribute",
+    "Tests release the process groups they created (torch lists them nowhere public).",
+    None, _TORCH,
+))
+
+# ---- attributes rewritten on objects megatron built -------------------------------------
+declare(Seam(
+    "argparse:Action", "object_attribute",
+    "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "
+    "rewritten with the '%' escaped.",
+    None, _PYTHON,
+))

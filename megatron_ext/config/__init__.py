@@ -9,7 +9,6 @@ behaves exactly like ``TransformerConfig``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,78 +73,13 @@ class MHCTransformerConfig(TransformerConfig):
         )
 
     def _validate_mhc(self) -> None:
-        self._validate_mhc_recompute()
+        # The rules live in megatron_ext.guards (one list of every guard).
+        guards.check_mhc_recompute(self)
         if self.enable_mhc_connections:
-            self._validate_mhc_values()
-            self._reject_mhc_incompatible_features()
+            guards.check_mhc_values(self)
+            guards.check_mhc_features(self)
+            guards.check_mhc_layer_features(self)
             guards.check_mhc_pipeline(self)
-
-    def _validate_mhc_recompute(self) -> None:
-        layer_num = self.mhc_recompute_layer_num
-        if layer_num is not None and (
-            isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1
-        ):
-            raise ValueError(
-                f"mhc_recompute_layer_num must be a positive integer or None, got {layer_num!r}"
-            )
-        if not self.mhc_recompute_enabled:
-            if self.enable_mhc_connections:
-                warnings.warn(
-                    "enable_mhc_connections=True without mHC recompute: each layer keeps its "
-                    "n-stream activations. Consider recompute_granularity='selective' with "
-                    "'mhc' in recompute_modules."
-                )
-            return
-        if not self.enable_mhc_connections:
-            raise ValueError(
-                "'mhc' in recompute_modules requires enable_mhc_connections=True; "
-                "set enable_mhc_connections=True or remove 'mhc' from recompute_modules"
-            )
-        if "mlp" in self.recompute_modules:
-            raise ValueError(
-                "'mhc' and 'mlp' in recompute_modules cannot be used together: they checkpoint "
-                "the same MLP path with different mechanisms; remove one of them from "
-                f"recompute_modules (got {self.recompute_modules})"
-            )
-        if self.fine_grained_activation_offloading:
-            raise NotImplementedError(
-                "'mhc' in recompute_modules does not work with "
-                "fine_grained_activation_offloading=True (the recompute hook runs before the "
-                "offload backward chunk exists); disable one of them"
-            )
-
-    def _validate_mhc_values(self) -> None:
-        streams = self.mhc_num_residual_streams
-        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"mhc_num_residual_streams must be an integer >= 1, got {streams!r}")
-        if self.mhc_sinkhorn_iterations < 1:
-            raise ValueError(
-                "mhc_sinkhorn_iterations must be >= 1 (the Sinkhorn-Knopp backward relies on "
-                f"at least one row normalisation), got {self.mhc_sinkhorn_iterations}"
-            )
-        if self.mhc_init_gating_factor < 0:
-            raise ValueError(
-                "mhc_init_gating_factor must be non-negative, got "
-                f"{self.mhc_init_gating_factor}"
-            )
-
-    def _reject_mhc_incompatible_features(self) -> None:
-        if self.recompute_granularity == "full":
-            raise NotImplementedError(
-                "enable_mhc_connections does not support recompute_granularity='full' yet; use "
-                "recompute_granularity='selective' with 'mhc' in recompute_modules, or no recompute"
-            )
-        if self.inference_fuse_tp_communication:
-            raise NotImplementedError(
-                "enable_mhc_connections does not support inference_fuse_tp_communication=True "
-                "(the fused inference TP path assumes a single-stream residual); set it to False"
-            )
-        if self.fp32_residual_connection:
-            raise NotImplementedError(
-                "enable_mhc_connections does not support fp32_residual_connection=True (the "
-                "n-stream residual feeds the H_res mixing and must share the activation dtype); "
-                "set fp32_residual_connection=False"
-            )
 
 
 __all__ = ["MHCTransformerConfig", "MHC_RECOMPUTE_MODULE"]

@@ -1,15 +1,28 @@
-"""Validation guards: combinations megatron-ext does not support, rejected before any process
-group or model is built, each with the setting to change.
+"""Validation guards: combinations megatron-ext does not support, each rejected with the
+setting to change, as early as the information exists.
 
-The mHC field guards live with the fields (``megatron_ext.config.MHCTransformerConfig``); this
-package holds the ones about how mHC meets the rest of Megatron: pipeline parallelism, MTP,
-CUDA graphs, offloading and inference. Every check reads only a config, so the launchers and
-``megatron-ext validate`` can run them without starting anything.
+This package holds the config rules (the mHC fields, and how mHC meets the rest of Megatron:
+recompute, pipeline parallelism, MTP, CUDA graphs, offloading and inference), which read only a
+config, so :class:`~megatron_ext.config.MHCTransformerConfig`, the launchers and
+``megatron-ext validate`` run them without starting anything. :data:`GUARDS` is the one list
+of every guard in megatron-ext, these and the ones that need a spec, a built model, a
+checkpoint or a recipe and so live beside that code; each rule is checked in one place.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Any
+
+@dataclass(frozen=True)
+class Guard:
+    """One rule: the function (``module:qualname``) that enforces it, when it runs, and what
+    it rejects."""
+
+    check: str
+    stage: str  # config | recipe | spec | build | forward | load | inference
+    rejects: str
 
 
 class UnsupportedCombinationError(NotImplementedError):
@@ -22,8 +35,108 @@ def _mhc_pipeline(config: Any) -> bool:
     )
 
 
+# ---- the mHC fields ------------------------------------------------------------------------------
+def check_mhc_recompute(config: Any) -> None:
+    """The "mhc" selective recompute: its layer count, and what it cannot be combined with."""
+    layer_num = config.mhc_recompute_layer_num
+    if layer_num is not None and (
+        isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1
+    ):
+        raise ValueError(
+            f"mhc_recompute_layer_num must be a positive integer or None, got {layer_num!r}"
+        )
+    if not config.mhc_recompute_enabled:
+        if config.enable_mhc_connections:
+            warnings.warn(
+                "enable_mhc_connections=True without mHC recompute: each layer keeps its "
+                "n-stream activations. Consider recompute_granularity='selective' with "
+                "'mhc' in recompute_modules."
+            )
+        return
+    if not config.enable_mhc_connections:
+        raise ValueError(
+            "'mhc' in recompute_modules requires enable_mhc_connections=True; "
+            "set enable_mhc_connections=True or remove 'mhc' from recompute_modules"
+        )
+    if "mlp" in config.recompute_modules:
+        raise ValueError(
+            "'mhc' and 'mlp' in recompute_modules cannot be used together: they checkpoint "
+            "the same MLP path with different mechanisms; remove one of them from "
+            f"recompute_modules (got {config.recompute_modules})"
+        )
+    if config.fine_grained_activation_offloading:
+        raise NotImplementedError(
+            "'mhc' in recompute_modules does not work with "
+            "fine_grained_activation_offloading=True (the recompute hook runs before the "
+            "offload backward chunk exists); disable one of them"
+        )
+
+
+def check_mhc_values(config: Any) -> None:
+    """The mHC fields' own ranges."""
+    streams = config.mhc_num_residual_streams
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"mhc_num_residual_streams must be an integer >= 1, got {streams!r}")
+    if config.mhc_sinkhorn_iterations < 1:
+        raise ValueError(
+            "mhc_sinkhorn_iterations must be >= 1 (the Sinkhorn-Knopp backward relies on "
+            f"at least one row normalisation), got {config.mhc_sinkhorn_iterations}"
+        )
+    if config.mhc_init_gating_factor < 0:
+        raise ValueError(
+            "mhc_init_gating_factor must be non-negative, got "
+            f"{config.mhc_init_gating_factor}"
+        )
+
+
+def check_mhc_features(config: Any) -> None:
+    """Megatron features that assume a single-stream residual."""
+    if config.recompute_granularity == "full":
+        raise NotImplementedError(
+            "enable_mhc_connections does not support recompute_granularity='full' yet; use "
+            "recompute_granularity='selective' with 'mhc' in recompute_modules, or no recompute"
+        )
+    if config.inference_fuse_tp_communication:
+        raise NotImplementedError(
+            "enable_mhc_connections does not support inference_fuse_tp_communication=True "
+            "(the fused inference TP path assumes a single-stream residual); set it to False"
+        )
+    if config.fp32_residual_connection:
+        raise NotImplementedError(
+            "enable_mhc_connections does not support fp32_residual_connection=True (the "
+            "n-stream residual feeds the H_res mixing and must share the activation dtype); "
+            "set fp32_residual_connection=False"
+        )
+
+
+def check_mhc_layer_features(config: Any) -> None:
+    """What the mHC layers do not implement, at any pipeline size (also run by the layers, for
+    configs that are not MHCTransformerConfig)."""
+    if not getattr(config, "enable_mhc_connections", False):
+        return
+    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
+        raise UnsupportedCombinationError(
+            f"mHC layers are not qualified with CUDA graphs (cuda_graph_impl="
+            f"{config.cuda_graph_impl!r}): their static inputs would be single-stream; set "
+            "cuda_graph_impl='none' (and enable_cuda_graph/external_cuda_graph=False)"
+        )
+    offloaded_norms = {"attn_norm", "mlp_norm"} & set(config.offload_modules or [])
+    if config.fine_grained_activation_offloading and offloaded_norms:
+        raise UnsupportedCombinationError(
+            f"mHC layers do not offload their norms: remove {sorted(offloaded_norms)} from "
+            "offload_modules (or set fine_grained_activation_offloading=False)"
+        )
+    if config.mlp_chunks_for_training > 1:
+        raise UnsupportedCombinationError(
+            f"mHC layers do not chunk the MLP (mlp_chunks_for_training="
+            f"{config.mlp_chunks_for_training}); set mlp_chunks_for_training=1"
+        )
+
+
+# ---- mHC and the rest of Megatron ----------------------------------------------------------------
 def check_mhc_pipeline(config: Any) -> None:
-    """mHC with pipeline parallelism: what the pipeline support does not qualify."""
+    """mHC with pipeline parallelism: what the pipeline support does not qualify (CUDA graphs
+    are refused at every pipeline size, by :func:`check_mhc_layer_features`)."""
     if not _mhc_pipeline(config):
         return
     pp = config.pipeline_model_parallel_size
@@ -32,12 +145,6 @@ def check_mhc_pipeline(config: Any) -> None:
             f"overlap_moe_expert_parallel_comm=True is not supported with enable_mhc_connections "
             f"and pipeline_model_parallel_size={pp}: its overlapped schedule does not carry the "
             "n-stream residual; set overlap_moe_expert_parallel_comm=False"
-        )
-    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
-        raise UnsupportedCombinationError(
-            f"CUDA graphs (cuda_graph_impl={config.cuda_graph_impl!r}) are not qualified with "
-            f"enable_mhc_connections and pipeline_model_parallel_size={pp}; set "
-            "cuda_graph_impl='none' (and enable_cuda_graph/external_cuda_graph=False)"
         )
     if config.fine_grained_activation_offloading or config.cpu_offloading:
         raise UnsupportedCombinationError(
@@ -94,3 +201,67 @@ def inference_wrapper_rejecting_mhc_pipeline(init):
         check_mhc_inference_pipeline(self.config, self.pp_group.size())
 
     return __init__
+
+
+# ---- the one list --------------------------------------------------------------------------------
+# Every guard of megatron-ext, wherever it has to live (tests/unit_tests/guards/test_guard_list.py
+# fails on a raising check that is missing here).
+GUARDS: tuple[Guard, ...] = (
+    # config: MHCTransformerConfig.__post_init__ runs these, and megatron-ext validate through it
+    Guard("megatron_ext.guards:check_mhc_recompute", "config",
+          "a bad mhc_recompute_layer_num; 'mhc' recompute without mHC, with 'mlp', with offloading"),
+    Guard("megatron_ext.guards:check_mhc_values", "config",
+          "mhc_num_residual_streams < 1, mhc_sinkhorn_iterations < 1, mhc_init_gating_factor < 0"),
+    Guard("megatron_ext.guards:check_mhc_features", "config",
+          "mHC with full recompute, fused inference TP communication, fp32 residual connection"),
+    Guard("megatron_ext.guards:check_mhc_layer_features", "config",
+          "mHC with CUDA graphs, offloaded layer norms, or a chunked MLP (any pipeline size)"),
+    Guard("megatron_ext.guards:check_mhc_pipeline", "config",
+          "mHC under PP with the overlapped MoE schedule or activation offloading"),
+    Guard("megatron_ext.guards:check_gpt_mhc_mtp", "config",
+          "a GPT with mHC, PP and MTP (validate; GPTModel at construction)"),
+    Guard("megatron_ext.guards:check_hybrid_mhc_mtp", "config",
+          "a standalone MTP stage with mHC (validate; HybridModel at construction)"),
+    # recipe: megatron-ext validate, before any process starts
+    Guard("megatron_ext.recipes.plan:_check_context_parallel", "recipe",
+          "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag"),
+    Guard("megatron_ext.recipes.plan:plan_problems", "recipe",
+          "recipe fields that contradict each other or the parallel plan (ParallelPlan.problems)"),
+    # spec: the layer specs, before any weight exists
+    Guard("megatron_ext.mhc.transformer_layer:_check_config", "spec",
+          "an mHC layer in a config without enable_mhc_connections"),
+    Guard("megatron_ext.mhc.transformer_layer:_check_submodules", "spec",
+          "cross-attention (or its hyper connection) in an mHC layer"),
+    Guard("megatron_ext.mhc.transformer_layer:HyperConnectionTransformerLayer.__init__", "spec",
+          "an mHC layer as a GPT MTP layer, or with a MoE MLP outside HybridModel"),
+    Guard("megatron_ext.mhc.transformer_block:check_layers_support_mhc", "spec",
+          "layers without mHC residual streams in an mHC block"),
+    Guard("megatron_ext.models.hybrid.hybrid_model:_check_mhc_spec", "spec",
+          "a hybrid stack or MTP spec that cannot carry the n streams"),
+    Guard("megatron_ext.models.hybrid.layer_specs:UnavailableHybridLayer.__new__", "spec",
+          "a hybrid pattern symbol the spec cannot build (e.g. Mamba without mamba_ssm)"),
+    Guard("megatron_ext.models.context_parallel:_check_supported", "spec",
+          "local CP attention with a non-causal or sliding-window mask"),
+    # build: a model being constructed
+    Guard("megatron_ext.models.hybrid.hybrid_model:HybridModel.__init__", "build",
+          "a chunk with mHC MTP layers but no post_process (layout placing MTP elsewhere)"),
+    # forward: only a forward call knows
+    Guard("megatron_ext.mhc.transformer_block:HyperConnectionTransformerBlock._assign_recompute_groups",
+          "forward", "'mhc' recompute with extract_layer_indices while training"),
+    Guard("megatron_ext.models.hybrid.mtp:HyperConnectionMTPLayer.forward_single_position",
+          "forward", "speculative decoding with mHC MTP layers"),
+    Guard("megatron_ext.models.hybrid.mtp:HyperConnectionMTPBlock.forward", "forward",
+          "mHC MTP layers split across pipeline stages"),
+    Guard("megatron_ext.models.context_parallel:ContextParallelDotProductAttention.forward",
+          "forward", "packed sequences (THD) with local CP attention"),
+    # load and inference: registered patches wrap megatron's own functions
+    Guard("megatron_ext.guards.checkpoint_args:checking_model_settings", "load",
+          "a checkpoint whose mHC settings or padded vocabulary differ from the model's"),
+    Guard("megatron_ext.guards:check_mhc_inference_pipeline", "inference",
+          "mHC inference on a pipeline group larger than one"),
+)
+
+
+def by_stage(stage: str | None = None) -> list[Guard]:
+    """The registered guards, optionally only those of one stage."""
+    return [g for g in GUARDS if stage is None or g.stage == stage]

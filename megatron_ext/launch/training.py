@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_ext import registry
 from megatron_ext.launch import silence_warnings_off_rank_zero
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -127,14 +128,15 @@ def _repair_help_strings(parser: argparse.ArgumentParser) -> None:
     """Make ``--help`` work. In megatron-core 0.19.2, one help string contains a bare "%"
     ("1.10 = 10%"), so argparse's %-formatting fails and ``--help`` crashes for every
     script. Escape the "%" in any help string that does not format."""
-    formatter = parser._get_formatter()
+    formatter = registry.private("argparse:ArgumentParser._get_formatter")(parser)
+    expand_help = registry.private("argparse:HelpFormatter._expand_help")
     for action in parser._actions:
         if not action.help:
             continue
         try:
-            formatter._expand_help(action)
+            expand_help(formatter, action)
         except (ValueError, TypeError, KeyError):
-            action.help = action.help.replace("%", "%%")
+            registry.assign(action, "help", action.help.replace("%", "%%"), seam="argparse:Action")
 
 
 def _parser_has_dest(parser: argparse.ArgumentParser, dest: str) -> bool:

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from megatron.core.tensor_parallel import random as tp_random
+
+from megatron_ext import registry
+
+_RANDOM = "megatron.core.tensor_parallel.random"
 
 
 def plan_recompute_groups(num_layers: int, layers_per_group: Optional[int]) -> list[bool]:
@@ -67,13 +70,13 @@ class LayerRecompute:
 def _rng_states():
     # megatron-core's own helpers: CPU, device and model-parallel tracker states together
     # (the CPU runtime redirects the device part to the CPU generator).
-    return tp_random._get_all_rng_states()
+    return registry.private(f"{_RANDOM}:_get_all_rng_states")()
 
 
 @contextlib.contextmanager
 def _replayed_rng(states):
-    with tp_random._fork_rng():
-        tp_random._set_all_rng_states(*states)
+    with registry.private(f"{_RANDOM}:_fork_rng")():
+        registry.private(f"{_RANDOM}:_set_all_rng_states")(*states)
         yield
 
 
@@ -237,7 +240,7 @@ class MHCRecomputeGroup:
             checkpoint.discard()
 
         def recompute_group(grad):
-            if not torch.autograd._is_checkpoint_valid():
+            if not registry.private("torch.autograd:_is_checkpoint_valid")():
                 raise RuntimeError(
                     "mHC recompute needs torch.autograd.backward(); torch.autograd.grad() "
                     "cannot replay the discarded activations"

@@ -34,6 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
+from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
@@ -82,12 +83,7 @@ class HyperConnectionTransformerBlock(TransformerBlock):
     @classmethod
     def adopt(cls, block: TransformerBlock) -> "HyperConnectionTransformerBlock":
         """Make a just-built megatron-core ``TransformerBlock`` this class, in place."""
-        if type(block) is not TransformerBlock:
-            raise TypeError(
-                "only a plain megatron-core TransformerBlock can be adopted, got "
-                f"{type(block).__name__}"
-            )
-        block.__class__ = cls
+        registry.adopt(block, cls)  # (refuses anything but a plain TransformerBlock)
         block._setup_streams()
         return block
 

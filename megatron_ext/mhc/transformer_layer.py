@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
+from megatron_ext import guards
 from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 
@@ -80,23 +81,7 @@ def _check_config(config) -> None:
             "(megatron_ext.config.MHCTransformerConfig); set enable_mhc_connections=True, or "
             "build the spec with enable_mhc_connections=False for plain residual connections"
         )
-    if config.cuda_graph_impl != "none":
-        raise NotImplementedError(
-            f"mHC layers are not qualified with CUDA graphs (cuda_graph_impl="
-            f"{config.cuda_graph_impl!r}): their static inputs would be single-stream; set "
-            "cuda_graph_impl='none'"
-        )
-    offloaded_norms = {"attn_norm", "mlp_norm"} & set(config.offload_modules or [])
-    if config.fine_grained_activation_offloading and offloaded_norms:
-        raise NotImplementedError(
-            f"mHC layers do not offload their norms: remove {sorted(offloaded_norms)} from "
-            "offload_modules (or set fine_grained_activation_offloading=False)"
-        )
-    if config.mlp_chunks_for_training > 1:
-        raise NotImplementedError(
-            f"mHC layers do not chunk the MLP (mlp_chunks_for_training="
-            f"{config.mlp_chunks_for_training}); set mlp_chunks_for_training=1"
-        )
+    guards.check_mhc_layer_features(config)
 
 
 def _check_submodules(submodules: TransformerLayerSubmodules) -> None:

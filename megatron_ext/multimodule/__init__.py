@@ -15,8 +15,8 @@ the non-interleaved schedule). This package owns everything around it:
   gradients, checked sends whose errors reach the waiting ranks;
 - finalize-grads (:mod:`~megatron_ext.multimodule.grads`): megatron-core's finalisation per
   module and one global gradient scale across grids of different DP sizes;
-- a small vision-language model and a reference harness for tests and the recipe
-  (:mod:`~megatron_ext.multimodule.vlm`, :mod:`~megatron_ext.multimodule.testing`), and the
+- a small vision-language model for tests and the recipe (:mod:`~megatron_ext.multimodule.vlm`;
+  its single-process reference harness is :mod:`megatron_ext.testing.multimodule`), and the
   training entry ``python -m megatron_ext.multimodule.train RECIPE [KEY=VALUE ...]``.
 
 Typical use::

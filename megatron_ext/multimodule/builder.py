@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext import registry
 from megatron_ext.multimodule.communicator import MultiModuleCommunicator
 from megatron_ext.multimodule.errors import MultiModuleBuildError, MultiModulePlanError
 from megatron_ext.multimodule.grads import finalize_multimodule_grads
@@ -158,7 +159,7 @@ def ensure_global_memory_buffer() -> bool:
         parallel_state.get_global_memory_buffer()
         return False
     except AssertionError:
-        parallel_state._set_global_memory_buffer()
+        registry.private("megatron.core.parallel_state:_set_global_memory_buffer")()
         return True
 
 

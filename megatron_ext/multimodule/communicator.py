@@ -36,11 +36,15 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
-    _prepare_tensor_for_comm,
-    _restore_tensor_from_comm,
 )
 
+from megatron_ext import registry
 from megatron_ext.multimodule.errors import AmbiguousShapeError, MultiModuleError, OutputNdimError
+
+# megatron's own reshaping for the bridge, so ours sends what its receivers expect.
+_COMMUNICATOR = "megatron.core.pipeline_parallel.multimodule_communicator"
+_prepare_tensor_for_comm = registry.private(f"{_COMMUNICATOR}:_prepare_tensor_for_comm")
+_restore_tensor_from_comm = registry.private(f"{_COMMUNICATOR}:_restore_tensor_from_comm")
 
 # Megatron's activations are [s, b, h].
 MEGATRON_DIM_MAPPING = {"s": 0, "b": 1, "h": 2}

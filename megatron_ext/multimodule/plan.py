@@ -30,6 +30,7 @@ from typing import Any, Optional
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 from megatron_ext.multimodule.errors import MultiModulePlanError
+from megatron_ext.parallel_plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,13 @@ class ModulePlan:
     output_ndim: Optional[int] = None
 
     @property
+    def parallel(self) -> ParallelPlan:
+        """This module's grid as a parallel plan."""
+        return ParallelPlan(tp=self.tp, pp=self.pp, cp=self.cp, dp_size=self.dp)
+
+    @property
     def size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return self.parallel.world_size
 
     @property
     def ranks(self) -> range:
@@ -233,10 +239,9 @@ class MultiModulePlan:
         if not self.modules:
             problems.append("the plan has no modules")
         for name, m in self.modules.items():
-            for dim in ("tp", "pp", "dp", "cp"):
-                value = getattr(m, dim)
-                if not isinstance(value, int) or value < 1:
-                    problems.append(f"module {name!r}: {dim}={value!r} must be a positive integer")
+            for bad in m.parallel.size_problems():
+                value = getattr(m, bad.field)
+                problems.append(f"module {name!r}: {bad.field}={value!r} must be a positive integer")
             if not isinstance(m.first_rank, int) or m.first_rank < 0:
                 problems.append(f"module {name!r}: first_rank={m.first_rank!r} must be >= 0")
             if m.output_ndim not in (None, 2, 3):

@@ -24,7 +24,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.multimodule.builder import ModuleImpl
 from megatron_ext.multimodule.model import StageContext, core_module
-from megatron_ext.testing.configs import CPU_SAFE_FIELDS
+from megatron_ext.models.lm_loss import masked_token_loss
+from megatron_ext.runtime.config_fields import CPU_SAFE_FIELDS
 
 CPU_FRIENDLY = dict(
     hidden_dropout=0.0,
@@ -167,9 +168,7 @@ def language_model_impl(config: Any, vocab_size: int, max_sequence_length: int) 
 # ------------------------------------------------------------------------------ data and loss
 def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """(sum of masked token losses, token count, report) as megatron's pretrain_gpt returns."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(losses * mask)
+    loss_sum, mask = masked_token_loss(loss_mask, output_tensor)
     tokens = mask.sum().to(torch.int)
     report = {
         "lm loss": (loss_sum.detach() / tokens.clamp(min=1)).item(),

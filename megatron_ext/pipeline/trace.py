@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from megatron_ext import registry
 from megatron_ext.pipeline.schedule import (
     DIRECTIONS,
     Compute,
@@ -192,8 +193,6 @@ def active() -> Optional[Tracer]:
 @contextlib.contextmanager
 def tracing(tracer: Optional[Tracer] = None) -> Iterator[Tracer]:
     """Record every pipelined schedule run inside the block (see the module docstring)."""
-    from megatron_ext import registry
-
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("tracing() is already active")
@@ -406,7 +405,8 @@ def _default_communicator(model: Any) -> tuple[Any, Any]:
     communicator = P2PCommunicator(
         pp_group=parallel_state.get_pipeline_model_parallel_group(), config=get_model_config(first)
     )
-    return communicator, schedules._build_default_pg_collection()
+    build_default = registry.private(f"{SCHEDULES}:_build_default_pg_collection")
+    return communicator, build_default()
 
 
 def _describe_multimodule(tracer: Tracer, communicator: Any) -> None:

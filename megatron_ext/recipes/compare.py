@@ -28,6 +28,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy
+
 from megatron_ext.recipes.metrics import Metrics
 
 TOLERANCE_FIELDS = ("deterministic", "rtol", "atol", "max_failing_steps")
@@ -172,15 +174,6 @@ def _value(series: dict[int, float], step: int) -> float:
     return series.get(step, math.inf)
 
 
-def _isclose(a: float, b: float, rtol: float, atol: float) -> bool:
-    # numpy.isclose's rule (asymmetric: the tolerance scales with the golden value)
-    if math.isnan(a) or math.isnan(b):
-        return False
-    if math.isinf(a) or math.isinf(b):
-        return a == b
-    return abs(a - b) <= atol + rtol * abs(b)
-
-
 def _steady_median(series: dict[int, float], steps: list[int]) -> tuple[float, list[int]]:
     window = range(5, 21) if (max(steps) if steps else 0) <= 25 else range(30, 46)
     chosen = [s for s in steps if s in window] or steps
@@ -201,12 +194,15 @@ def check_metric(metric: str, actual: dict[int, float], golden: dict[int, float]
         if metric == "iteration-time":
             a, chosen = _steady_median(actual, steps)
             g, _ = _steady_median(golden, steps)
-            ok = _isclose(a, g, rule.rtol, rule.atol)
+            # numpy.isclose: asymmetric, the tolerance scales with the golden value; NaN fails.
+            ok = bool(numpy.isclose(a, g, rtol=rule.rtol, atol=rule.atol))
             results.append(CheckResult(metric, check + " median", ok, 1, [] if ok else [chosen[0]], 0,
                                        Worst(chosen[0] if chosen else 0, a, g),
                                        f"median of steps {chosen[0]}-{chosen[-1]}" if chosen else ""))
         else:
-            failing = [s for s in steps if not _isclose(_value(actual, s), golden[s], rule.rtol, rule.atol)]
+            close = numpy.isclose([_value(actual, s) for s in steps], [golden[s] for s in steps],
+                                  rtol=rule.rtol, atol=rule.atol)
+            failing = [s for s, ok in zip(steps, close) if not ok]
             allowed = (rule.max_failing_steps if rule.max_failing_steps is not None
                        else min(max(len(steps) // 100, 1), 50))
             if len(steps) == 1:
@@ -273,7 +269,7 @@ def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: li
             if quirk and s == half + 2:
                 mean = (cont[half + 1] + cont[half + 2]) / 2
                 expected[s] = mean
-                if not _isclose(_value(res, s), mean, PRINT_RTOL, 0.0):
+                if not numpy.isclose(_value(res, s), mean, rtol=PRINT_RTOL, atol=0.0):
                     failing.append(s)
             elif _value(res, s) != cont[s]:
                 failing.append(s)

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import Problem, Recipe
 
@@ -229,11 +230,8 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     add = lambda where, what: problems.append(Problem(where, what))  # noqa: E731
     m, p, t, d = r.model, r.parallelism, r.training, r.data
 
-    for name in ("tp", "pp", "cp", "ep", "dp"):
-        if getattr(p, name) < 1:
-            add(f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
-    if p.vpp is not None and p.vpp < 1:
-        add("parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
+    for problem in parallel_plan(r).size_problems():
+        add(f"parallelism.{problem.field}", problem.message)
     if problems:
         return problems
 
@@ -340,22 +338,23 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
                                                   "CUDA kernels; on CPU use '*', '-' and 'E'")
 
 
+def parallel_plan(r: Recipe) -> ParallelPlan:
+    """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
+    p = r.parallelism
+    return ParallelPlan(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, sp=p.sp, dp_size=p.dp,
+                        world=r.launch.nproc)
+
+
 def _check_parallel_plan(r: Recipe, add) -> None:
-    m, p, t = r.model, r.parallelism, r.training
-    world = p.tp * p.pp * p.cp * p.dp
-    if r.launch.nproc is not None and r.launch.nproc != world:
-        add("launch.nproc", f"{r.launch.nproc} ranks, but tp({p.tp}) * pp({p.pp}) * cp({p.cp}) * "
-                            f"dp({p.dp}) = {world}; leave nproc null or change dp")
-    if p.sp and p.tp == 1:
-        add("parallelism.sp", "sequence parallelism needs tp > 1 (megatron silently turns it off "
-                              "at tp=1)")
+    m, p = r.model, r.parallelism
+    plan = parallel_plan(r)
+    for problem in plan.problems():
+        add("launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
+            problem.message)
     if p.cp > 1:
         _check_context_parallel(r, add)
-    elif p.sp and m.seq_length % p.tp:
-        add("model.seq_length", f"{m.seq_length} is not divisible by tp={p.tp}, which sequence "
-                                "parallelism splits it over")
-    if p.ep > 1 and (p.tp * p.dp * p.cp) % p.ep:
-        add("parallelism.ep", f"ep={p.ep} must divide tp * dp * cp = {p.tp * p.dp * p.cp}")
+    elif seq_problem := plan.seq_length_problem(m.seq_length):
+        add("model.seq_length", seq_problem)
     if m.type == "gpt" and m.num_layers:
         if m.pipeline_layout:
             try:
@@ -376,10 +375,8 @@ def _check_parallel_plan(r: Recipe, add) -> None:
                 add("model.pipeline_layout", f"places {sum(s.count('m') for s in stages)} MTP "
                                              f"layers ('m'), but mtp_num_layers is {m.mtp_num_layers}")
         else:
-            chunks = p.pp * (p.vpp or 1)
-            if m.num_layers % chunks:
-                add("model.num_layers", f"{m.num_layers} layers do not split over pp({p.pp}) * "
-                                        f"vpp({p.vpp or 1}) = {chunks} model chunks")
+            if layers_problem := plan.layers_problem(m.num_layers):
+                add("model.num_layers", layers_problem)
             if p.vpp and p.vpp > 1 and p.pp == 1:
                 add("parallelism.vpp", "virtual stages need pp > 1")
 
@@ -396,12 +393,8 @@ def _check_context_parallel(r: Recipe, add) -> None:
     """CP's load-balanced split needs 2 * cp equal chunks (each further split over TP under
     SP); the local CP attention supports causal masks only."""
     m, p = r.model, r.parallelism
-    divisor = 2 * p.cp * (p.tp if p.sp else 1)
-    if m.seq_length % divisor:
-        what = (f"2 * cp * tp = {divisor} (context parallelism's load-balanced split, each "
-                "chunk split again over tp by sequence parallelism)") if p.sp else (
-                f"2 * cp = {divisor} (context parallelism's load-balanced split)")
-        add("model.seq_length", f"{m.seq_length} is not divisible by {what}")
+    if seq_problem := parallel_plan(r).seq_length_problem(m.seq_length):
+        add("model.seq_length", seq_problem)
     if m.transformer_impl == "transformer_engine":
         return  # Transformer Engine's own CP attention handles its masks
     for flag, what in NON_CAUSAL_MASK_FLAGS.items():
@@ -413,16 +406,16 @@ def _check_context_parallel(r: Recipe, add) -> None:
 
 
 def _check_training(r: Recipe, add) -> None:
-    t, p = r.training, r.parallelism
+    t = r.training
     if t.iterations < 1:
         add("training.iterations", f"must be >= 1, got {t.iterations}")
     if t.micro_batch_size < 1:
         add("training.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
         return
-    dp = p.dp if r.model.type != "multimodule" else 1
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        add("training.global_batch_size", f"{t.global_batch_size} is not a multiple of "
-                                          f"micro_batch_size({t.micro_batch_size}) * dp({dp})")
+    # A multi-module recipe's batch is split by each module's own dp (multimodule.plan).
+    plan = parallel_plan(r) if r.model.type != "multimodule" else ParallelPlan()
+    if batch_problem := plan.batch_problem(t.global_batch_size, t.micro_batch_size):
+        add("training.global_batch_size", batch_problem)
     if t.eval_interval is not None and t.eval_interval < 1:
         add("training.eval_interval", f"must be >= 1 or null, got {t.eval_interval}")
     if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from megatron_ext.parallel_plan import ParallelPlan
+
 SCHEMA_VERSION = 1
 """The schema version this megatron-ext reads; a recipe states it as ``version: 1``."""
 
@@ -221,7 +223,7 @@ class Recipe:
         if self.launch.nproc is not None:
             return self.launch.nproc
         p = self.parallelism
-        return p.tp * p.pp * p.cp * p.dp
+        return ParallelPlan(tp=p.tp, pp=p.pp, cp=p.cp, dp_size=p.dp).world_size
 
     @property
     def entry(self) -> Optional[str]:

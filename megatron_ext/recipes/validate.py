@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from megatron_ext import registry
 from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
@@ -138,19 +139,13 @@ def _as_rank_zero_of(world_size: int, argv: list[str]) -> Iterator[None]:
 def _device_architecture_without_gpu() -> Iterator[None]:
     """validate_args asks the GPU for its architecture when TP/CP > 1; answer without one."""
     import torch
-    import megatron.training.arguments as megatron_arguments
 
     if torch.cuda.is_available():
         yield
         return
-    from megatron_ext.runtime.cpu import no_device_architecture
-
-    original = megatron_arguments.get_device_arch_version
-    megatron_arguments.get_device_arch_version = no_device_architecture(original)
-    try:
+    # The CPU runtime's own patch, applied only for the check.
+    with registry.applied("megatron.training.arguments:get_device_arch_version"):
         yield
-    finally:
-        megatron_arguments.get_device_arch_version = original
 
 
 def _first_line(exc: BaseException) -> str:

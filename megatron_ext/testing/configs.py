@@ -7,16 +7,7 @@ from typing import Any
 
 import torch
 
-# What a CPU run needs switched: CPU weight init, and none of the CUDA-only fused kernels.
-CPU_SAFE_FIELDS: dict[str, Any] = dict(
-    use_cpu_initialization=True,
-    bias_dropout_fusion=False,
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    gradient_accumulation_fusion=False,
-    apply_rope_fusion=False,
-)
+from megatron_ext.runtime.config_fields import CPU_SAFE_FIELDS
 
 
 def small_config(config_class: type | None = None, **fields: Any):

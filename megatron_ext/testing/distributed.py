@@ -16,6 +16,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext import registry
+
 # A rank that fails before a collective makes the others time out instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("MEGATRON_EXT_TEST_TIMEOUT_S", "180")))
 
@@ -45,11 +47,11 @@ def init_distributed() -> None:
 
 
 def _live_process_groups() -> set:
-    from torch.distributed import distributed_c10d  # the only registry of live groups
-
     if not dist.is_initialized():
         return set()
-    return set(distributed_c10d._world.pg_map) - {dist.group.WORLD}
+    # torch's private map is the only registry of live groups.
+    live = registry.private("torch.distributed.distributed_c10d:_world.pg_map")
+    return set(live) - {dist.group.WORLD}
 
 
 @contextlib.contextmanager

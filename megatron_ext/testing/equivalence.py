@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.testing.configs import CPU_SAFE_FIELDS
+from megatron_ext.models.lm_loss import masked_token_loss
+from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import Piece, full_tensors, load_full_weights, local_pieces, shard_index
 
@@ -74,14 +76,16 @@ class TrainPlan:
     param_atol: float = 1e-5
 
     @property
+    def parallel(self) -> ParallelPlan:
+        """The plan in the current world (checked: every problem at once)."""
+        return ParallelPlan(
+            tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
+            sp=self.sequence_parallel, world=world_size(),
+        ).check()
+
+    @property
     def data_parallel_size(self) -> int:
-        model_parallel_size = self.tp * self.pp * self.cp
-        if world_size() % model_parallel_size:
-            raise ValueError(
-                f"world size {world_size()} is not divisible by tp({self.tp})*pp({self.pp})*"
-                f"cp({self.cp})={model_parallel_size}"
-            )
-        return world_size() // model_parallel_size
+        return self.parallel.dp
 
     @property
     def microbatches_per_step(self) -> int:
@@ -89,13 +93,11 @@ class TrainPlan:
         return self.global_batch_size // self.micro_batch_size
 
     def local_microbatches(self) -> int:
-        dp = self.data_parallel_size
-        if self.microbatches_per_step % dp:
-            raise ValueError(
-                f"global_batch_size({self.global_batch_size}) must be divisible by "
-                f"micro_batch_size({self.micro_batch_size}) * data parallel size({dp})"
-            )
-        return self.microbatches_per_step // dp
+        plan = self.parallel
+        problem = plan.batch_problem(self.global_batch_size, self.micro_batch_size)
+        if problem:
+            raise ValueError(f"global_batch_size {problem}")
+        return self.microbatches_per_step // plan.dp
 
 
 @dataclass
@@ -215,9 +217,7 @@ def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     The reported loss is the whole micro-batch's: under CP, loss sum and token count are
     summed over the CP group first (megatron's training loop sums the report over DP x CP).
     The returned loss stays this rank's; megatron's schedules and grad reduction combine it."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(losses * mask)
+    loss_sum, mask = masked_token_loss(loss_mask, output_tensor)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), mask.sum()])
     cp_group = _context_parallel_group()

@@ -44,15 +44,20 @@ def _region(entry: ShardedTensor) -> Region:
     return tuple((off, off + size) for off, size in zip(entry.global_offset, local_shape))
 
 
-def shard_index(modules: Iterable[torch.nn.Module]) -> list[ShardedParam]:
+def shard_index(
+    modules: Iterable[torch.nn.Module],
+    sharded_state_dict: Callable[[torch.nn.Module], dict] = lambda module: module.sharded_state_dict(),
+    first_entry_only: bool = False,
+) -> list[ShardedParam]:
     """Every trainable parameter of ``modules`` (unwrapped model chunks) with its global
-    key and region. Raises if a parameter has no sharded-state-dict entry, so nothing is
-    silently left out of a comparison."""
+    key and region, read from ``sharded_state_dict(module)``. Raises if a parameter has no
+    sharded-state-dict entry, so nothing is silently left out of a comparison.
+    ``first_entry_only`` indexes a parameter once even when several entries name it."""
     index: list[ShardedParam] = []
     for module in modules:
         names = {p.data_ptr(): (n, p) for n, p in module.named_parameters() if p.requires_grad}
         seen: set[int] = set()
-        for entry in nested_values(module.sharded_state_dict()):
+        for entry in nested_values(sharded_state_dict(module)):
             if isinstance(entry, ShardedTensorFactory):
                 ptr = entry.data.data_ptr()
                 if ptr in names:
@@ -65,6 +70,8 @@ def shard_index(modules: Iterable[torch.nn.Module]) -> list[ShardedParam]:
                 continue
             ptr = entry.data.data_ptr()
             if ptr not in names or names[ptr][1].shape != entry.data.shape:
+                continue
+            if first_entry_only and ptr in seen:
                 continue
             name, param = names[ptr]
             seen.add(ptr)

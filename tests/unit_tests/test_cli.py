@@ -28,3 +28,5 @@ def test_doctor_reports_versions_runtime_and_patches():
         # The "trace" group is applied only while tracing (megatron-ext run --trace).
         state = "inactive" if patch.group == "trace" else "active  "
         assert f"{state} {patch.target}" in report
+    for seam in registry.seams():
+        assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report

@@ -45,6 +45,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import learned_contract
 
 
@@ -213,10 +214,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
     @classmethod
     def adopt(cls, block: MultiTokenPredictionBlock) -> "HyperConnectionMTPBlock":
         if type(block) is not MultiTokenPredictionBlock:
-            raise TypeError(
-                "only a plain megatron-core MultiTokenPredictionBlock can be adopted, got "
-                f"{type(block).__name__}"
-            )
+            registry.adopt(block, cls)  # raises: only a plain MultiTokenPredictionBlock
         plain = [
             type(layer).__name__
             for layer in block.layers
@@ -228,7 +226,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
                 f"streams, but it has {', '.join(plain)}; build mtp_block_spec with "
                 "HyperConnectionMTPLayer (get_hybrid_stack_local_spec(enable_mhc_connections=True))"
             )
-        block.__class__ = cls
+        registry.adopt(block, cls)
         return block
 
     def forward(

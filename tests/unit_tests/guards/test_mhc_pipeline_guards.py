@@ -26,7 +26,6 @@ def test_plain_mhc_pipeline_config_is_accepted():
     "overrides, setting",
     [
         (dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4, expert_model_parallel_size=1), "overlap_moe_expert_parallel_comm"),
-        (dict(cuda_graph_impl="local"), "cuda_graph_impl"),
         (dict(cpu_offloading=True, cpu_offloading_num_layers=1), "cpu_offloading"),
         (dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"]), "fine_grained_activation_offloading"),
     ],

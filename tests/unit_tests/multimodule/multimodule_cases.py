@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_ext.multimodule import ModuleImpl, ModulePlan, MultiModulePlan
 from megatron_ext.multimodule import vlm
-from megatron_ext.multimodule.testing import PipelineRun, check_pipeline_equivalence, run_pipeline
+from megatron_ext.testing.multimodule import PipelineRun, check_pipeline_equivalence, run_pipeline
 from megatron_ext.testing.distributed import init_distributed
 
 HIDDEN = 32

@@ -23,7 +23,7 @@ from multimodule_cases import (
 )
 
 from megatron_ext.multimodule import AmbiguousShapeError, ModulePlan as M, OutputNdimError
-from megatron_ext.multimodule.testing import PipelineEquivalenceError
+from megatron_ext.testing.multimodule import PipelineEquivalenceError
 
 pytestmark = pytest.mark.world_size(4)
 

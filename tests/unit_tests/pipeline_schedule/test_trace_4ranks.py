@@ -160,7 +160,7 @@ def test_multimodule_encoders_of_different_depths():
 
     from megatron_ext.multimodule import ModulePlan as M
     from megatron_ext.multimodule import vlm
-    from megatron_ext.multimodule.testing import PipelineRun, run_pipeline
+    from megatron_ext.testing.multimodule import PipelineRun, run_pipeline
 
     modules = {"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)}
     topology = {"a": ["llm"], "b": ["llm"]}

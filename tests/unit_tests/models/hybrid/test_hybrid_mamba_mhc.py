@@ -9,7 +9,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext.mhc import aggregate, expand_output, mix_residual
+from megatron_ext.mhc.hyper_connection import aggregate, expand_output, mix_residual
 from megatron_ext.models.hybrid import HybridModel, get_hybrid_stack_local_spec
 from megatron_ext.models.hybrid.mamba_layer import (
     HyperConnectionMambaLayer,

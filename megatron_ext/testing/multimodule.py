@@ -31,13 +31,8 @@ from megatron_ext.multimodule.model import StageContext
 from megatron_ext.multimodule.plan import MultiModulePipelineConfig, MultiModulePlan
 from megatron_ext.multimodule.vlm import VLMData, lm_input_count, local_batches, make_forward_step, masked_lm_loss
 from megatron_ext.testing.equivalence import compare_pieces
-from megatron_ext.testing.shards import (
-    ShardedParam,
-    _region,
-    full_tensors,
-    load_full_weights,
-    local_pieces,
-)
+from megatron_ext.testing import shards
+from megatron_ext.testing.shards import ShardedParam, full_tensors, load_full_weights, local_pieces
 
 
 class PipelineEquivalenceError(AssertionError):
@@ -74,27 +69,14 @@ class Reference:
 
 # ---------------------------------------------------------------------------------------------
 def shard_index(module: torch.nn.Module, dp_cp_group: Any) -> list[ShardedParam]:
-    """``megatron_ext.testing.shards.shard_index`` for a module built on its own groups:
+    """:func:`megatron_ext.testing.shards.shard_index` for a module built on its own groups:
     megatron's sharded_state_dict falls back to parallel_state's DP group unless the metadata
     names one, and multi-module pipelines never initialise parallel_state."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    names = {p.data_ptr(): (n, p) for n, p in module.named_parameters() if p.requires_grad}
-    index, seen = [], set()
-    for entry in nested_values(_sharded_state_dict(module, {"dp_cp_group": dp_cp_group})):
-        if not isinstance(entry, ShardedTensor):
-            continue
-        ptr = entry.data.data_ptr()
-        if ptr not in names or names[ptr][1].shape != entry.data.shape or ptr in seen:
-            continue
-        name, param = names[ptr]
-        seen.add(ptr)
-        index.append(ShardedParam(entry.key, name, param, tuple(entry.global_shape), _region(entry)))
-    missing = [n for ptr, (n, _) in names.items() if ptr not in seen]
-    if missing:
-        raise RuntimeError(f"parameters without a sharded-state-dict entry: {missing}")
-    return index
+    return shards.shard_index(
+        [module],
+        lambda m: _sharded_state_dict(m, {"dp_cp_group": dp_cp_group}),
+        first_entry_only=True,
+    )
 
 
 def _sharded_state_dict(module: torch.nn.Module, metadata: dict) -> dict:

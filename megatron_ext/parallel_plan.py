@@ -1,0 +1,150 @@
+"""The parallel plan: one small frozen object for the sizes of a run and what follows from them.
+
+Every place that checks parallel sizes (recipes' schema and plan checks, the equivalence
+harness, each module of a multi-module pipeline) builds a :class:`ParallelPlan` and asks it:
+derived sizes are properties (``dp``, ``world_size``, ``model_chunks``, ``seq_len_divisor``)
+and :meth:`ParallelPlan.problems` returns every inconsistency at once, each naming the field,
+the values involved and the fix, before any process group exists. Nothing here imports torch
+or megatron, so recipes are checked without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SIZES = ("tp", "pp", "cp", "ep", "dp")
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """One problem of a plan: the field to change (``tp``, ``world_size``, ...) and why."""
+
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Sizes of one model's parallel grid, in megatron-core's order (TP fastest, then CP, PP,
+    DP). Give ``dp`` or ``world_size`` (or both, then they must agree); neither means dp=1."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual stages per pipeline rank; None or 1: none
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    dp_size: Optional[int] = None
+    world: Optional[int] = None
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans: tp * pp * cp (EP folds into DP in megatron-core)."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: the given one, else world // (tp * pp * cp)."""
+        if self.dp_size is not None:
+            return self.dp_size
+        if self.world is not None:
+            return self.world // self.model_parallel_size
+        return 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan occupies: the given world, else tp * pp * cp * dp."""
+        return self.world if self.world is not None else self.model_parallel_size * self.dp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def model_chunks(self) -> int:
+        """Pieces the layers are split into: pp * vpp."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """What the sequence length must be a multiple of: sequence parallelism splits it over
+        tp, load-balanced context parallelism into 2 * cp chunks (each split again over tp
+        under SP; megatron's get_batch_on_this_cp_rank)."""
+        divisor = self.tp if self.sp else 1
+        return divisor * (2 * self.cp if self.cp > 1 else 1)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def size_problems(self) -> list[PlanProblem]:
+        """Sizes that are not positive integers (every later check assumes they are)."""
+        problems = []
+        for name in SIZES:
+            value = self.dp_size if name == "dp" else getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problems.append(PlanProblem(name, f"must be >= 1, got {value}"))
+        if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
+            problems.append(PlanProblem("vpp", f"must be >= 1 or null, got {self.vpp}"))
+        return problems
+
+    def problems(self) -> list[PlanProblem]:
+        """Every problem of the plan at once (sizes first; nothing else when they are bad)."""
+        problems = self.size_problems()
+        if problems:
+            return problems
+        if self.world is not None and self.dp_size is None and self.world % self.model_parallel_size:
+            problems.append(PlanProblem(
+                "world_size",
+                f"world size {self.world} is not divisible by tp({self.tp})*pp({self.pp})*"
+                f"cp({self.cp})={self.model_parallel_size}"))
+        if self.world is not None and self.dp_size is not None and self.world != self.world_from_sizes:
+            problems.append(PlanProblem(
+                "world_size",
+                f"{self.world} ranks, but tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * "
+                f"dp({self.dp_size}) = {self.world_from_sizes}; leave nproc null or change dp"))
+        if self.sp and self.tp == 1:
+            problems.append(PlanProblem(
+                "sp", "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)"))
+        if self.ep > 1 and (self.tp * self.dp * self.cp) % self.ep:
+            problems.append(PlanProblem(
+                "ep", f"ep={self.ep} must divide tp * dp * cp = {self.tp * self.dp * self.cp}"))
+        return problems
+
+    @property
+    def world_from_sizes(self) -> int:
+        return self.model_parallel_size * self.dp
+
+    def seq_length_problem(self, seq_length: int) -> Optional[str]:
+        """Why ``seq_length`` does not split as this plan needs (None when it does)."""
+        if seq_length % self.seq_len_divisor == 0:
+            return None
+        if self.cp > 1 and self.sp:
+            return (f"{seq_length} is not divisible by 2 * cp * tp = {self.seq_len_divisor} "
+                    "(context parallelism's load-balanced split, each chunk split again over tp "
+                    "by sequence parallelism)")
+        if self.cp > 1:
+            return (f"{seq_length} is not divisible by 2 * cp = {self.seq_len_divisor} "
+                    "(context parallelism's load-balanced split)")
+        return (f"{seq_length} is not divisible by tp={self.tp}, which sequence parallelism "
+                "splits it over")
+
+    def layers_problem(self, num_layers: int) -> Optional[str]:
+        """Why ``num_layers`` does not split evenly over the model chunks (None when it does)."""
+        if num_layers % self.model_chunks == 0:
+            return None
+        return (f"{num_layers} layers do not split over pp({self.pp}) * vpp({self.virtual_stages}) "
+                f"= {self.model_chunks} model chunks")
+
+    def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> Optional[str]:
+        """Why the global batch does not split into micro-batches over the DP replicas."""
+        if global_batch_size % (micro_batch_size * self.dp) == 0:
+            return None
+        return (f"{global_batch_size} is not a multiple of micro_batch_size({micro_batch_size}) "
+                f"* dp({self.dp})")
+
+    def check(self) -> "ParallelPlan":
+        """Raise ``ValueError`` listing every problem; returns the plan."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(f"{p.field}: {p.message}" for p in problems))
+        return self
