@@ -49,6 +49,11 @@ class MHCTransformerConfig(TransformerConfig):
     switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
     the learned contraction, as upstream does."""
 
+    use_fused_mhc: bool = False
+    """Run the mHC sub-layer maths through the fused Triton kernels of
+    :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
+    triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
@@ -75,6 +80,7 @@ class MHCTransformerConfig(TransformerConfig):
 
     def _validate_mhc(self) -> None:
         self._validate_mhc_recompute()
+        self._validate_fused_mhc()
         if self.enable_mhc_connections:
             self._validate_mhc_values()
             self._reject_mhc_incompatible_features()
@@ -113,6 +119,28 @@ class MHCTransformerConfig(TransformerConfig):
                 "fine_grained_activation_offloading=True (the recompute hook runs before the "
                 "offload backward chunk exists); disable one of them"
             )
+
+    def _validate_fused_mhc(self) -> None:
+        if not self.use_fused_mhc:
+            return
+        if not self.enable_mhc_connections:
+            raise ValueError(
+                "use_fused_mhc=True requires enable_mhc_connections=True; set "
+                "enable_mhc_connections=True or use_fused_mhc=False"
+            )
+        from megatron_ext.mhc.fused import MAX_FUSED_STREAMS, fused_unavailable_reason
+
+        if self.mhc_num_residual_streams > MAX_FUSED_STREAMS:
+            raise ValueError(
+                f"use_fused_mhc=True supports mhc_num_residual_streams <= {MAX_FUSED_STREAMS} "
+                f"(got {self.mhc_num_residual_streams}); set use_fused_mhc=False"
+            )
+        import torch
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        reason = fused_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
 
     def _validate_mhc_values(self) -> None:
         streams = self.mhc_num_residual_streams

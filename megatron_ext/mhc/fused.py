@@ -110,10 +110,17 @@ def _kernels():
 
 
 # Tile sizes. tl.dot needs every side >= 16; the token blocks of the register-heavy kernels
-# are small so an n x n x BH product fits in registers.
-_DOT_TOKENS, _DOT_COLS = 16, 64
-_SINKHORN_TOKENS = 64
-_STREAM_TOKENS, _STREAM_HIDDEN = 4, 128
+# are small on GPU so an n x n x BH product fits in registers. The interpreter runs programs one
+# after another with numpy, so it gets bigger token blocks (fewer programs; still several per
+# test tensor, so the block offsets are exercised).
+_GPU_TILES = dict(dot_tokens=16, dot_cols=64, sinkhorn_tokens=64, stream_tokens=4,
+                  stream_hidden=128)
+_INTERPRETER_TILES = dict(dot_tokens=16, dot_cols=64, sinkhorn_tokens=16, stream_tokens=16,
+                          stream_hidden=64)
+
+
+def _tiles() -> dict:
+    return _INTERPRETER_TILES if triton_interpreting() else _GPU_TILES
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,7 +134,7 @@ class FusedStreamsIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x3, gated_weight, bias, n: int, iterations: int):
-        kernels = _kernels()
+        kernels, tiles = _kernels(), _tiles()
         tokens, _, hidden = x3.shape
         x3 = x3.contiguous()
         weight = gated_weight.float().contiguous()
@@ -140,20 +147,21 @@ class FusedStreamsIn(torch.autograd.Function):
         post = torch.empty(tokens, n, **f32)
         norm = torch.empty(tokens, **f32)
         inv_rms = torch.empty(tokens, **f32)
-        kernels["maps"][(_cdiv(tokens, _DOT_TOKENS),)](
+        dot_tokens, dot_cols = tiles["dot_tokens"], tiles["dot_cols"]
+        kernels["maps"][(_cdiv(tokens, dot_tokens),)](
             x3, weight, bias, z, projected, pre, post, norm, inv_rms, tokens, nh, width,
-            RMS_EPS, 1.0 / math.sqrt(nh), N=n, KP=max(16, _pow2(width)), BT=_DOT_TOKENS,
-            BC=_DOT_COLS,
+            RMS_EPS, 1.0 / math.sqrt(nh), N=n, KP=max(16, _pow2(width)), BT=dot_tokens,
+            BC=dot_cols,
         )
         mix = torch.empty(tokens, n, n, device=x3.device, dtype=x3.dtype)
-        kernels["sinkhorn"][(_cdiv(tokens, _SINKHORN_TOKENS),)](
+        kernels["sinkhorn"][(_cdiv(tokens, tiles["sinkhorn_tokens"]),)](
             z, mix, tokens, width, iterations, _MIN_DENOMINATOR, N=n, NP=_pow2(n),
-            BT=_SINKHORN_TOKENS,
+            BT=tiles["sinkhorn_tokens"],
         )
         aggregated = torch.empty(tokens, 1, hidden, device=x3.device, dtype=x3.dtype)
-        kernels["aggregate"][(_cdiv(tokens, _STREAM_TOKENS), _cdiv(hidden, _STREAM_HIDDEN))](
-            x3, pre, aggregated, tokens, hidden, N=n, NP=_pow2(n), BT=_STREAM_TOKENS,
-            BH=_STREAM_HIDDEN,
+        bt, bh = tiles["stream_tokens"], tiles["stream_hidden"]
+        kernels["aggregate"][(_cdiv(tokens, bt), _cdiv(hidden, bh))](
+            x3, pre, aggregated, tokens, hidden, N=n, NP=_pow2(n), BT=bt, BH=bh,
         )
         ctx.save_for_backward(x3, weight, z, projected, pre, post, norm, inv_rms)
         ctx.n, ctx.iterations = n, iterations
@@ -161,22 +169,22 @@ class FusedStreamsIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_aggregated, grad_post, grad_mix):
-        kernels = _kernels()
+        kernels, tiles = _kernels(), _tiles()
         x3, weight, z, projected, pre, post, norm, inv_rms = ctx.saved_tensors
         n, iterations = ctx.n, ctx.iterations
         tokens, _, hidden = x3.shape
         width, nh = weight.shape[0], n * hidden
         grad_z = torch.zeros(tokens, width, device=x3.device, dtype=torch.float32)
         if grad_mix is not None:
-            kernels["sinkhorn_backward"][(_cdiv(tokens, _SINKHORN_TOKENS),)](
+            kernels["sinkhorn_backward"][(_cdiv(tokens, tiles["sinkhorn_tokens"]),)](
                 z, grad_mix.contiguous(), grad_z, tokens, width, iterations, _MIN_DENOMINATOR,
-                N=n, NP=_pow2(n), BT=_SINKHORN_TOKENS,
+                N=n, NP=_pow2(n), BT=tiles["sinkhorn_tokens"],
             )
         grad_aggregated = grad_aggregated.reshape(tokens, hidden).contiguous()
         grad_pre = torch.empty(tokens, n, device=x3.device, dtype=torch.float32)
-        kernels["aggregate_backward"][(_cdiv(tokens, _STREAM_TOKENS),)](
+        kernels["aggregate_backward"][(_cdiv(tokens, tiles["stream_tokens"]),)](
             x3, grad_aggregated, grad_pre, tokens, hidden, N=n, NP=_pow2(n),
-            BT=_STREAM_TOKENS, BH=_STREAM_HIDDEN,
+            BT=tiles["stream_tokens"], BH=tiles["stream_hidden"],
         )
         # The [T, n²+2n] glue (sigmoid and RMS derivatives) is a handful of tiny ops.
         grad_z[:, :n] = grad_pre * pre * (1.0 - pre)
@@ -189,9 +197,10 @@ class FusedStreamsIn(torch.autograd.Function):
         grad_norm = grad_inv_rms * (-inv_rms * inv_rms / math.sqrt(nh))
         coefficient = torch.where(norm > 0, grad_norm / norm, torch.zeros_like(norm))
         grad_x = torch.empty_like(x3)
-        kernels["streams_grad"][(_cdiv(tokens, _DOT_TOKENS), _cdiv(nh, _DOT_COLS))](
+        dot_tokens, dot_cols = tiles["dot_tokens"], tiles["dot_cols"]
+        kernels["streams_grad"][(_cdiv(tokens, dot_tokens), _cdiv(nh, dot_cols))](
             x3, grad_aggregated, pre, grad_projected, weight, coefficient.contiguous(), grad_x,
-            tokens, hidden, width, N=n, KP=max(16, _pow2(width)), BT=_DOT_TOKENS, BC=_DOT_COLS,
+            tokens, hidden, width, N=n, KP=max(16, _pow2(width)), BT=dot_tokens, BC=dot_cols,
         )
         # The weight gradient is a plain GEMM: left to torch.
         grad_weight = torch.mm(grad_projected.t(), x3.reshape(tokens, nh).float())
@@ -205,7 +214,7 @@ class FusedMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mix, x3, post, y, bias, dropout_p: float):
-        kernels = _kernels()
+        kernels, tiles = _kernels(), _tiles()
         tokens, n, hidden = x3.shape
         if dropout_p > 0 and tokens * n * hidden >= 2**31:
             raise RuntimeError("fused mHC dropout indexes elements with int32: tensor too large")
@@ -214,9 +223,10 @@ class FusedMerge(torch.autograd.Function):
         has_bias = bias is not None
         bias_arg = bias.contiguous() if has_bias else y
         out = torch.empty_like(x3)
-        kernels["merge"][(_cdiv(tokens, _STREAM_TOKENS), _cdiv(hidden, _STREAM_HIDDEN))](
+        bt, bh = tiles["stream_tokens"], tiles["stream_hidden"]
+        kernels["merge"][(_cdiv(tokens, bt), _cdiv(hidden, bh))](
             mix, x3, post, y, bias_arg, seed, out, tokens, hidden, float(dropout_p), N=n,
-            NP=_pow2(n), BT=_STREAM_TOKENS, BH=_STREAM_HIDDEN, HAS_BIAS=has_bias,
+            NP=_pow2(n), BT=bt, BH=bh, HAS_BIAS=has_bias,
             DROPOUT=dropout_p > 0,
         )
         ctx.save_for_backward(mix, x3, post, y, bias_arg, seed)
@@ -226,17 +236,17 @@ class FusedMerge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        kernels = _kernels()
+        kernels, tiles = _kernels(), _tiles()
         mix, x3, post, y, bias_arg, seed = ctx.saved_tensors
         tokens, n, hidden = x3.shape
         grad_x = torch.empty_like(x3)
         grad_y = torch.empty(tokens, hidden, device=x3.device, dtype=torch.float32)
         grad_mix = torch.empty(tokens, n, n, device=x3.device, dtype=torch.float32)
         grad_post = torch.empty(tokens, n, device=x3.device, dtype=torch.float32)
-        kernels["merge_backward"][(_cdiv(tokens, _STREAM_TOKENS),)](
+        kernels["merge_backward"][(_cdiv(tokens, tiles["stream_tokens"]),)](
             grad.contiguous(), mix, x3, post, y, bias_arg, seed, grad_x, grad_y, grad_mix,
             grad_post, tokens, hidden, float(ctx.dropout_p), N=n, NP=_pow2(n),
-            BT=_STREAM_TOKENS, BH=_STREAM_HIDDEN, HAS_BIAS=ctx.has_bias,
+            BT=tiles["stream_tokens"], BH=tiles["stream_hidden"], HAS_BIAS=ctx.has_bias,
             DROPOUT=ctx.dropout_p > 0,
         )
         grad_bias = grad_y.sum(dim=0).to(ctx.bias_dtype) if ctx.has_bias else None

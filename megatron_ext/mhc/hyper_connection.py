@@ -292,6 +292,8 @@ class HyperConnectionModule(MegatronModule):
         self.n = config.mhc_num_residual_streams
         self.hidden_size = config.hidden_size
         self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
+        # use_fused_mhc: the Triton kernels of megatron_ext.mhc.fused replace the lean path.
+        self.use_fused = bool(getattr(config, "use_fused_mhc", False))
 
         n, stream_width = self.n, self.n * self.hidden_size
         self.mapping_proj = torch.nn.Linear(stream_width, n * n + 2 * n, bias=False)
@@ -374,7 +376,10 @@ class HyperConnectionModule(MegatronModule):
         ``x``'s dtype and in the form :func:`merge_rows` takes."""
         n = self.n
         streams = _token_streams(x, n)
-        aggregated, post, mix = StreamsIn.apply(
+        streams_in = StreamsIn.apply
+        if self.use_fused:
+            from megatron_ext.mhc.fused import fused_streams_in as streams_in
+        aggregated, post, mix = streams_in(
             streams, self.gated_weight(), _math(self.bias), n, self.sinkhorn_iterations
         )
         return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
@@ -384,6 +389,10 @@ class HyperConnectionModule(MegatronModule):
         """``f(res, residual, post, y, bias, *, dropout_p, training) -> [s, b, n*h]``."""
         if self.use_reference_path:
             return _reference_merge
+        if self.use_fused:
+            from megatron_ext.mhc.fused import fused_merge_rows
+
+            return fused_merge_rows
         return merge_rows
 
     def forward(
