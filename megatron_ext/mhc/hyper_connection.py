@@ -258,6 +258,33 @@ def keep_fp32_when_halving(fn):
     return apply
 
 
+# The learned contraction's parameters, owned by the module that contracts (a GPT
+# HyperConnectionTransformerBlock, a HybridStack, a Hybrid MTP layer).
+HC_HEAD_PARAMETERS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+class KeepsHCHeadFP32:
+    """Mixin for a module that owns ``hc_head_*`` parameters directly: a cast to bf16/fp16
+    leaves those fp32 (as :meth:`HyperConnectionModule._apply` does for the maps' parameters;
+    upstream: ``mark_keep_in_fp32``). Only those tensors (and their grads) are exempt; the
+    module's children and any other own tensor are cast as usual. Put it before the
+    ``nn.Module`` base."""
+
+    def _apply(self, fn, recurse=True):
+        heads = [getattr(self, name, None) for name in HC_HEAD_PARAMETERS]
+        keep = {id(t) for p in heads if p is not None for t in (p, p.grad) if t is not None}
+        if not keep:
+            return super()._apply(fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        halving_safe = keep_fp32_when_halving(fn)
+
+        def apply(tensor):
+            return halving_safe(tensor) if id(tensor) in keep else fn(tensor)
+
+        return super()._apply(apply, recurse=False)
+
 
 class HyperConnectionModule(MegatronModule):
     """Computes one sub-layer's mHC maps from the n-stream residual.

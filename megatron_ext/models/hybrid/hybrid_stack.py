@@ -68,7 +68,7 @@ def _mhc_enabled(config) -> bool:
     return bool(getattr(config, "enable_mhc_connections", False))
 
 
-class HybridStack(_CoreHybridStack):
+class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
     """megatron-core's HybridStack; same constructor (see the module doc for the additions)."""
 
     def __init__(
