@@ -52,7 +52,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_ext.mhc.hyper_connection import expand_streams, learned_contract
+from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, expand_streams, learned_contract
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 
 
