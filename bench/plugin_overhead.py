@@ -12,10 +12,13 @@ both alike, medians and the ratio reported:
   with them undone (``registry.undo("core")``; the CPU runtime, needed to run megatron's
   schedules on CPU at all, stays on in both). Blocks of ``--steps`` steps alternate.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/plugin_overhead.py [--iters 30]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/plugin_overhead.py [--iters 30]
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/plugin_overhead.py
 
-Not a test. Text first; the LAST line is one JSON object.
+Each variant is timed twice: wall clock, and this process's CPU time (``time.process_time``),
+which a loaded machine perturbs much less (time spent descheduled or blocked in a receive is
+not counted): on a shared machine read the CPU-time ratio. Not a test. Text first; the LAST
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,16 +34,35 @@ import time
 import torch
 
 
-def _result(kind: str, args, medians: dict, extra: dict) -> dict:
-    names = list(medians)
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _result(kind: str, args, times: dict, extra: dict) -> dict:
+    """Medians and second-over-first ratios of ``{variant: [(wall, cpu), ...]}``."""
+    names = list(times)
+    wall = {name: statistics.median(t[0] for t in values) for name, values in times.items()}
+    cpu = {name: statistics.median(t[1] for t in values) for name, values in times.items()}
     return {
         "bench": "plugin_overhead", "part": kind,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "load_average": os.getloadavg()[0],
         "threads": torch.get_num_threads(),
         "sizes": dict(hidden=args.hidden, seq=args.seq, layers=args.layers, batch=args.batch),
-        "median_s": medians, "ratio": medians[names[1]] / medians[names[0]], **extra,
+        "median_wall_s": wall, "median_cpu_s": cpu,
+        "ratio_wall": wall[names[1]] / wall[names[0]],
+        "ratio_cpu": cpu[names[1]] / cpu[names[0]], **extra,
     }
+
+
+def _print_rows(result: dict, label: str) -> None:
+    for name in result["median_wall_s"]:
+        print(f"  {name:18} wall {result['median_wall_s'][name] * 1e3:9.2f} ms   "
+              f"CPU {result['median_cpu_s'][name] * 1e3:9.2f} ms")
+    print(f"  {label}: wall {result['ratio_wall']:.4f}, CPU time {result['ratio_cpu']:.4f}")
 
 
 # ----------------------------------------------------------------------------- model part
@@ -79,20 +101,16 @@ def _model_part(args) -> None:
         times = {name: [] for name in models}
         for iteration in range(args.warmup + args.iters):
             for name, model in models.items():
-                start = time.perf_counter()
-                model(tokens, positions, mask, labels=tokens).float().mean().backward()
-                elapsed = time.perf_counter() - start
+                elapsed = _timed(lambda: model(tokens, positions, mask, labels=tokens)
+                                 .float().mean().backward())
                 model.zero_grad(set_to_none=True)
                 if iteration >= args.warmup:
                     times[name].append(elapsed)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    result = _result("model", args, medians, {"iters": args.iters})
+    result = _result("model", args, times, {"iters": args.iters})
     print(f"GPT fwd+bwd, CPU ({torch.get_num_threads()} threads), fp32, h={args.hidden} "
           f"s={args.seq} b={args.batch} layers={args.layers}, mHC off, median of {args.iters} "
           "interleaved runs")
-    for name, seconds in medians.items():
-        print(f"  {name:14} {seconds * 1e3:9.2f} ms")
-    print(f"  megatron-ext / megatron-core: {result['ratio']:.4f}")
+    _print_rows(result, "megatron-ext / megatron-core")
     print(json.dumps(result))
 
 
@@ -127,17 +145,18 @@ def _pp_part(args) -> None:
                                     gpt_model_factory(plan))
         data = make_microbatches(plan, 0)[: args.microbatches]
 
-        def step() -> float:
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-            dist.barrier()
-            start = time.perf_counter()
+        def run():
             get_forward_backward_func()(
                 forward_step_func=gpt_forward_step, data_iterator=iter(data), model=chunks,
                 num_microbatches=args.microbatches, seq_length=plan.seq_length,
                 micro_batch_size=plan.micro_batch_size, forward_only=False)
             dist.barrier()
-            return time.perf_counter() - start
+
+        def step() -> tuple[float, float]:
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            dist.barrier()
+            return _timed(run)
 
         step()  # warm-up
         for _ in range(args.repeats):
@@ -148,16 +167,18 @@ def _pp_part(args) -> None:
                     registry.undo("core")
                 times[name] += [step() for _ in range(args.steps)]
         registry.apply("core")
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    # Rank 0's wall clock is the step's; CPU time is summed over both ranks.
+    gathered = [None, None]
+    dist.all_gather_object(gathered, times)
+    times = {name: [(wall, cpu + other[name][k][1]) for k, (wall, cpu) in enumerate(values)]
+             for name, values in gathered[0].items() for other in [gathered[1]]}
     if dist.get_rank() == 0:
-        result = _result("pp", args, medians, {"repeats": args.repeats, "steps": args.steps,
-                                               "microbatches": args.microbatches})
+        result = _result("pp", args, times, {"repeats": args.repeats, "steps": args.steps,
+                                             "microbatches": args.microbatches})
         print(f"PP=2 1F1B training step, CPU gloo 2 ranks, fp32, h={args.hidden} s={args.seq} "
               f"micro-batch {args.batch} x {args.microbatches}, {args.layers} layers, mHC off; "
               f"median of {args.repeats} x {args.steps} alternating steps")
-        for name, seconds in medians.items():
-            print(f"  {name:18} {seconds * 1e3:9.2f} ms")
-        print(f"  with / without: {result['ratio']:.4f}")
+        _print_rows(result, "with / without (CPU: both ranks)")
         print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
