@@ -156,6 +156,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-reference", action="store_true", help="skip mhc-reference")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="CPU: glibc keeps freed memory for reuse "
+                        "(megatron_ext.runtime.allocator), before any tensor is made")
     parser.add_argument("--fused", action="store_true",
                         help="add the fused Triton kernels (use_fused_mhc); CPU: interpreter")
     parser.add_argument("--hidden", type=int, default=512)
@@ -168,6 +171,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
+    if args.keep_freed_memory:
+        from megatron_ext.runtime.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            parser.error("--keep-freed-memory: glibc mallopt is not available here")
     if args.fused and args.device == "cpu":
         # Triton's interpreter must be on before triton.language is imported (megatron does).
         os.environ["TRITON_INTERPRET"] = "1"
@@ -214,6 +222,7 @@ def main() -> None:
     print(
         f"one layer, fwd+bwd, {where}, {args.dtype}: s={s} b={b} h={h} heads={args.heads} "
         f"n={n}, median of {args.iters} interleaved runs"
+        + (", glibc keeping freed memory" if args.keep_freed_memory else "")
     )
     ratios = {name: ms / layer_ms["plain"] for name, ms in layer_ms.items()}
     for name, ms in layer_ms.items():
@@ -231,6 +240,7 @@ def main() -> None:
         "sizes": dict(seq=s, batch=b, hidden=h, heads=args.heads, streams=n),
         "iters": args.iters,
         "fused": args.fused,
+        "keep_freed_memory": args.keep_freed_memory,
         "layer_ms": layer_ms,
         "ratio_to_plain": ratios,
         "op_ms": op_ms,
