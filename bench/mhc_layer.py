@@ -7,6 +7,8 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``mhc``            the mHC layer (lean native path, the default), ``[s, b, n*h]``
 * ``mhc+recompute``  the same with the "mhc" selective recompute (one-layer group)
 * ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
+* ``mhc-fused``      with ``--fused``: the Triton kernels of ``megatron_ext.mhc.fused``
+                     (``use_fused_mhc``), also with recompute (``mhc-fused+recompute``)
 
 Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
 aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
@@ -18,7 +20,10 @@ LAST line one JSON object with every figure.
 
     python bench/mhc_layer.py --device cpu --dtype fp32 --hidden 512 --seq 256 --batch 2 --heads 8
     python bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 \\
-        --heads 32
+        --heads 32 --fused
+
+``--fused`` on CPU runs the kernels under Triton's interpreter (set here before triton is
+imported): a smoke check of the wiring at tiny sizes, its times mean nothing.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _config(args, mhc: bool):
     return small_config(**fields)
 
 
-def _layer(args, mhc: bool, reference: bool = False):
+def _layer(args, mhc: bool, reference: bool = False, fused: bool = False):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_ext.models.gpt import get_gpt_layer_local_spec
@@ -62,10 +67,10 @@ def _layer(args, mhc: bool, reference: bool = False):
     spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
     layer = build_module(spec, config=_config(args, mhc), layer_number=1)
     layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
-    if reference:
-        for module in layer.modules():
-            if hasattr(module, "use_reference_path"):
-                module.use_reference_path = True
+    for module in layer.modules():
+        if hasattr(module, "use_reference_path"):
+            module.use_reference_path = reference
+            module.use_fused = fused  # what use_fused_mhc=True sets
     return layer
 
 
@@ -125,12 +130,11 @@ def _op_steps(args, connection, x, y):
     else:
         _, h_post, h_res = (m.detach() for m in connection.streams_in(x))
         logits = torch.randn(n, n, tokens, device=x.device, requires_grad=True)
-        ops = {
-            "maps+aggregate": backward_of(lambda: connection.streams_in(x)),
-            "sinkhorn": backward_of(
+        ops = {"maps+aggregate": backward_of(lambda: connection.streams_in(x))}
+        if not connection.use_fused:  # (the fused Sinkhorn runs inside maps+aggregate)
+            ops["sinkhorn"] = backward_of(
                 lambda: sinkhorn_token_last(logits, connection.sinkhorn_iterations)
-            ),
-        }
+            )
     h_post.requires_grad_(True)
     h_res.requires_grad_(True)
     ops["merge"] = backward_of(lambda: connection.merge_fn(h_res, x, h_post, y, bias))
@@ -152,6 +156,11 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-reference", action="store_true", help="skip mhc-reference")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="CPU: glibc keeps freed memory for reuse "
+                        "(megatron_ext.runtime.allocator), before any tensor is made")
+    parser.add_argument("--fused", action="store_true",
+                        help="add the fused Triton kernels (use_fused_mhc); CPU: interpreter")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
@@ -162,6 +171,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
+    if args.keep_freed_memory:
+        from megatron_ext.runtime.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            parser.error("--keep-freed-memory: glibc mallopt is not available here")
+    if args.fused and args.device == "cpu":
+        # Triton's interpreter must be on before triton.language is imported (megatron does).
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("--fused on CPU: Triton interpreter, a smoke check; its times mean nothing")
 
     from megatron_ext.testing.distributed import model_parallel
 
@@ -181,12 +199,17 @@ def main() -> None:
         if not args.no_reference:
             reference = _layer(args, True, reference=True)
             runs["mhc-reference"] = _layer_step(reference, x_mhc, mask, False)
+        fused = None
+        if args.fused:
+            fused = _layer(args, True, fused=True)
+            runs["mhc-fused"] = _layer_step(fused, x_mhc, mask, False)
+            runs["mhc-fused+recompute"] = _layer_step(fused, x_mhc, mask, True)
         layer_ms = _interleaved(runs, args.warmup, args.iters)
 
         y = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
         x_ops = x_mhc.detach().requires_grad_(True)
         op_runs = {}
-        for label, layer in (("lean", mhc), ("reference", reference)):
+        for label, layer in (("lean", mhc), ("reference", reference), ("fused", fused)):
             if layer is None:
                 continue
             connection = layer.mlp_hyper_connection
@@ -199,6 +222,7 @@ def main() -> None:
     print(
         f"one layer, fwd+bwd, {where}, {args.dtype}: s={s} b={b} h={h} heads={args.heads} "
         f"n={n}, median of {args.iters} interleaved runs"
+        + (", glibc keeping freed memory" if args.keep_freed_memory else "")
     )
     ratios = {name: ms / layer_ms["plain"] for name, ms in layer_ms.items()}
     for name, ms in layer_ms.items():
@@ -215,6 +239,8 @@ def main() -> None:
         "dtype": args.dtype,
         "sizes": dict(seq=s, batch=b, hidden=h, heads=args.heads, streams=n),
         "iters": args.iters,
+        "fused": args.fused,
+        "keep_freed_memory": args.keep_freed_memory,
         "layer_ms": layer_ms,
         "ratio_to_plain": ratios,
         "op_ms": op_ms,

@@ -99,6 +99,9 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(parser, group, "--mhc-learned-output-contract", action="store_true",
               help="GPT: contract the streams with upstream dev's learned contraction "
               "(decoder.hc_head_*) instead of the mean; loads dev GPT checkpoints")
+    _add_flag(parser, group, "--use-fused-mhc", action="store_true",
+              help="run the mHC maths through the fused Triton kernels (CUDA; needs triton, "
+              "n <= 8) instead of the native path")
     _add_flag(parser, group, "--mhc-recompute-layer-num", type=int, default=None,
               help="layers per mHC recompute group with --recompute-modules mhc "
               "(default: the whole stage is one group)")

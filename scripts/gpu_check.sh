@@ -35,8 +35,9 @@ if [ "$install_rc" -eq 0 ]; then
   log "gpu tests"
   "$venv_py" -m pytest -m gpu tests/gpu -v -rs --junitxml "$scratch/gpu_tests.xml" 2>&1 | tee "$scratch/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
-  # The GPU figure: one layer at h=4096 s=4096 b=1 bf16 n=4, plain vs mHC, side by side.
-  bench=("$venv_py" bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 --heads 32)
+  # The GPU figure: one layer at h=4096 s=4096 b=1 bf16 n=4, plain vs mHC native vs mHC
+  # fused (Triton kernels, use_fused_mhc), side by side.
+  bench=("$venv_py" bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 --heads 32 --fused)
   log "benchmark: ${bench[*]}"
   "${bench[@]}" > "$scratch/bench.txt" 2>&1; bench_rc=$?
   tail -20 "$scratch/bench.txt"

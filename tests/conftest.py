@@ -11,11 +11,27 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 import pytest
 
 from megatron_ext.launch import startup
+
+
+def _interpret_triton_without_cuda() -> None:
+    """Without CUDA, Triton kernels can only run under Triton's interpreter, and it must be on
+    before ``triton.language`` is imported (megatron-core imports it): so switch it on here,
+    before any test module is imported. Nothing else changes on such a machine (no Triton
+    kernel could run otherwise; torch's CPU inductor does not use Triton; imports measured no
+    slower). An explicit TRITON_INTERPRET is left alone."""
+    import torch  # does not import triton
+
+    if not torch.cuda.is_available() and "triton.language" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_cuda()
 
 
 def _session_world_size() -> int:

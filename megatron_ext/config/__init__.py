@@ -48,6 +48,11 @@ class MHCTransformerConfig(TransformerConfig):
     switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
     the learned contraction, as upstream does."""
 
+    use_fused_mhc: bool = False
+    """Run the mHC sub-layer maths through the fused Triton kernels of
+    :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
+    triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
@@ -75,6 +80,7 @@ class MHCTransformerConfig(TransformerConfig):
     def _validate_mhc(self) -> None:
         # The rules live in megatron_ext.guards (one list of every guard).
         guards.check_mhc_recompute(self)
+        guards.check_fused_mhc(self)
         if self.enable_mhc_connections:
             guards.check_mhc_values(self)
             guards.check_mhc_features(self)

@@ -72,6 +72,31 @@ def check_mhc_recompute(config: Any) -> None:
         )
 
 
+def check_fused_mhc(config: Any) -> None:
+    """``use_fused_mhc``: needs mHC, at most the streams the kernels hold in registers, and
+    triton with CUDA tensors (or CPU under TRITON_INTERPRET=1)."""
+    if not getattr(config, "use_fused_mhc", False):
+        return
+    if not config.enable_mhc_connections:
+        raise ValueError(
+            "use_fused_mhc=True requires enable_mhc_connections=True; set "
+            "enable_mhc_connections=True or use_fused_mhc=False"
+        )
+    from megatron_ext.mhc.fused import MAX_FUSED_STREAMS, fused_unavailable_reason
+
+    if config.mhc_num_residual_streams > MAX_FUSED_STREAMS:
+        raise ValueError(
+            f"use_fused_mhc=True supports mhc_num_residual_streams <= {MAX_FUSED_STREAMS} "
+            f"(got {config.mhc_num_residual_streams}); set use_fused_mhc=False"
+        )
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = fused_unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
+
+
 def check_mhc_values(config: Any) -> None:
     """The mHC fields' own ranges."""
     streams = config.mhc_num_residual_streams
@@ -210,6 +235,8 @@ GUARDS: tuple[Guard, ...] = (
     # config: MHCTransformerConfig.__post_init__ runs these, and megatron-ext validate through it
     Guard("megatron_ext.guards:check_mhc_recompute", "config",
           "a bad mhc_recompute_layer_num; 'mhc' recompute without mHC, with 'mlp', with offloading"),
+    Guard("megatron_ext.guards:check_fused_mhc", "config",
+          "use_fused_mhc without mHC, with n > 8 streams, or without triton/CUDA (or the interpreter)"),
     Guard("megatron_ext.guards:check_mhc_values", "config",
           "mhc_num_residual_streams < 1, mhc_sinkhorn_iterations < 1, mhc_init_gating_factor < 0"),
     Guard("megatron_ext.guards:check_mhc_features", "config",

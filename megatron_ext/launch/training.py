@@ -168,11 +168,12 @@ def parse_megatron_args(
 
 
 def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> Optional[str]:
-    """``--mhc-*`` flags are ignored unless mHC is on, so a forgotten
+    """``--mhc-*`` flags (and ``--use-fused-mhc``) are ignored unless mHC is on, so a forgotten
     ``--enable-mhc-connections`` would train a different model without a word: refuse."""
     if getattr(args, "enable_mhc_connections", False):
         return None
-    given = sorted({token.split("=", 1)[0] for token in argv if token.startswith("--mhc-")})
+    given = sorted({flag for flag in (token.split("=", 1)[0] for token in argv)
+                    if flag.startswith("--mhc-") or flag == "--use-fused-mhc"})
     if not given:
         return None
     return (f"{', '.join(given)} given without --enable-mhc-connections, so mHC would be off and "

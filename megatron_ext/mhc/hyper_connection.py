@@ -258,6 +258,33 @@ def keep_fp32_when_halving(fn):
     return apply
 
 
+# The learned contraction's parameters, owned by the module that contracts (a GPT
+# HyperConnectionTransformerBlock, a HybridStack, a Hybrid MTP layer).
+HC_HEAD_PARAMETERS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+class KeepsHCHeadFP32:
+    """Mixin for a module that owns ``hc_head_*`` parameters directly: a cast to bf16/fp16
+    leaves those fp32 (as :meth:`HyperConnectionModule._apply` does for the maps' parameters;
+    upstream: ``mark_keep_in_fp32``). Only those tensors (and their grads) are exempt; the
+    module's children and any other own tensor are cast as usual. Put it before the
+    ``nn.Module`` base."""
+
+    def _apply(self, fn, recurse=True):
+        heads = [getattr(self, name, None) for name in HC_HEAD_PARAMETERS]
+        keep = {id(t) for p in heads if p is not None for t in (p, p.grad) if t is not None}
+        if not keep:
+            return super()._apply(fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        halving_safe = keep_fp32_when_halving(fn)
+
+        def apply(tensor):
+            return halving_safe(tensor) if id(tensor) in keep else fn(tensor)
+
+        return super()._apply(apply, recurse=False)
+
 
 class HyperConnectionModule(MegatronModule):
     """Computes one sub-layer's mHC maps from the n-stream residual.
@@ -292,6 +319,8 @@ class HyperConnectionModule(MegatronModule):
         self.n = config.mhc_num_residual_streams
         self.hidden_size = config.hidden_size
         self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
+        # use_fused_mhc: the Triton kernels of megatron_ext.mhc.fused replace the lean path.
+        self.use_fused = bool(getattr(config, "use_fused_mhc", False))
 
         n, stream_width = self.n, self.n * self.hidden_size
         self.mapping_proj = torch.nn.Linear(stream_width, n * n + 2 * n, bias=False)
@@ -374,7 +403,10 @@ class HyperConnectionModule(MegatronModule):
         ``x``'s dtype and in the form :func:`merge_rows` takes."""
         n = self.n
         streams = _token_streams(x, n)
-        aggregated, post, mix = StreamsIn.apply(
+        streams_in = StreamsIn.apply
+        if self.use_fused:
+            from megatron_ext.mhc.fused import fused_streams_in as streams_in
+        aggregated, post, mix = streams_in(
             streams, self.gated_weight(), _math(self.bias), n, self.sinkhorn_iterations
         )
         return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
@@ -384,6 +416,10 @@ class HyperConnectionModule(MegatronModule):
         """``f(res, residual, post, y, bias, *, dropout_p, training) -> [s, b, n*h]``."""
         if self.use_reference_path:
             return _reference_merge
+        if self.use_fused:
+            from megatron_ext.mhc.fused import fused_merge_rows
+
+            return fused_merge_rows
         return merge_rows
 
     def forward(

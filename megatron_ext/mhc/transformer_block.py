@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from megatron_ext import registry
-from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
+from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, contract_mean, expand_streams
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
 
@@ -69,7 +69,7 @@ def _contract_before_norm(num_streams: int, _norm: torch.nn.Module, args: tuple)
     return (contract_mean(hidden_states, num_streams), *rest)
 
 
-class HyperConnectionTransformerBlock(TransformerBlock):
+class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
     """megatron-core's TransformerBlock with mHC expansion, contraction and recompute groups.
 
     Same constructor as ``TransformerBlock``; ``config.enable_mhc_connections`` must be True and

@@ -57,6 +57,7 @@ class _Message:
     direction: str
     microbatch: Optional[int] = None
     chunk: Optional[int] = None
+    nbytes: int = 0  # of the tensors a send carries (0 for receives)
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Event:
         return {"iteration": self.iteration, "index": self.index, "start_ns": self.start_ns,
                 "end_ns": self.end_ns, "kind": self.kind, "microbatch": self.microbatch,
                 "chunk": self.chunk, "call": self.call,
-                "messages": [[m.direction, m.microbatch, m.chunk] for m in self.messages],
+                "messages": [[m.direction, m.microbatch, m.chunk, m.nbytes]
+                             for m in self.messages],
                 "error": self.error}
 
     @classmethod
@@ -180,6 +182,12 @@ def _flatten(obj: Any) -> list:
     if isinstance(obj, (list, tuple)):
         return [obj] + [x for v in obj for x in _flatten(v)]
     return [obj]
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor or nested lists/dicts of them)."""
+    return sum(item.numel() * item.element_size() for item in _flatten(obj)
+               if hasattr(item, "element_size"))
 
 
 _ACTIVE: Optional[Tracer] = None
@@ -350,7 +358,7 @@ class RecordingCommunicator:
                 continue
             if direction.startswith("send"):
                 mb, chunk = tracer._origin(planned[direction])
-                messages.append(_Message(direction, mb, chunk))
+                messages.append(_Message(direction, mb, chunk, _nbytes(planned[direction])))
             else:
                 messages.append(_Message(direction))
         event = tracer._event(call=name, messages=messages)

@@ -148,6 +148,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
             _flag(args, "--mhc-num-residual-streams", m.mhc.num_residual_streams)
             _flag(args, "--mhc-sinkhorn-iterations", m.mhc.sinkhorn_iterations)
             _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
+            if m.mhc.fused:
+                _flag(args, "--use-fused-mhc", True)
             if m.mhc.recompute:
                 args += ["--recompute-granularity", "selective", "--recompute-modules", "mhc"]
                 _flag(args, "--mhc-recompute-layer-num", m.mhc.recompute_layer_num)

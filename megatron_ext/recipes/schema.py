@@ -68,6 +68,7 @@ class MHC:
     init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
     recompute: bool = _doc("--recompute-granularity selective --recompute-modules mhc", default=False)
     recompute_layer_num: Optional[int] = _doc("--mhc-recompute-layer-num (None: one group per stage)", default=None)
+    fused: bool = _doc("--use-fused-mhc (Triton kernels; CUDA only)", default=False)
 
 
 @dataclass

@@ -42,6 +42,7 @@ def test_disabled_mhc_is_exactly_transformer_config():
         "mhc_init_gating_factor",
         "mhc_recompute_layer_num",
         "mhc_learned_output_contract",
+        "use_fused_mhc",
     }
     # repr: the init-method partials are fresh objects per config and compare by identity.
     assert {k: repr(v) for k, v in ours.items() if k not in mhc_fields} == {
@@ -175,6 +176,12 @@ GUARDS = {
         ValueError,
         "mhc_init_gating_factor",
     ),
+    "fused without mHC": (dict(use_fused_mhc=True), ValueError, "enable_mhc_connections"),
+    "fused with too many streams": (
+        dict(enable_mhc_connections=True, use_fused_mhc=True, mhc_num_residual_streams=9),
+        ValueError,
+        "use_fused_mhc",
+    ),
     "zero streams": (
         dict(enable_mhc_connections=True, mhc_num_residual_streams=0),
         ValueError,
@@ -193,7 +200,7 @@ def test_guard_raises_naming_the_field(fields, error, field_named):
 def test_guarded_settings_are_otherwise_valid_for_megatron_core(fields, error, field_named):
     """Each guard case differs from a valid config only in its mHC part, so it is our guard,
     not megatron-core's validation, that fires above."""
-    core_fields = {k: v for k, v in fields.items() if not k.startswith(("enable_mhc", "mhc_"))}
+    core_fields = {k: v for k, v in fields.items() if not k.startswith(("enable_mhc", "mhc_", "use_fused_mhc"))}
     if "recompute_modules" in core_fields:
         core_fields["recompute_modules"] = [
             m for m in core_fields["recompute_modules"] if m != "mhc"
@@ -201,3 +208,10 @@ def test_guarded_settings_are_otherwise_valid_for_megatron_core(fields, error, f
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         TransformerConfig(**BASE, **core_fields)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU guard")
+def test_fused_mhc_without_a_gpu_or_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="use_fused_mhc=False"):
+        _config(enable_mhc_connections=True, use_fused_mhc=True)

@@ -52,7 +52,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_ext.mhc.hyper_connection import expand_streams, learned_contract
+from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, expand_streams, learned_contract
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 
 
@@ -68,7 +68,7 @@ def _mhc_enabled(config) -> bool:
     return bool(getattr(config, "enable_mhc_connections", False))
 
 
-class HybridStack(_CoreHybridStack):
+class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
     """megatron-core's HybridStack; same constructor (see the module doc for the additions)."""
 
     def __init__(

@@ -46,7 +46,7 @@ from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext import registry
-from megatron_ext.mhc.hyper_connection import learned_contract
+from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, learned_contract
 
 
 def _mhc_enabled(config) -> bool:
@@ -62,7 +62,7 @@ class HyperConnectionMTPLayerSubmodules(MultiTokenPredictionLayerSubmodules):
     h_proj: Union[ModuleSpec, type] = None
 
 
-class HyperConnectionMTPLayer(MultiTokenPredictionLayer):
+class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
     """megatron-core's Hybrid MTP layer; with mHC it carries n streams (see the module doc).
 
     Same constructor as ``MultiTokenPredictionLayer``. Without mHC it is that class.

@@ -119,3 +119,27 @@ def test_layer_in_bf16_stays_within_two_percent_of_the_fp32_reference():
         _assert_close(grads[name], ref_grads[name], 5e-2, name)
     # The tolerance can fail: bf16 rounding is visible at this size.
     assert (out - ref_out).abs().max() > 1e-6
+
+
+def test_lean_sublayer_has_no_graph_breaks_for_torch_compile():
+    """Maps + aggregate + merge of the lean path trace as ONE graph (torch._dynamo.explain):
+    no .item(), no autograd.grad, nothing else that would split what torch.compile can fuse."""
+    import torch._dynamo
+
+    from megatron_ext.mhc.hyper_connection import HyperConnectionModule, merge_rows
+
+    with model_parallel():
+        config = small_config(num_layers=1, hidden_size=H, num_attention_heads=4,
+                              enable_mhc_connections=True, mhc_num_residual_streams=N,
+                              mhc_sinkhorn_iterations=3)
+        connection = HyperConnectionModule(config, layer_number=1)
+
+        def sublayer(x, y, bias):
+            aggregated, post, mix = connection.streams_in(x)
+            return merge_rows(mix, x, post, aggregated + y, bias)
+
+        x = torch.randn(S, B, N * H, requires_grad=True)
+        explanation = torch._dynamo.explain(sublayer)(x, torch.randn(S, B, H), torch.randn(H))
+    torch._dynamo.reset()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

@@ -1,6 +1,8 @@
 """mHC under pipeline parallelism on 2 ranks: every exchange carries n*h, and 1F1B and
 interleaved runs match the single-rank reference (loss, every gradient, weights after 3 steps)."""
 
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,15 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
     for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
         assert torch.equal(x, y), key
     check_mhc(recompute)
+
+
+def test_pp2_1f1b_with_fused_mhc_kernels_matches_reference():
+    """use_fused_mhc=True (the Triton kernels; under Triton's interpreter on CPU, switched on by
+    tests/conftest.py) through a PP=2 1F1B run: matches the single-rank fused reference. Tiny:
+    2 layers, one step of 2 micro-batches, 3 Sinkhorn iterations (interpreted kernels are slow)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    plan = mhc_plan(pp=2, num_layers=2, steps=1, global_batch_size=4, seq_length=8,
+                    config_overrides=dict(use_fused_mhc=True, mhc_sinkhorn_iterations=3))
+    check_mhc(plan)
