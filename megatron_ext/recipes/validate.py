@@ -108,13 +108,21 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     if result.problems or not megatron_checks:
         return result
     if recipe.model.type == "multimodule":
-        result.notes.append("multimodule: the entry validates its modules itself at start-up")
+        result.problems += multimodule_problems(loaded)
         return result
     module = entry if entry_importable(entry) else FALLBACK_ENTRY
     if module != entry:
         result.notes.append(f"Megatron's checks used {module}'s arguments instead")
     result.problems += megatron_problems(loaded, module, result.notes)
     return result
+
+
+def multimodule_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """The multi-module plan (grids, topology, batch sizes) of a multimodule recipe, as its
+    entry will read it, checked without a process."""
+    from megatron_ext.multimodule.train import recipe_problems
+
+    return [Problem("model.modules", p) for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)]
 
 
 @contextlib.contextmanager
