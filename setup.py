@@ -27,11 +27,16 @@ setup(
         "psutil",  # megatron's torch_dist checkpoint writer imports it
         "pyyaml",
         "matplotlib",  # schedule timelines and loss plots
+        "tensorboard",  # run metrics: Megatron writes, and the runner reads, TensorBoard scalars
     ],
     extras_require={
         "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
+        # Logging back-ends behind Megatron's --tensorboard-dir / --wandb-project flags
+        # (tensorboard is a dependency already; the extra names it for symmetry).
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

@@ -27,6 +27,7 @@ listed in the notes that ``validate``/``run`` print.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -159,6 +160,14 @@ def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[
     return PLACEHOLDER.sub(fill, value)
 
 
+def _listed(value: Any) -> Any:
+    """Upstream writes several values of one flag as "[a b]" (its launcher splits them)."""
+    if isinstance(value, str) and len(value) > 2 and value[0] == "[" and value[-1] == "]" \
+            and not any(ch in value[1:-1] for ch in "[](){}"):
+        return value[1:-1].replace(",", " ").split()
+    return value
+
+
 def _module_list(value: Any) -> list[str]:
     """--recompute-modules as upstream writes it: "[mhc]", "mhc core_attn" or a list."""
     if isinstance(value, list):
@@ -204,7 +213,7 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
             conversion.problems.append(Problem(where, "MODEL_ARGS keys are Megatron flags with their "
                                                       "dashes, e.g. --num-layers"))
             continue
-        value = _substitute(raw_value, flag, env, conversion.unresolved)
+        value = _listed(_substitute(raw_value, flag, env, conversion.unresolved))
         if value is None or value is False:
             continue  # an unset flag: the field's (or Megatron's) default
         if flag in MHC_FLAGS:
@@ -250,6 +259,14 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
                 data["extra_args"]["--recompute-granularity"] = granularity
     elif granularity is not None:
         data["extra_args"]["--recompute-granularity"] = granularity
+    if data["model"]["type"] == "hybrid" and _get(data, "model.mtp_num_layers") is not None:
+        depths = len([p for p in str(_get(data, "model.hybrid_layer_pattern", "")).split("/")[1:] if p])
+        if depths == _get(data, "model.mtp_num_layers"):
+            del data["model"]["mtp_num_layers"]
+            notes.append(f"--mtp-num-layers {depths}: the hybrid pattern's '/' depths say it already")
+    if _get(data, "parallelism.sp") and _get(data, "parallelism.tp", 1) == 1:
+        del data["parallelism"]["sp"]
+        notes.append("--sequence-parallel left out: tp is 1 (Megatron turns it off there)")
     if layers_per_virtual_stage:
         layers = _get(data, "model.num_layers") or 0
         pp = _get(data, "parallelism.pp", 1)
@@ -410,6 +427,10 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
         conversion.notes.setdefault("mapping", []).append(
             "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad")
 
+    ep = _get(full, "parallelism.ep", 1)
+    model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
+    if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs
+        _set(full, "parallelism.dp", ep // math.gcd(model_parallel, ep))
     cpu, changes = cpu_overlay(full)
     goldens = golden_files(case_dir)
     conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [DEFAULT_GPU_PLATFORM]
@@ -423,10 +444,11 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
                          "description": f"Megatron-LM functional test case {case_dir.name} "
                                         f"(imported from {TEST_CASE_FILE})",
                          **cpu, "platforms": platforms}
-    world = (_get(full, "parallelism.tp", 1) * _get(full, "parallelism.pp", 1) * _get(full, "parallelism.cp", 1))
     mapping = conversion.notes.setdefault("mapping", [])
-    mapping.append(f"world size {world} = tp * pp * cp (dp 1; upstream takes the GPU count from its "
-                   "job: set parallelism.dp for replicas)")
+    tp, pp, cp = (_get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp"))
+    dp = _get(full, "parallelism.dp", 1)
+    mapping.append(f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
+                   "expert parallelism admits; upstream takes the GPU count from its job)")
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
 

@@ -91,12 +91,52 @@ def size_problems(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+# Megatron flags that log through an optional package: without it Megatron fails on the
+# last rank only, after every other rank has started.
+LOGGING_FLAG_PACKAGES = {"--wandb-project": "wandb", "--wandb-exp-name": "wandb",
+                         "--wandb-save-dir": "wandb", "--wandb-entity": "wandb"}
+
+
+def _module_importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def logging_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """A logging flag whose package is not importable here."""
+    problems = []
+    for flag, package in LOGGING_FLAG_PACKAGES.items():
+        if loaded.recipe.extra_args.get(flag) not in (None, False) and not _module_importable(package):
+            problems.append(Problem(f"extra_args.{flag}", f"needs the {package} package, which is not "
+                                                          f"importable here; pip install 'megatron-ext[{package}]' "
+                                                          "or remove the flag"))
+    return problems
+
+
+def golden_notes(loaded: LoadedRecipe) -> list[str]:
+    golden = loaded.golden_path()
+    if golden is None:
+        return ["no golden values configured (test.golden_values is null): runs are not compared"]
+    if not golden.exists():
+        return [f"no golden values at {golden}: runs are not compared until `megatron-ext run "
+                f"{loaded.source} --platform {loaded.platform} --write-golden` creates them"]
+    return []
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
     sizes = size_problems(loaded)
     if sizes:  # the plan checks would divide by them
         return Validation(problems=safety.recipe_problems(loaded) + sizes)
-    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded))
+    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded)
+                        + logging_problems(loaded))
+    if not result.problems:  # worth knowing once the recipe itself is right
+        result.notes += golden_notes(loaded)
+    if not _module_importable("tensorboard"):
+        result.notes.append("tensorboard is not installed here: run metrics fall back to the log lines "
+                            "(pip install 'megatron-ext[tensorboard]')")
     recipe = loaded.recipe
     entry = recipe.entry
     unknown = entries.entry_problem(entry)
