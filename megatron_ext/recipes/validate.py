@@ -145,10 +145,11 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         return result
     if not entry_importable(entry):
         result.notes.append(f"entry module {entry} is not importable here; `run` needs it")
-    if result.problems or not megatron_checks:
+    if recipe.model.type == "multimodule":  # the plan its entry will build, without a process
+        if not result.problems:
+            result.problems += multimodule_problems(loaded)
         return result
-    if recipe.model.type == "multimodule":
-        result.problems += multimodule_problems(loaded)
+    if result.problems or not megatron_checks:
         return result
     module = entry if entry_importable(entry) else FALLBACK_ENTRY
     if module != entry:
