@@ -308,6 +308,12 @@ def _check_model(r: Recipe, add) -> None:
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
     mhc = m.mhc
+    if m.type == "gpt" and mhc.enabled and m.num_experts:
+        # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
+        # one residual stream; the model refuses it only once every rank has started.
+        add("model.num_experts", "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
+                                 "megatron-core's block spec, which has no mHC residual streams; "
+                                 "disable model.mhc.enabled or MoE")
     if mhc.recompute_layer_num is not None and not mhc.recompute:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:

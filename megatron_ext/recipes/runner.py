@@ -552,7 +552,7 @@ def resolved_plan(loaded: LoadedRecipe) -> dict:
             "vpp": plan.virtual_stages(r), "cp": p.cp, "ep": p.ep, "dp": p.dp, "sp": p.sp,
             "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
             "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),
-            "modules": r.model.modules if r.model.type == "multimodule" else None}
+            "modules": r.to_dict()["model"]["modules"] if r.model.type == "multimodule" else None}
 
 
 def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
