@@ -192,7 +192,7 @@ def _isclose(a: float, b: float, rtol: float, atol: float) -> bool:
     return abs(a - b) <= atol + rtol * abs(b)
 
 
-def steady_median(series: dict[int, float], steps: list[int]) -> tuple[float, list[int]]:
+def _steady_median(series: dict[int, float], steps: list[int]) -> tuple[float, list[int]]:
     window = range(5, 21) if (max(steps) if steps else 0) <= 25 else range(30, 46)
     chosen = [s for s in steps if s in window] or steps
     values = [_value(series, s) for s in chosen]
@@ -210,8 +210,8 @@ def check_metric(metric: str, actual: dict[int, float], golden: dict[int, float]
     if rule.rtol is not None:
         check = f"approximate {Rule(rtol=rule.rtol, atol=rule.atol).describe()}"
         if metric == "iteration-time":
-            a, chosen = steady_median(actual, steps)
-            g, _ = steady_median(golden, steps)
+            a, chosen = _steady_median(actual, steps)
+            g, _ = _steady_median(golden, steps)
             ok = _isclose(a, g, rule.rtol, rule.atol)
             results.append(CheckResult(metric, check + " median", ok, 1, [] if ok else [chosen[0]], 0,
                                        Worst(chosen[0] if chosen else 0, a, g),
