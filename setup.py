@@ -27,14 +27,16 @@ setup(
         "psutil",  # megatron's torch_dist checkpoint writer imports it
         "pyyaml",
         "matplotlib",  # schedule timelines and loss plots
-        "tensorboard",  # run metrics: Megatron writes, and the runner reads, TensorBoard scalars
     ],
     extras_require={
         "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
-        # Logging back-ends behind Megatron's --tensorboard-dir / --wandb-project flags
-        # (tensorboard is a dependency already; the extra names it for symmetry).
+        # Logging back-ends behind Megatron's --tensorboard-dir / --wandb-project flags. Recipe
+        # runs read their metrics from TensorBoard files (requirements.txt, CI and the Docker
+        # image install it); without it they fall back to the log lines. An extra, not a hard
+        # dependency: tensorboard + grpcio + its data server are ~20 MiB, which the offline GPU
+        # wheelhouse (64 MiB limit, 43 MiB without them) cannot carry.
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

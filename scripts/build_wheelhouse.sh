@@ -14,8 +14,7 @@ limit_mib=64
 
 # The packages megatron-ext and its GPU tests need beyond torch, pinned to the venv's versions.
 packages=(megatron-core numpy packaging psutil pyyaml pytest iniconfig pluggy
-          matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil tzdata
-          tensorboard tensorboard-data-server absl-py grpcio markdown protobuf werkzeug markupsafe)
+          matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil tzdata)
 pins=()
 for name in "${packages[@]}"; do
   version="$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")"
