@@ -48,7 +48,7 @@ COPY bench ./bench
 # megatron-ext's own small dependencies, then megatron-ext itself without re-resolving torch.
 # Every module the GPU recipes' layers need must import, or the build fails here.
 ENV MEGATRON_EXT_GPU_MODULES="transformer_engine.pytorch apex mamba_ssm causal_conv1d"
-RUN pip install --no-cache-dir "megatron-core==0.19.2" psutil pyyaml pytest \
+RUN pip install --no-cache-dir "megatron-core==0.19.2" psutil pyyaml pytest tensorboard \
  && pip install --no-cache-dir --no-deps . \
  && for module in megatron.core megatron_ext ${MEGATRON_EXT_GPU_MODULES}; do python -c "import ${module}"; done \
  && megatron-ext --version

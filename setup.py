@@ -32,6 +32,13 @@ setup(
         "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
+        # Logging back-ends behind Megatron's --tensorboard-dir / --wandb-project flags. Recipe
+        # runs read their metrics from TensorBoard files (requirements.txt, CI and the Docker
+        # image install it); without it they fall back to the log lines. An extra, not a hard
+        # dependency: tensorboard + grpcio + its data server are ~20 MiB, which the offline GPU
+        # wheelhouse (64 MiB limit, 43 MiB without them) cannot carry.
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

@@ -3,7 +3,10 @@
 - ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
 - ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
 - ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
-- ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules;
+- ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
+  comparison failed, 2: an input cannot be read);
+- ``megatron-ext import PATH/model_config.yaml [-o RECIPE.yaml]``: a Megatron-LM test case as
+  a recipe (``run`` and ``validate`` also take such a file directly);
 - ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;
 - ``megatron-ext convert-checkpoint IN OUT --model M --to T``: mHC keys upstream <-> megatron-ext.
 - ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
@@ -122,6 +125,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return runner.EXIT_INVALID
+    if args.dry_run:
+        return runner.dry_run(loaded, run_dir=Path(args.run_dir) if args.run_dir else None,
+                              runs_root=Path(args.runs_root),
+                              megatron_checks=not args.skip_megatron_checks).exit_code
     outcome = runner.run(
         loaded, run_dir=Path(args.run_dir) if args.run_dir else None, runs_root=Path(args.runs_root),
         compare_golden=not args.no_compare, force_compare=args.compare,
@@ -133,7 +140,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_ext.recipes import RecipeError, plan
-    from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.loader import platforms_of
     from megatron_ext.recipes.validate import validate
 
     recipes, overrides = _split_targets(args.targets)
@@ -142,15 +149,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return 2
     failed = False
     for recipe in recipes:
-        if args.platform:
-            platforms = [args.platform]
-        else:
-            try:
-                with open(recipe) as f:
-                    raw = parse_yaml(f.read()) or {}
-                platforms = ["cpu", *[p for p in (raw.get("platforms") or {}) if p != "cpu"]]
-            except Exception:  # the load below reports it
-                platforms = ["cpu"]
+        platforms = [args.platform] if args.platform else platforms_of(recipe)
         for platform in platforms:
             label = f"{recipe} [{platform}]"
             try:
@@ -163,7 +162,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             result = validate(loaded, megatron_checks=not args.skip_megatron_checks)
             for problem in result.problems:
                 print(f"{label}: {problem}")
-            for note in result.notes:
+            for note in [*loaded.notes, *result.notes]:
                 print(f"{label}: note: {note}")
             if result.ok:
                 print(f"{label}: OK ({plan.describe(loaded)})")
@@ -171,28 +170,72 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
+class _BadInput(Exception):
+    """An input `compare` cannot read: one line, exit status 2."""
 
-    from megatron_ext.recipes import compare as cmp
+
+def _read_metrics_file(path, what: str):
+    import json
+
     from megatron_ext.recipes import metrics as met
 
-    source = Path(args.run)
-    if source.is_dir():
-        metrics_file = source / "metrics.json"
-        actual = met.read_golden(metrics_file) if metrics_file.exists() else met.parse_run_logs(source / "logs")
-    else:
-        actual = met.read_golden(source)
-    if not actual:
-        print(f"megatron-ext compare: no metrics in {source}", file=sys.stderr)
+    try:
+        return met.read_golden(path)
+    except FileNotFoundError:
+        raise _BadInput(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise _BadInput(f"{what} {path} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadInput(f"{what} {path} is not JSON: {exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise _BadInput(f"{what} {path} is not golden-value JSON ({{metric: {{start_step, end_step, "
+                        f"step_interval, values}}}}): {exc}") from None
+    except OSError as exc:
+        raise _BadInput(f"{what} {path} cannot be read: {exc.strerror}") from None
+
+
+def _run_metrics(source):
+    from megatron_ext.recipes import metrics as met
+
+    if not source.exists():
+        raise _BadInput(f"{source} does not exist (give a run directory or a metrics JSON file)")
+    if not source.is_dir():
+        return _read_metrics_file(source, "metrics file")
+    metrics_file = source / "metrics.json"
+    if metrics_file.exists():
+        return _read_metrics_file(metrics_file, "metrics file")
+    return met.read_run_metrics(source)[0]
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    """Exit 0: every check passed; 1: a comparison failed; 2: an input cannot be read."""
+    try:
+        return _compare(args)
+    except _BadInput as exc:
+        print(f"megatron-ext compare: {exc}", file=sys.stderr)
         return 2
-    golden = met.read_golden(args.golden)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes import compare as cmp
+
+    source = Path(args.run)
+    actual = _run_metrics(source)
+    if not actual:
+        raise _BadInput(f"no metrics in {source} (no metrics.json, TensorBoard files or iteration lines)")
+    golden = _read_metrics_file(Path(args.golden), "golden values")
     device, tolerances = args.device, {}
     recipe_file = source / "recipe.yaml" if source.is_dir() else None
     if recipe_file is not None and recipe_file.exists():
         from megatron_ext.recipes import load
 
-        recipe = load(recipe_file).recipe
+        try:
+            recipe = load(recipe_file).recipe
+        except RecipeError as exc:
+            raise _BadInput(f"the run's recipe {recipe_file} does not load: {exc.problems[0]}") from None
         device = device or recipe.launch.device
         tolerances = recipe.test.tolerances
         names = args.metrics or recipe.test.metrics
@@ -204,8 +247,53 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                  for m, r in rules.items()}
     report = cmp.compare(actual, golden, rules, title=f"{source} vs {args.golden}",
                          approximate_only=args.approximate_only)
+    print(f"rules: {cmp.RULE_SOURCES['cpu' if device == 'cpu' else 'gpu']}")
     print("\n".join(report.lines()))
     return 0 if report.passed else 1
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    """A Megatron-LM test case (model_config.yaml) as a megatron-ext recipe YAML."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_ext.recipes import upstream
+    from megatron_ext.recipes.loader import parse_yaml
+
+    source = Path(args.test_case)
+    if source.is_dir():
+        source = source / upstream.TEST_CASE_FILE
+    try:
+        raw = parse_yaml(source.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        print(f"megatron-ext import: cannot read {source}: {exc}", file=sys.stderr)
+        return 2
+    if not upstream.is_test_case(raw):
+        print(f"megatron-ext import: {source} is not a Megatron-LM test case (no MODEL_ARGS)", file=sys.stderr)
+        return 2
+    conversion = upstream.convert(raw, source.resolve().parent)
+    for problem in conversion.problems:
+        print(f"{source}: {problem}", file=sys.stderr)
+    if conversion.problems:
+        return 2
+    recipe = conversion.recipe
+    out = Path(args.output) if args.output else None
+    if out is not None:  # golden files stay beside the test case
+        base = os.path.relpath(source.resolve().parent, out.resolve().parent)
+        recipe["test"]["golden_values"] = os.path.join(base, recipe["test"]["golden_values"])
+        for overlay in recipe["platforms"].values():
+            overlay["test"]["golden_values"] = os.path.join(base, overlay["test"]["golden_values"])
+    notes = [*conversion.notes.get("mapping", []), *conversion.notes.get("cpu", [])]
+    text = "\n".join([f"# Imported by megatron-ext from {source}", *[f"# {n}" for n in notes]])
+    text += "\n" + yaml.safe_dump(recipe, sort_keys=False, width=100)
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text)
+        print(f"wrote {out} ({len(notes)} note(s); `megatron-ext validate {out}`)")
+    return 0
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -331,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="write this run's metrics as the recipe's golden values for the platform")
     run.add_argument("--skip-megatron-checks", action="store_true",
                      help="validate the plan only (skip Megatron's argument checks and the guards)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate, then print the plan and the exact commands; start no rank")
     run.add_argument("--trace", action="store_true",
                      help="record every rank's pipeline schedule: trace.json, timeline.png and the "
                      "measured vs theoretical bubble in the summary")
@@ -350,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--approximate-only", action="store_true", help="skip the exact checks")
     compare.add_argument("--device", choices=("cpu", "gpu"),
                          help="whose default rules apply (default: the run's recipe, else gpu = Megatron's)")
+
+    imp = commands.add_parser("import", help="write a Megatron-LM test case (model_config.yaml) as a recipe")
+    imp.add_argument("test_case", help="PATH/model_config.yaml (or its directory)")
+    imp.add_argument("-o", "--output", help="recipe file to write (default: print it)")
 
     submit = commands.add_parser("submit", help="run a recipe as a Slurm job, wait and compare")
     _add_recipe_args(submit, default_platform=None)
@@ -410,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(doctor_report()))
         return 0
     handlers = {"run": _cmd_run, "validate": _cmd_validate, "compare": _cmd_compare, "submit": _cmd_submit,
+                "import": _cmd_import,
                 "schedule": _cmd_schedule, "convert-checkpoint": _cmd_convert_checkpoint}
     if args.command in handlers:
         try:

@@ -94,6 +94,8 @@ class LaunchResult:
     seconds: float
     rank_codes: dict[int, Optional[int]]
     timed_out: bool = False
+    peak_rss_kib: dict[int, int] = field(default_factory=dict)
+    """Each rank's peak resident memory (the kernel's ru_maxrss of the rank process, KiB)."""
 
     @property
     def ok(self) -> bool:
@@ -211,6 +213,21 @@ def stop(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
+def _reap(procs: dict[int, subprocess.Popen], peak_rss_kib: dict[int, int]) -> None:
+    """Collect ranks that ended with wait4, which also gives their peak RSS (Popen.poll
+    would discard it); the exit status is handed to Popen, so poll() reads it after this."""
+    for rank, proc in procs.items():
+        if proc.returncode is not None:
+            continue
+        try:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # already reaped elsewhere: Popen knows its status
+            continue
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            peak_rss_kib[rank] = int(usage.ru_maxrss)
+
+
 def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
            follow_rank: Optional[int] = None) -> LaunchResult:
     """Run ``job`` to the end; ``on_line`` receives each line that rank ``follow_rank``
@@ -223,6 +240,7 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     follow = job.nproc - 1 if follow_rank is None else follow_rank
     follower = LogFollower(job.log_path(follow), on_line) if on_line else None
     failed_rank, timed_out = None, False
+    peak_rss_kib: dict[int, int] = {}
     with stop_signals_interrupt():
         try:
             for rank in range(job.nproc):
@@ -236,6 +254,7 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
             while True:
                 if follower:
                     follower.poll()
+                _reap(procs, peak_rss_kib)
                 codes = {r: p.poll() for r, p in procs.items()}
                 if failed_rank is None:
                     # Several may have ended since the last poll: a rank killed by a signal
@@ -269,7 +288,8 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
         returncode = codes[failed_rank] or 1
     else:
         returncode = next((c for c in codes.values() if c), 0)
-    return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out)
+    return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out,
+                        peak_rss_kib)
 
 
 def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:

@@ -120,8 +120,13 @@ def sbatch_script(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
     ]
-    if job.env:
-        lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in job.env.items()))
+    from megatron_ext.recipes.safety import is_secret, secret_check_line
+
+    # Secrets reach the job through sbatch's environment (--export=ALL), never the script.
+    lines += [secret_check_line(k) for k in job.env if is_secret(k)]
+    plain = {k: v for k, v in job.env.items() if not is_secret(k)}
+    if plain:
+        lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in plain.items()))
     rank_env = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
                 "LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS} GROUP_RANK=$SLURM_NODEID")
     container: list[str] = []
@@ -164,9 +169,13 @@ class SlurmError(RuntimeError):
     pass
 
 
-def submit(script: Path) -> str:
-    """sbatch the script; returns the job id."""
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+def submit(script: Path, env: Optional[dict[str, str]] = None) -> str:
+    """sbatch the script; returns the job id. ``env``: variables (the recipe's secrets) that
+    the job inherits through sbatch's environment instead of the script."""
+    import os
+
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                          env={**os.environ, **env} if env else None)
     if proc.returncode != 0:
         raise SlurmError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout.strip().split(";")[0]

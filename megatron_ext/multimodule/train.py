@@ -16,26 +16,33 @@ megatron-ext's recipe YAML with ``model.type: multimodule``; this entry reads:
   ``global_batch_size``, ``lr`` (constant), ``weight_decay``, ``clip_grad`` (global norm over
   every module), ``seed``.
 
-``KEY=VALUE`` overrides use dotted paths (``training.iterations=20``,
+The recipe is read by the one recipe loader (:func:`megatron_ext.recipes.load`: schema with
+a typed ``model.modules`` section, overrides, platforms), so a typo such as
+``model.modules.llm.hidden_sizee=64`` is an error naming the field, here and in
+``megatron-ext validate``, which also runs :func:`recipe_problems` (the plan) without
+starting anything. ``KEY=VALUE`` overrides use dotted paths (``training.iterations=20``,
 ``model.modules.llm.pp=1``; values are YAML). The Megatron flags the recipe runner appends
 (``--recipe PATH``, ``--train-iters``, ``--micro-batch-size``, ``--global-batch-size``,
-``--lr``, ``--weight-decay``, ``--clip-grad``, ``--seed``) are honoured; other Megatron flags
-are ignored. Data is the deterministic synthetic VLM data of
-:class:`~megatron_ext.multimodule.vlm.VLMData`. The last rank prints one Megatron-style line
-per iteration (``iteration N/ M | ... | lm loss: X.XXXXXXE+00 | ...``).
+``--lr``, ``--weight-decay``, ``--clip-grad``, ``--seed``, ``--tensorboard-dir``) are
+honoured; other Megatron flags are ignored. Data is the deterministic synthetic VLM data of
+:class:`~megatron_ext.multimodule.vlm.VLMData`.
+
+Metrics go where Megatron's go: the last rank writes TensorBoard scalars under Megatron's tags
+("lm loss", "grad-norm", "iteration-time" in seconds, "learning-rate", "batch-size") into
+``--tensorboard-dir``, which the runner reads. Progress is logged as a plain line per
+iteration (``multimodule: iteration N/M | lm loss X | grad norm G | T ms``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
-
-import yaml
 
 from megatron_ext.multimodule.plan import ModulePlan, MultiModulePlan
 
@@ -44,20 +51,19 @@ PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "first_rank", "output_ndim")
 
 
 # ------------------------------------------------------------------------------ recipe
+logger = logging.getLogger(__name__)
+
+
 def load_recipe(path: str, overrides: list[str] = ()) -> dict:
-    """The recipe as a dict with ``KEY=VALUE`` overrides applied (values parsed as YAML)."""
-    with open(path) as handle:
-        recipe = yaml.safe_load(handle) or {}
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep:
-            raise ValueError(f"override {override!r} is not KEY=VALUE")
-        node = recipe
-        *parents, leaf = key.lstrip("+").split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    return recipe
+    """The recipe through the one recipe loader (schema, overrides), as a plain mapping with
+    every field; ValueError lists every problem."""
+    from megatron_ext.recipes import RecipeError, load
+
+    try:
+        loaded = load(path, overrides=list(overrides))
+    except RecipeError as error:
+        raise ValueError("; ".join(str(p) for p in error.problems)) from None
+    return loaded.recipe.to_dict()
 
 
 @dataclass
@@ -144,9 +150,18 @@ def read_recipe(recipe: dict, world_size: Optional[int] = None) -> MultiModuleRe
 
 
 def validate_recipe(path: str, overrides: list[str] = (), world_size: Optional[int] = None) -> list[str]:
-    """Every problem of a multimodule recipe, found without starting anything."""
+    """Every problem of a multimodule recipe file, found without starting anything."""
     try:
-        mm = read_recipe(load_recipe(path, list(overrides)), world_size)
+        recipe = load_recipe(path, list(overrides))
+    except ValueError as error:
+        return [str(error)]
+    return recipe_problems(recipe, world_size)
+
+
+def recipe_problems(recipe: dict, world_size: Optional[int] = None) -> list[str]:
+    """Every problem of a loaded multimodule recipe's plan (``megatron-ext validate``)."""
+    try:
+        mm = read_recipe(recipe, world_size)
     except (ValueError, TypeError) as error:
         return [str(error)]
     problems = mm.plan.problems()
@@ -228,6 +243,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.multimodule.train",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", help="the recipe (the recipe runner passes it this way)")
+    parser.add_argument("--tensorboard-dir", help="where the last rank writes TensorBoard scalars")
     for flag, kind in (("--train-iters", int), ("--micro-batch-size", int),
                        ("--global-batch-size", int), ("--lr", float), ("--weight-decay", float),
                        ("--clip-grad", float), ("--seed", int), ("--lr-decay-style", str)):
@@ -257,8 +273,22 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
     return args, overrides, [token for token in ignored if token.startswith("--")]
 
 
-def train(mm: MultiModuleRecipe, log=print) -> list[float]:
-    """Train; returns the lm loss of every iteration (on every rank)."""
+def _tensorboard_writer(directory: Optional[str]):
+    """Megatron's choice: a SummaryWriter on the last rank only (None without a directory)."""
+    if not directory:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        logger.warning("tensorboard is not installed: no TensorBoard scalars (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=directory, max_queue=1000)
+
+
+def train(mm: MultiModuleRecipe, log=print, tensorboard_dir: Optional[str] = None) -> list[float]:
+    """Train; returns the lm loss of every iteration (on every rank). The last rank writes
+    TensorBoard scalars into ``tensorboard_dir`` (Megatron's tags) and logs one progress line
+    per iteration through ``log``."""
     import torch
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -282,6 +312,7 @@ def train(mm: MultiModuleRecipe, log=print) -> list[float]:
                        text_pattern=mm.modules[mm.language_model].get("text_pattern", "random"))
     forward_step = vlm.make_forward_step(mm.language_model)
     last_rank = dist.get_rank() == dist.get_world_size() - 1
+    writer = _tensorboard_writer(tensorboard_dir) if last_rank else None
     losses = []
     # No try/finally around destroy(): it starts with a barrier, which a failing rank would
     # block in while its peers wait on it. A failure ends the rank (main's fail-fast) instead.
@@ -304,14 +335,17 @@ def train(mm: MultiModuleRecipe, log=print) -> list[float]:
         optimizer.step()
         elapsed_ms = (time.perf_counter() - start) * 1e3
         losses.append(loss)
+        if writer is not None:
+            for tag, value in (("lm loss", loss), ("grad-norm", grad_norm), ("learning-rate", t.lr),
+                               ("batch-size", t.global_batch_size), ("iteration-time", elapsed_ms / 1e3)):
+                writer.add_scalar(tag, value, iteration)
+            writer.flush()
         if last_rank:
-            log(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{t.iterations:8d} "
-                f"| consumed samples: {iteration * t.global_batch_size:12d} "
-                f"| elapsed time per iteration (ms): {elapsed_ms:.1f} "
-                f"| learning rate: {t.lr:.6E} | global batch size: {t.global_batch_size:5d} "
-                f"| lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} "
-                f"| number of skipped iterations:   0 | number of nan iterations:   0 |")
+            log(f"multimodule: iteration {iteration}/{t.iterations} | lm loss {loss:.6f} "
+                f"| grad norm {grad_norm:.3f} | {elapsed_ms:.0f} ms")
             sys.stdout.flush()
+    if writer is not None:
+        writer.close()
     pipeline.destroy()
     return losses
 
@@ -330,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ignored:
             print(f"multimodule: ignoring Megatron flags this entry does not use: {' '.join(ignored)}",
                   flush=True)
-    train(mm)
+    train(mm, tensorboard_dir=args.tensorboard_dir)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -8,10 +8,13 @@ with one or two tests:
   ``min(max(steps // 100, 1), 50)`` steps may fail; ``iteration-time`` compares the median
   of a steady window (steps 5-20, or 30-45 when the run is longer than 25 steps).
 
-Its thresholds (:data:`MEGATRON_RULES`) are: lm loss, mtp losses and num-zeros deterministic
-plus rtol 0.05; iteration-time rtol 0.05. They are the defaults on GPU platforms.
+Its thresholds (:data:`MEGATRON_RULES`, the ``CHECK_THRESHOLDS`` of Megatron-LM's
+``test_pretraining_regular_pipeline.py``, dev branch, August 2026) are: lm loss and mtp losses
+deterministic plus rtol 0.05; num-zeros deterministic plus rtol 0.20; iteration-time,
+mem-allocated-bytes and mem-max-allocated-bytes rtol 0.05. They are the defaults on GPU
+platforms, for the metrics a recipe lists (upstream's default list is lm loss and num-zeros).
 
-On CPU (:data:`CPU_RULES`), golden values generated on one machine are checked on another
+On CPU (:data:`CPU_RULES`, megatron-ext's own, stricter rules), golden values generated on one machine are checked on another
 whose CPU, and so torch's kernels, may differ. There the loss is compared with a tight
 **rtol of 1e-4 and no failing step allowed** instead of bit for bit. Iteration time is
 recorded, never checked (it measures the machine). Within one machine and one run,
@@ -63,9 +66,12 @@ class Rule:
 MEGATRON_RULES: dict[str, Rule] = {
     "lm loss": Rule(deterministic=True, rtol=0.05),
     "mtp loss": Rule(deterministic=True, rtol=0.05),
-    "num-zeros": Rule(deterministic=True, rtol=0.05),
+    "num-zeros": Rule(deterministic=True, rtol=0.20),
     "iteration-time": Rule(rtol=0.05),
+    "mem-allocated-bytes": Rule(rtol=0.05),
+    "mem-max-allocated-bytes": Rule(rtol=0.05),
 }
+"""Megatron-LM's thresholds (see the module docstring); the GPU platforms' defaults."""
 CPU_RULES: dict[str, Rule] = {
     "lm loss": Rule(rtol=1e-4, max_failing_steps=0),
     "mtp loss": Rule(rtol=1e-4, max_failing_steps=0),
@@ -73,7 +79,12 @@ CPU_RULES: dict[str, Rule] = {
     # differently, so a few elements of slack on top of Megatron's 5 %.
     "num-zeros": Rule(rtol=0.05, atol=4, max_failing_steps=0),
     "iteration-time": Rule(),
+    "mem-allocated-bytes": Rule(),
+    "mem-max-allocated-bytes": Rule(),
 }
+"""megatron-ext's own rules for the cpu platform (not Megatron-LM's): see the module docstring."""
+
+RULE_SOURCES = {"cpu": "megatron-ext's CPU rules", "gpu": "Megatron-LM's thresholds"}
 
 
 def _rule_key(metric: str) -> str:
@@ -244,13 +255,15 @@ PRINT_RTOL = 1e-6
 agrees with the printed mean to this relative tolerance."""
 
 
-def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: list[str]) -> Report:
+def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: list[str],
+                   logged_means: bool = True) -> Report:
     """The resumed run's steps after ``half`` against the uninterrupted run's: identical.
 
-    Megatron's second logged line of a process averages its first two iterations; for loss
-    metrics the resumed run's step ``half + 2`` is therefore checked against the mean of the
-    uninterrupted run's steps ``half + 1`` and ``half + 2`` (to print precision, 1e-6), and
-    every other step exactly.
+    Megatron's second logged line of a process averages its first two iterations; when the
+    metrics come from those lines (``logged_means``), for loss metrics the resumed run's step
+    ``half + 2`` is checked against the mean of the uninterrupted run's steps ``half + 1`` and
+    ``half + 2`` (to print precision, 1e-6), and every other step exactly. TensorBoard
+    scalars carry each step's own value: every step is compared exactly.
     """
     report = Report(f"ckpt-resume: steps {half + 1}+ of the resumed run vs the uninterrupted run")
     for metric in metrics:
@@ -263,7 +276,7 @@ def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: li
                                               detail="not logged after the checkpoint"))
             continue
         expected = dict(cont)
-        quirk = metric.endswith("loss") and half + 2 in cont and half + 1 in cont
+        quirk = logged_means and metric.endswith("loss") and half + 2 in cont and half + 1 in cont
         failing = []
         for s in steps:
             if quirk and s == half + 2:

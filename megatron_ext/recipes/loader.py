@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megatron_ext.recipes import schema
+from megatron_ext.recipes import schema, upstream
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
 
 
@@ -112,6 +112,9 @@ class LoadedRecipe:
     source: Optional[Path]
     platform: str
     overrides: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What reading the file changed or dropped (a Megatron-LM test case: the mapping and the
+    cpu overlay), one line each; ``validate`` and ``run`` print them."""
 
     @property
     def name(self) -> str:
@@ -227,7 +230,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
             node.pop(parts[-1], None)
             continue
         try:
-            node[parts[-1]] = _override_value(parts, value_text)
+            value = _override_value(parts, value_text)
+            # A mapping merges into the mapping already there, as Hydra's overrides do
+            # (launch.env={A: 1} keeps the recipe's other variables); `~KEY KEY={...}` replaces.
+            if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+                value = deep_merge(node[parts[-1]], value)
+            node[parts[-1]] = value
         except yaml.YAMLError as exc:
             problems.append(Problem(f"override {override!r}", f"value is not YAML: {exc}"))
     return data, problems
@@ -330,24 +338,49 @@ def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str
         raise RecipeError(str(path), [Problem("", f"not valid YAML: {yaml_error_line(exc)}")]) from None
     except RecursionError:
         raise RecipeError(str(path), [Problem("", "not valid YAML: nested too deeply")]) from None
-    recipe, problems = resolve(raw, platform, overrides)
+    notes: list[str] = []
+    problems: list[Problem] = []
+    if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
+        conversion = upstream.convert(raw, path.resolve().parent)
+        raw = conversion.recipe
+        problems += conversion.problems + upstream.platform_problems(conversion, platform)
+        notes = upstream.notes_for(conversion, platform)
+    recipe, recipe_problems = resolve(raw, platform, overrides)
+    problems += recipe_problems
     if problems:
         raise RecipeError(str(path), problems)
-    return LoadedRecipe(recipe=recipe, source=path, platform=platform, overrides=list(overrides))
+    return LoadedRecipe(recipe=recipe, source=path, platform=platform, overrides=list(overrides), notes=notes)
+
+
+def platforms_of(path: str | Path) -> list[str]:
+    """The platforms a recipe file defines, cpu first ([cpu] when it cannot be read)."""
+    path = Path(path)
+    try:
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        return [DEFAULT_PLATFORM]
+    if upstream.is_test_case(raw):
+        return [DEFAULT_PLATFORM, *upstream.convert(raw, path.resolve().parent).gpu_platforms]
+    platforms = raw.get("platforms") if isinstance(raw, dict) else None
+    return [DEFAULT_PLATFORM, *[p for p in (platforms if isinstance(platforms, dict) else {})
+                                if p != DEFAULT_PLATFORM]]
 
 
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
+    from megatron_ext.recipes.safety import redact_env, redact_override
+
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name
     data.pop("platforms", None)
+    data["launch"]["env"] = redact_env(data["launch"]["env"])  # secrets travel in the environment
     golden = loaded.golden_path()
     data["test"]["golden_values"] = str(golden.resolve()) if golden else None
     header = [
         "# Resolved by megatron-ext: every field, with the platform overlay and overrides applied.",
         f"# source: {loaded.source}",
         f"# platform: {loaded.platform}",
-        f"# overrides: {' '.join(loaded.overrides) if loaded.overrides else '(none)'}",
+        f"# overrides: {' '.join(map(redact_override, loaded.overrides)) if loaded.overrides else '(none)'}",
     ]
     return "\n".join(header) + "\n" + yaml.safe_dump(data, sort_keys=False, width=100)

@@ -1,4 +1,10 @@
-"""Metrics from Megatron's own log lines, in Megatron's golden-value JSON format.
+"""A run's metrics, in Megatron's golden-value JSON format: from TensorBoard, else log lines.
+
+Like Megatron-LM's functional tests (``python_test_utils/common.py``), metrics are read from
+the TensorBoard event files the last rank writes (``--tensorboard-dir``; tags "lm loss",
+"num-zeros", "iteration-time", "mem-allocated-bytes", ...): :func:`read_tensorboard`. A run
+without event files (tensorboard not installed where the ranks ran, an entry that writes
+none) falls back to the log lines.
 
 megatron.training prints one line per logged iteration on the last rank::
 
@@ -12,13 +18,17 @@ A golden-value file is ``{metric: {start_step, end_step, step_interval, values: 
 
 One upstream quirk to know when reading curves: a process does not reset its loss
 accumulators after its first logged iteration, so the *second* line a process prints shows
-the mean of its first two iterations (in every run, fresh or resumed).
+the mean of its first two iterations (in every run, fresh or resumed). TensorBoard gets each
+iteration's own loss, so the two sources differ at that step only.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -38,6 +48,12 @@ MTP_FIELD = re.compile(r"^mtp_\d+ loss$")
 
 Series = dict[int, float]
 Metrics = dict[str, Series]
+
+logger = logging.getLogger(__name__)
+
+TENSORBOARD_SUBDIR = "tensorboard"
+"""Where in a run directory the ranks write event files (``resume/`` below it for a
+ckpt-resume's second run)."""
 
 
 def parse_iteration_line(line: str) -> Optional[tuple[int, int, dict[str, float]]]:
@@ -145,3 +161,52 @@ def read_validation_losses(path: Union[str, Path]) -> Series:
             if match and "on validation set" not in line and "on test set" not in line:
                 out[int(match.group(1))] = float(match.group(2))
     return out
+
+
+# ---- TensorBoard ---------------------------------------------------------------------------------
+def event_files(directory: Union[str, Path]) -> list[str]:
+    """The event files directly in ``directory``, oldest first (Megatron-LM's order)."""
+    files = glob.glob(os.path.join(str(directory), "events*tfevents*"))
+    return sorted(files, key=os.path.getmtime)
+
+
+def read_tensorboard(directory: Union[str, Path]) -> Metrics:
+    """Every scalar series of the event files in ``directory`` ({} when there are none).
+
+    Several files (a restarted writer) merge step by step, the first file's value winning,
+    as Megatron-LM's ``read_tb_logs_as_list`` does. Values are TensorBoard's float32s; tags
+    such as "lm loss vs samples" (indexed by samples, not steps) are left out.
+    """
+    files = event_files(directory)
+    if not files:
+        return {}
+    from tensorboard.backend.event_processing import event_accumulator
+
+    guidance = {event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    metrics: Metrics = {}
+    for path in files:
+        accumulator = event_accumulator.EventAccumulator(path, size_guidance=guidance)
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            if tag.endswith(" vs samples"):
+                continue
+            series = metrics.setdefault(tag, {})
+            for event in accumulator.Scalars(tag):
+                series.setdefault(int(event.step), float(event.value))
+    return metrics
+
+
+def read_run_metrics(run_dir: Union[str, Path], phase: str = "") -> tuple[Metrics, str]:
+    """(metrics, source) of one phase of a run: TensorBoard when the phase wrote event files,
+    else its log lines. ``phase``: "" (the first run) or "resume"."""
+    run_dir = Path(run_dir)
+    tb_dir = run_dir / TENSORBOARD_SUBDIR / phase if phase else run_dir / TENSORBOARD_SUBDIR
+    try:
+        metrics = read_tensorboard(tb_dir)
+    except ImportError:
+        logger.warning("tensorboard is not installed here; reading metrics from the logs")
+        metrics = {}
+    if metrics:
+        return metrics, "tensorboard"
+    logs = run_dir / "logs" / phase if phase else run_dir / "logs"
+    return parse_run_logs(logs), "logs"

@@ -27,7 +27,8 @@ from megatron_ext.recipes.schema import Problem, Recipe
 RECIPE_PLACEHOLDER = "@RECIPE@"
 """Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
 
-KNOWN_METRICS = ("lm loss", "num-zeros", "iteration-time", "grad-norm", "learning-rate")
+KNOWN_METRICS = ("lm loss", "num-zeros", "iteration-time", "grad-norm", "learning-rate",
+                 "mem-allocated-bytes", "mem-max-allocated-bytes")
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 
 HYBRID_SYMBOLS = {"M": "Mamba", "G": "GDN", "*": "attention", "D": "DS attention", "+": "MLA",
@@ -161,7 +162,10 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     _flag(args, "--lr", t.lr)
     _flag(args, "--min-lr", t.min_lr)
     _flag(args, "--lr-decay-style", t.lr_schedule)
-    _flag(args, "--lr-warmup-iters", t.lr_warmup_iters)
+    if t.lr_warmup_fraction is not None:
+        _flag(args, "--lr-warmup-fraction", t.lr_warmup_fraction)
+    else:
+        _flag(args, "--lr-warmup-iters", t.lr_warmup_iters)
     _flag(args, "--lr-decay-iters", t.lr_decay_iters or t.iterations)
     _flag(args, "--weight-decay", t.weight_decay)
     _flag(args, "--clip-grad", t.clip_grad)
@@ -258,6 +262,9 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     for name in r.extra_args:
         if not str(name).startswith("--"):
             add(f"extra_args.{name}", "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'")
+    from megatron_ext.recipes.flags import conflicts
+
+    problems += conflicts(r.extra_args)
     return problems
 
 
@@ -301,6 +308,12 @@ def _check_model(r: Recipe, add) -> None:
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
     mhc = m.mhc
+    if m.type == "gpt" and mhc.enabled and m.num_experts:
+        # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
+        # one residual stream; the model refuses it only once every rank has started.
+        add("model.num_experts", "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
+                                 "megatron-core's block spec, which has no mHC residual streams; "
+                                 "disable model.mhc.enabled or MoE")
     if mhc.recompute_layer_num is not None and not mhc.recompute:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:
@@ -420,6 +433,12 @@ def _check_training(r: Recipe, add) -> None:
         add("training.global_batch_size", batch_problem)
     if t.eval_interval is not None and t.eval_interval < 1:
         add("training.eval_interval", f"must be >= 1 or null, got {t.eval_interval}")
+    if t.lr_warmup_fraction is not None:
+        if not 0.0 <= t.lr_warmup_fraction <= 1.0:
+            add("training.lr_warmup_fraction", f"must be between 0 and 1, got {t.lr_warmup_fraction}")
+        if t.lr_warmup_iters:
+            add("training.lr_warmup_fraction", f"and lr_warmup_iters ({t.lr_warmup_iters}) are both "
+                                               "set; Megatron takes one of them")
     if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:
         add("training.lr_decay_iters", f"{t.lr_decay_iters} < lr_warmup_iters {t.lr_warmup_iters}")
     if r.test.type == "ckpt-resume" and (t.iterations < 2 or t.iterations % 2):

@@ -5,14 +5,18 @@ A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says ot
     recipe.yaml          the resolved recipe (platform and overrides applied, every field)
     command.sh           the exact command line(s), runnable: torchrun + entry + Megatron flags
     logs/rank-N.log      each rank's stdout and stderr (ckpt-resume: logs/resume/ too)
-    metrics.json         Megatron golden-value JSON of test.metrics (ckpt-resume: of the
-                         uninterrupted run; metrics_resume.json: of the resumed one)
+    tensorboard/         the last rank's TensorBoard event files (ckpt-resume: resume/ too)
+    metrics.json         Megatron golden-value JSON of test.metrics, read from TensorBoard as
+                         Megatron-LM's CI does (logs as fallback); ckpt-resume: of the
+                         uninterrupted run, metrics_resume.json: of the resumed one
     loss.png             every logged loss, grad norm and learning rate per step (matplotlib;
                          golden values dashed, the resumed run dotted from its resume step)
     comparison.txt       the comparison reports, as printed
     trace.json           with --trace: every rank's passes and P2P calls (Chrome trace events)
     timeline.png         with --trace: the measured pipeline timeline of one iteration
-    summary.json         status, timings, the reports, paths
+    summary.json         status, timings, the reports, paths, throughput and memory, the
+                         versions (megatron-core, torch, megatron-ext and its git commit)
+                         and the resolved plan
 
 Exit status: 0 trained and every comparison passed (or nothing to compare); 1 a comparison
 failed; 2 the recipe is invalid or cannot start here; 3 training failed or timed out.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -60,15 +65,36 @@ class Phase:
     log_dir: Path
 
 
+RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
+"""Stands for the run directory in a recipe's values (an imported Megatron-LM test case's
+``${CHECKPOINT_SAVE_PATH}``-style paths become paths below it)."""
+
+
+def _placed(arg: str, run_dir: Path) -> str:
+    if arg == plan.RECIPE_PLACEHOLDER:
+        return str(run_dir / "recipe.yaml")
+    return arg.replace(RUN_DIR_PLACEHOLDER, str(run_dir))
+
+
+def metrics_args(loaded: LoadedRecipe, tensorboard_dir: Path) -> list[str]:
+    """Where the last rank writes its TensorBoard scalars, and which: iteration time and
+    throughput always, the memory counters on GPUs (Megatron-LM's functional-test flags)."""
+    args = ["--tensorboard-dir", str(tensorboard_dir), "--log-timers-to-tensorboard", "--log-throughput"]
+    if loaded.recipe.launch.device == "gpu":
+        args.append("--log-memory-to-tensorboard")
+    return args
+
+
 def phases(loaded: LoadedRecipe, run_dir: Path) -> list[Phase]:
-    args = [str(run_dir / "recipe.yaml") if a == plan.RECIPE_PLACEHOLDER else a
-            for a in plan.megatron_args(loaded)]
+    args = [_placed(a, run_dir) for a in plan.megatron_args(loaded)]
     logs = run_dir / "logs"
+    tensorboard = run_dir / met.TENSORBOARD_SUBDIR
     if loaded.recipe.test.type != "ckpt-resume":
-        return [Phase("train", args, logs)]
+        return [Phase("train", args + metrics_args(loaded, tensorboard), logs)]
     ckpt = str(run_dir / "checkpoints")
-    return [Phase("train", args + plan.save_args(loaded, ckpt), logs),
-            Phase("resume", args + plan.load_args(loaded, ckpt), logs / "resume")]
+    return [Phase("train", args + metrics_args(loaded, tensorboard) + plan.save_args(loaded, ckpt), logs),
+            Phase("resume", args + metrics_args(loaded, tensorboard / "resume") + plan.load_args(loaded, ckpt),
+                  logs / "resume")]
 
 
 def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
@@ -98,17 +124,20 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     lines = [
         "#!/usr/bin/env bash",
         safety.comment(f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
-                       + (f", overrides: {shlex.join(loaded.overrides)}" if loaded.overrides else "") + ")"),
+                       + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
+                       + ")"),
         safety.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
-    if env:
-        for key in env:
-            if not safety.ENV_KEY.match(str(key)):
-                raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
-        lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    for key in env:
+        if not safety.ENV_KEY.match(str(key)):
+            raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
+    lines += [safety.secret_check_line(k) for k in env if safety.is_secret(k)]
+    plain = {k: v for k, v in env.items() if not safety.is_secret(k)}
+    if plain:
+        lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
     for i, phase in enumerate(phases(loaded, run_dir)):
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
@@ -117,6 +146,32 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
                 "--nproc_per_node", str(recipe.world_size), "-m", recipe.entry]
         lines.append(format_command(head, phase.args))
     return "\n".join(lines) + "\n"
+
+
+def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
+    return [safety.redact_override(o) for o in loaded.overrides]
+
+
+def dry_run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
+            megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
+    """``run --dry-run``: every check, then the plan and the exact commands; no rank starts
+    and nothing is written."""
+    echo(f"megatron-ext run --dry-run {loaded.source} (platform {loaded.platform})")
+    echo(f"  {plan.describe(loaded)}")
+    for note in loaded.notes:
+        echo(f"  note: {note}")
+    why = preflight(loaded, echo, megatron_checks)
+    if why is not None:
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
+    golden = loaded.golden_path()
+    echo(f"  run directory (not created): {run_dir}")
+    echo(f"  golden values: {golden}" + ("" if golden is None or golden.exists() else " (missing)"))
+    echo("  command.sh:")
+    for line in command_script(loaded, run_dir).splitlines():
+        echo(f"    {line}")
+    return Outcome(EXIT_OK, None, message="dry run")
 
 
 def format_command(head: list[str], args: list[str]) -> str:
@@ -131,6 +186,9 @@ def format_command(head: list[str], args: list[str]) -> str:
 
 
 # ---- progress ------------------------------------------------------------------------------------
+PLAIN_PROGRESS = re.compile(r"^multimodule: iteration (\d+)/(\d+) \| (.*)$")
+
+
 class Progress:
     """Turns the followed rank's log lines into one short line per event."""
 
@@ -161,6 +219,11 @@ class Progress:
             self.echo(" | ".join(parts))
             return
         text = line.strip()
+        plain = PLAIN_PROGRESS.match(text)
+        if plain:  # an entry's own progress line (multimodule.train): shown as it is
+            self.training_seen = True
+            self.echo(f"  iteration {int(plain.group(1)):>4}/{plain.group(2)} | {plain.group(3)}")
+            return
         if "successfully saved checkpoint from iteration" in text:
             self.echo(f"  checkpoint saved at iteration {text.split('iteration')[1].split()[0]}")
         elif "successfully loaded checkpoint" in text:
@@ -225,6 +288,8 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
     echo(f"  {plan.describe(loaded)}")
+    for note in loaded.notes:
+        echo(f"  note: {note}")
     why = preflight(loaded, echo, megatron_checks)
     if why is None and recipe.launch.device == "gpu":
         import torch
@@ -290,7 +355,9 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
                              timeout_s=recipe.launch.timeout_s)
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
         results.append({"phase": phase.name, "returncode": result.returncode,
-                        "seconds": round(result.seconds, 2), "timed_out": result.timed_out})
+                        "seconds": round(result.seconds, 2), "timed_out": result.timed_out,
+                        "peak_rss_mib": {str(r): round(kib / 1024, 1)
+                                         for r, kib in sorted(result.peak_rss_kib.items())}})
         echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
         if not result.ok:
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
@@ -322,20 +389,24 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
     logs = run_dir / "logs"
-    run_metrics = met.parse_run_logs(logs)
+    run_metrics, source = met.read_run_metrics(run_dir)
     reports: list[cmp.Report] = []
     if not run_metrics.get("lm loss") and "lm loss" in names:
-        echo(f"no iteration lines found in {logs}/rank-*.log")
+        echo(f"no metrics found: no TensorBoard scalars in {run_dir / met.TENSORBOARD_SUBDIR} and no "
+             f"iteration lines in {logs}/rank-*.log")
         _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
+    echo(f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}")
     met.write_golden(run_dir / "metrics.json", run_metrics, names)
     resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
         resume_step = recipe.training.iterations // 2
-        resumed = met.parse_run_logs(logs / "resume")
+        resumed, resumed_source = met.read_run_metrics(run_dir, "resume")
         met.write_golden(run_dir / "metrics_resume.json", resumed, names)
-        reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names))
+        # Log lines carry Megatron's 2-iteration mean at a process's second step; TensorBoard does not.
+        reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names,
+                                          logged_means=resumed_source == "logs"))
 
     golden_path = loaded.golden_path()
     golden = None
@@ -349,6 +420,9 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         echo("  golden values: not compared (--no-compare)")
     elif golden_path is None:
         echo("  golden values: none configured (test.golden_values is null)")
+    elif golden_path.exists() and not _readable_golden(golden_path, echo):
+        reports.insert(0, cmp.Report(f"golden values {golden_path}", [cmp.CheckResult(
+            "(file)", "missing", False, 0, detail="not golden-value JSON")]))
     elif not golden_path.exists():
         echo(f"  golden values: none at {golden_path}; create them with "
              f"`megatron-ext run {loaded.source} --platform {loaded.platform} --write-golden`")
@@ -373,8 +447,11 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)
     seconds = time.monotonic() - started
+    performance = _performance(recipe, run_metrics, phase_results)
+    for line in _performance_lines(performance):
+        echo(f"  {line}")
     _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds,
-                   pipeline=pipeline)
+                   pipeline=pipeline, performance=performance, metrics_source=source)
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
@@ -384,14 +461,109 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
 
 
+def _readable_golden(path: Path, echo: Echo) -> bool:
+    try:
+        met.read_golden(path)
+        return True
+    except (ValueError, TypeError, AttributeError, OSError) as exc:
+        echo(f"  golden values: {path} is not golden-value JSON ({exc})")
+        return False
+
+
+def _performance(recipe, run_metrics: met.Metrics, phase_results: list[dict]) -> dict:
+    """Throughput (tokens/s from the steady-window median iteration time, as compare's
+    iteration-time rule reads it) and memory (CPU: each rank's peak RSS; GPU: Megatron's
+    mem-max-allocated-bytes / mem-allocated-bytes scalars of the last rank)."""
+    out: dict = {}
+    times = run_metrics.get("iteration-time") or {}
+    if times:
+        median, chosen = cmp._steady_median(times, sorted(times))  # the window compare judges
+        tokens = recipe.training.global_batch_size * recipe.model.seq_length
+        out["iteration_time_s"] = round(median, 6)
+        out["iteration_time_steps"] = [chosen[0], chosen[-1]] if chosen else []
+        out["tokens_per_iteration"] = tokens
+        out["tokens_per_s"] = round(tokens / median, 1) if median > 0 else None
+    throughput = run_metrics.get("throughput")
+    if throughput:
+        out["megatron_throughput_tflops_per_gpu_last"] = round(throughput[max(throughput)], 4)
+    rss = {rank: mib for phase in phase_results for rank, mib in (phase.get("peak_rss_mib") or {}).items()
+           if phase.get("phase") == "train"}
+    if rss:
+        out["peak_rss_mib_per_rank"] = rss
+    for tag in ("mem-max-allocated-bytes", "mem-allocated-bytes"):
+        series = run_metrics.get(tag)
+        if series:
+            out[tag.replace("-", "_")] = max(series.values())
+    return out
+
+
+def _performance_lines(performance: dict) -> list[str]:
+    lines = []
+    if "tokens_per_s" in performance:
+        steps = performance["iteration_time_steps"]
+        lines.append(f"throughput: {performance['tokens_per_s']:.0f} tokens/s, "
+                     f"{performance['iteration_time_s'] * 1000:.0f} ms/iteration "
+                     f"(median of steps {steps[0]}-{steps[-1]})")
+    if "peak_rss_mib_per_rank" in performance:
+        rss = performance["peak_rss_mib_per_rank"]
+        lines.append("peak RSS per rank (MiB): " + ", ".join(f"{r}: {v:.0f}" for r, v in rss.items()))
+    if "mem_max_allocated_bytes" in performance:
+        lines.append(f"GPU memory: max allocated {performance['mem_max_allocated_bytes'] / 2**20:.0f} MiB "
+                     "(last rank, Megatron's mem-max-allocated-bytes)")
+    return lines
+
+
+def versions() -> dict:
+    """megatron-core, torch and megatron-ext versions, and megatron-ext's git commit (None
+    outside a git checkout; "+dirty" when it has uncommitted changes)."""
+    import subprocess
+    from importlib import metadata
+
+    import megatron_ext
+
+    def version(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    commit = None
+    here = Path(megatron_ext.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            commit = head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"megatron-core": version("megatron-core"), "torch": version("torch"),
+            "megatron-ext": megatron_ext.__version__, "megatron-ext-git-commit": commit,
+            "python": sys.version.split()[0]}
+
+
+def resolved_plan(loaded: LoadedRecipe) -> dict:
+    """The plan the run used: sizes, derived virtual stages and micro-batches, the world."""
+    r = loaded.recipe
+    p, t = r.parallelism, r.training
+    dp = p.dp if r.model.type != "multimodule" else 1
+    return {"describe": plan.describe(loaded), "world_size": r.world_size, "tp": p.tp, "pp": p.pp,
+            "vpp": plan.virtual_stages(r), "cp": p.cp, "ep": p.ep, "dp": p.dp, "sp": p.sp,
+            "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+            "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),
+            "modules": r.to_dict()["model"]["modules"] if r.model.type == "multimodule" else None}
+
+
 def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
-                   reports: list[cmp.Report], seconds: float, pipeline: Optional[dict] = None) -> None:
+                   reports: list[cmp.Report], seconds: float, pipeline: Optional[dict] = None,
+                   performance: Optional[dict] = None, metrics_source: Optional[str] = None) -> None:
     golden = loaded.golden_path()
     summary = {
         "recipe": str(loaded.source),
         "name": loaded.name,
         "platform": loaded.platform,
-        "overrides": loaded.overrides,
+        "overrides": _shown_overrides(loaded),
         "status": status,
         "seconds": round(seconds, 2),
         "world_size": loaded.recipe.world_size,
@@ -400,6 +572,10 @@ def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_resul
         "golden_values": str(golden) if golden else None,
         "reports": [r.to_dict() for r in reports],
         "host": os.uname().nodename,
+        "metrics_source": metrics_source,
+        "performance": performance or {},
+        "versions": versions(),
+        "plan": resolved_plan(loaded),
     }
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline

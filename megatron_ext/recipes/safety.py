@@ -10,6 +10,11 @@ where quoting cannot help, rejected here before anything is written:
 - ``launch.env`` keys are exported by name, so they must be shell identifiers;
 - ``#SBATCH`` lines are comments to bash but would end at a line break, so no value placed
   on one may hold a line break or NUL.
+
+Secrets: an environment variable whose name contains KEY, TOKEN, SECRET or PASSWORD (e.g.
+``WANDB_API_KEY``) is never written into a script, the resolved recipe or the summary
+(:func:`redact_env`); the ranks get it through the launcher's environment, and a generated
+script expects it in the environment it is run from (:func:`secret_check_line`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,30 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 SAFE_NAME_TEXT = "1-100 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LINE_BREAKING = re.compile(r"[\n\r\x00\x0b\x0c\x85\u2028\u2029]")
+
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def is_secret(name: object) -> bool:
+    return bool(SECRET_NAME.search(str(name)))
+
+
+def redact_env(env: dict) -> dict:
+    """``env`` with every secret's value replaced by :data:`REDACTED`."""
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
+def redact_override(override: str) -> str:
+    """A KEY=VALUE override with the value hidden when the key names a secret."""
+    key, sep, _ = override.partition("=")
+    return f"{key}={REDACTED}" if sep and is_secret(key.rsplit(".", 1)[-1]) else override
+
+
+def secret_check_line(name: str) -> str:
+    """Shell: stop with a message when the secret ``name`` is not in the environment."""
+    return f': "${{{name}:?is a secret and not written here; export {name} before running this}}"'
 
 
 class UnsafeValueError(ValueError):

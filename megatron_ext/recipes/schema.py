@@ -72,6 +72,31 @@ class MHC:
 
 
 @dataclass
+class Module:
+    """One module of a multimodule recipe: its kind, its grid and its size."""
+
+    kind: Optional[Literal["vision_encoder", "projector", "language_model"]] = _doc(
+        "what the module is (required; exactly one language_model)", default=None)
+    tp: int = _doc("tensor-parallel size of the module's grid", default=1)
+    pp: int = _doc("pipeline stages of the module", default=1)
+    dp: int = _doc("data-parallel replicas of the module", default=1)
+    cp: int = _doc("context-parallel size of the module's grid", default=1)
+    first_rank: int = _doc("the module's first rank (its ranks are contiguous)", default=0)
+    output_ndim: Optional[int] = _doc(
+        "ndim of what its last stage sends on (None: the built module's, else 3)", default=None)
+    num_layers: int = _doc("transformer layers", default=2)
+    hidden_size: int = _doc("hidden size", default=64)
+    num_attention_heads: int = _doc("attention heads", default=4)
+    mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams of this module"})
+    patch_dim: int = _doc("vision_encoder: features per image token", default=48)
+    image_lengths: list[int] = _doc("vision_encoder: image tokens per micro-batch, cycled",
+                                    default_factory=lambda: [8])
+    flatten_output: bool = _doc("vision_encoder: hand on [N, h] instead of [s, b, h]", default=False)
+    text_pattern: Literal["random", "arithmetic"] = _doc(
+        "language_model: synthetic text; arithmetic is learnable", default="random")
+
+
+@dataclass
 class Model:
     type: Literal["gpt", "hybrid", "multimodule"] = _doc("which model family (and default entry)", default="gpt")
     entry: Optional[str] = _doc("python module run with -m; None: the type's default", default=None)
@@ -99,8 +124,10 @@ class Model:
     num_experts: Optional[int] = _doc("--num-experts (MoE)", default=None)
     moe_router_topk: int = _doc("--moe-router-topk", default=2)
     mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams"})
-    modules: Optional[dict[str, Any]] = _doc("multimodule: the modules, passed to the entry as written", default=None)
-    topology: Optional[dict[str, Any]] = _doc("multimodule: module graph, passed to the entry as written", default=None)
+    modules: Optional[dict[str, Module]] = _doc(
+        "multimodule: the modules by name (fields: model.modules.NAME.*)", default=None)
+    topology: Optional[dict[str, list[str]]] = _doc(
+        "multimodule: module graph, {module: [modules it feeds]}", default=None)
     recipe_flag: Optional[str] = _doc(
         "multimodule: flag that hands the resolved recipe file to the entry (None: not passed)",
         default="--recipe")
@@ -129,6 +156,8 @@ class Training:
     lr_schedule: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = _doc(
         "--lr-decay-style", default="constant")
     lr_warmup_iters: int = _doc("--lr-warmup-iters", default=0)
+    lr_warmup_fraction: Optional[float] = _doc(
+        "--lr-warmup-fraction (of lr_decay_iters; instead of lr_warmup_iters)", default=None)
     lr_decay_iters: Optional[int] = _doc("--lr-decay-iters (None: iterations)", default=None)
     weight_decay: float = _doc("--weight-decay", default=0.01)
     clip_grad: float = _doc("--clip-grad", default=1.0)
@@ -164,8 +193,8 @@ class Test:
         "regular: one run; ckpt-resume: save at iterations/2 (torch_dist), resume, and the second "
         "half must equal the uninterrupted run", default="regular")
     metrics: list[str] = _doc(
-        "metrics recorded in metrics.json and compared",
-        default_factory=lambda: ["lm loss", "num-zeros", "iteration-time"])
+        "metrics recorded in metrics.json and compared (Megatron-LM's default list)",
+        default_factory=lambda: ["lm loss", "num-zeros"])
     golden_values: Optional[str] = _doc(
         "golden-value JSON, relative to the recipe file; {name} and {platform} are filled in",
         default="golden/{name}/golden_values_{platform}.json")

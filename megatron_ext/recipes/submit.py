@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_ext.launch import slurm
 from megatron_ext.launch.local import LogFollower
-from megatron_ext.recipes import plan, runner
+from megatron_ext.recipes import plan, runner, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.safety import UnsafeValueError
 from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
@@ -113,7 +113,7 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
     echo(f"  {plan.describe(loaded)}")
     echo(f"  run directory {run_dir}")
     try:
-        job_id = slurm.submit(script_path)
+        job_id = slurm.submit(script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)})
     except (slurm.SlurmError, FileNotFoundError) as exc:
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, run_dir, message=str(exc))

@@ -92,12 +92,52 @@ def size_problems(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+# Megatron flags that log through an optional package: without it Megatron fails on the
+# last rank only, after every other rank has started.
+LOGGING_FLAG_PACKAGES = {"--wandb-project": "wandb", "--wandb-exp-name": "wandb",
+                         "--wandb-save-dir": "wandb", "--wandb-entity": "wandb"}
+
+
+def _module_importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def logging_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """A logging flag whose package is not importable here."""
+    problems = []
+    for flag, package in LOGGING_FLAG_PACKAGES.items():
+        if loaded.recipe.extra_args.get(flag) not in (None, False) and not _module_importable(package):
+            problems.append(Problem(f"extra_args.{flag}", f"needs the {package} package, which is not "
+                                                          f"importable here; pip install 'megatron-ext[{package}]' "
+                                                          "or remove the flag"))
+    return problems
+
+
+def golden_notes(loaded: LoadedRecipe) -> list[str]:
+    golden = loaded.golden_path()
+    if golden is None:
+        return ["no golden values configured (test.golden_values is null): runs are not compared"]
+    if not golden.exists():
+        return [f"no golden values at {golden}: runs are not compared until `megatron-ext run "
+                f"{loaded.source} --platform {loaded.platform} --write-golden` creates them"]
+    return []
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
     sizes = size_problems(loaded)
     if sizes:  # the plan checks would divide by them
         return Validation(problems=safety.recipe_problems(loaded) + sizes)
-    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded))
+    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded)
+                        + logging_problems(loaded))
+    if not result.problems:  # worth knowing once the recipe itself is right
+        result.notes += golden_notes(loaded)
+    if not _module_importable("tensorboard"):
+        result.notes.append("tensorboard is not installed here: run metrics fall back to the log lines "
+                            "(pip install 'megatron-ext[tensorboard]')")
     recipe = loaded.recipe
     entry = recipe.entry
     unknown = entries.entry_problem(entry)
@@ -106,16 +146,25 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         return result
     if not entry_importable(entry):
         result.notes.append(f"entry module {entry} is not importable here; `run` needs it")
-    if result.problems or not megatron_checks:
+    if recipe.model.type == "multimodule":  # the plan its entry will build, without a process
+        if not result.problems:
+            result.problems += multimodule_problems(loaded)
         return result
-    if recipe.model.type == "multimodule":
-        result.notes.append("multimodule: the entry validates its modules itself at start-up")
+    if result.problems or not megatron_checks:
         return result
     module = entry if entry_importable(entry) else FALLBACK_ENTRY
     if module != entry:
         result.notes.append(f"Megatron's checks used {module}'s arguments instead")
     result.problems += megatron_problems(loaded, module, result.notes)
     return result
+
+
+def multimodule_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """The multi-module plan (grids, topology, batch sizes) of a multimodule recipe, as its
+    entry will read it, checked without a process."""
+    from megatron_ext.multimodule.train import recipe_problems
+
+    return [Problem("model.modules", p) for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,466 @@
+"""Megatron-LM's functional test cases as recipes: ``model_config.yaml`` in, a recipe out.
+
+Megatron-LM keeps each functional test as ``tests/functional_tests/test_cases/<model>/<name>/
+model_config.yaml`` with four keys, and its golden values beside it as
+``golden_values_<environment>_<platform>.json`` (e.g. ``golden_values_dev_dgx_h100.json``):
+
+- ``ENV_VARS``: the ranks' environment -> ``launch.env``;
+- ``MODEL_ARGS``: Megatron flags. A flag a schema field writes (:data:`flags.FIELD_FLAGS`) goes
+  to that field, never into ``extra_args``; mHC flags in either upstream spelling go to
+  ``model.mhc``; flags the runner owns (``--save``, ``--load``, ``--tensorboard-dir``,
+  ``--log-interval``, ...) are left to it; every other flag goes to ``extra_args``;
+- ``TEST_TYPE``: ``regular`` and ``ckpt-resume`` are run; ``frozen-start``, ``frozen-resume``,
+  ``release`` and ``checkpoint-consistency`` are refused with the reason;
+- ``METRICS``: ``test.metrics`` (upstream's default: lm loss and num-zeros).
+
+``${NAME}`` placeholders: the paths upstream's CI fills per job (``CHECKPOINT_SAVE_PATH``,
+``CHECKPOINT_LOAD_PATH``, ``TENSORBOARD_PATH``, ``DATA_CACHE_PATH``, ``OUTPUT_PATH``) become
+paths in the run directory; any other (``DATA_PATH``) is read from the environment. The
+world size comes from the parallel sizes (tp * pp * cp; upstream takes it from its job).
+
+The case's own sizes become a platform named after its golden files (``dgx_h100`` when there
+are none). The recipe's top-level sections, the ``cpu`` platform, are the **cpu overlay**
+(:func:`cpu_overlay`): the same model shrunk so it trains on a few CPU cores, every change
+listed in the notes that ``validate``/``run`` print.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
+from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
+
+UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS")
+TEST_CASE_FILE = "model_config.yaml"
+DEFAULT_METRICS = ["lm loss", "num-zeros"]
+DEFAULT_GPU_PLATFORM = "dgx_h100"
+GOLDEN_FILE = re.compile(r"^golden_values_(?P<env>[A-Za-z0-9]+)_(?P<platform>[A-Za-z0-9_.-]+)\.json$")
+PREFERRED_ENVIRONMENTS = ("dev", "lts")
+
+SUPPORTED_TEST_TYPES = ("regular", "ckpt-resume")
+REFUSED_TEST_TYPES = {
+    "frozen-start": "trains from a frozen checkpoint that only Megatron-LM's CI stores; "
+                    "run it as TEST_TYPE: regular",
+    "frozen-resume": "resumes a frozen checkpoint that only Megatron-LM's CI stores; "
+                     "use TEST_TYPE: ckpt-resume to test save and resume",
+    "release": "a full-size release run (many nodes, days) judged by release golden values, "
+               "not a functional test",
+    "checkpoint-consistency": "compares checkpoints of two configurations, which the runner "
+                              "does not do",
+}
+
+RUN_DIR_PLACEHOLDERS = {
+    "CHECKPOINT_SAVE_PATH": "@RUN_DIR@/checkpoints",
+    "CHECKPOINT_LOAD_PATH": "@RUN_DIR@/checkpoints",
+    "TENSORBOARD_PATH": "@RUN_DIR@/tensorboard",
+    "DATA_CACHE_PATH": "@RUN_DIR@/data_cache",
+    "OUTPUT_PATH": "@RUN_DIR@",
+}
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+MHC_FLAGS = {
+    "--enable-hyper-connections": "enabled", "--enable-mhc-connections": "enabled",
+    "--num-residual-streams": "num_residual_streams", "--mhc-num-residual-streams": "num_residual_streams",
+}
+
+# Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory
+# counters of the CUDA allocator): the cpu overlay leaves them out.
+GPU_ONLY_FLAGS = ("--cuda-graph-", "--te-rng-tracker", "--moe-grouped-gemm", "--attention-backend",
+                  "--log-memory-to-tensorboard", "--data-cache-path", "--overlap-moe-expert-parallel-comm",
+                  "--use-flash-attn", "--fp8", "--tp-comm-overlap", "--enable-cuda-graph",
+                  "--external-cuda-graph")
+
+CPU = {"hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "iterations": 8,
+       "micro_batch_size": 2, "micro_batches": 4, "vocab_size": 128, "moe_ffn_hidden_size": 256}
+"""The cpu overlay's sizes: those of the shipped CPU recipes (recipes/*.yaml)."""
+
+
+@dataclass
+class Conversion:
+    """A test case read as a recipe mapping (``version: 1``, the cpu sections on top and the
+    case's own sizes under ``platforms``), with what was mapped or changed and what is wrong."""
+
+    recipe: dict
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    """Per platform ("cpu", the GPU platform): one line per mapping decision or change."""
+    problems: list[Problem] = field(default_factory=list)
+    unresolved: dict[str, str] = field(default_factory=dict)
+    """Placeholder variable -> the flag that uses it, for variables the environment lacks."""
+    gpu_platforms: list[str] = field(default_factory=list)
+
+
+def is_test_case(raw: Any) -> bool:
+    """Whether a parsed YAML document is in Megatron-LM's test-case format."""
+    return isinstance(raw, dict) and "version" not in raw and "MODEL_ARGS" in raw
+
+
+# ---- golden files ----------------------------------------------------------------------------------
+def golden_files(case_dir: Path) -> dict[str, list[str]]:
+    """platform -> its golden-value file names in ``case_dir`` (preferred environment first)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(Path(case_dir).glob("golden_values_*.json")):
+        match = GOLDEN_FILE.match(path.name)
+        if match:
+            found.setdefault(match["platform"], []).append(path.name)
+
+    def rank(name: str) -> int:
+        env = GOLDEN_FILE.match(name)["env"]
+        return PREFERRED_ENVIRONMENTS.index(env) if env in PREFERRED_ENVIRONMENTS else len(PREFERRED_ENVIRONMENTS)
+
+    return {platform: sorted(names, key=rank) for platform, names in found.items()}
+
+
+def golden_file(case_dir: Path, platform: str) -> str:
+    """The golden file of ``platform``: upstream's naming, an existing one preferred (dev,
+    then lts), else where ``--write-golden`` writes it (``golden_values_dev_<platform>.json``)."""
+    names = golden_files(case_dir).get(platform)
+    return names[0] if names else f"golden_values_{PREFERRED_ENVIRONMENTS[0]}_{platform}.json"
+
+
+# ---- MODEL_ARGS -> sections ----------------------------------------------------------------------
+def _set(data: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _get(data: dict, path: str, default: Any = None) -> Any:
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[str, str]) -> Any:
+    if isinstance(value, list):
+        return [_substitute(v, flag, env, unresolved) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name in RUN_DIR_PLACEHOLDERS:
+            return RUN_DIR_PLACEHOLDERS[name]
+        if name in env:
+            return env[name]
+        unresolved.setdefault(name, flag)
+        return match.group(0)
+
+    return PLACEHOLDER.sub(fill, value)
+
+
+def _listed(value: Any) -> Any:
+    """Upstream writes several values of one flag as "[a b]" (its launcher splits them)."""
+    if isinstance(value, str) and len(value) > 2 and value[0] == "[" and value[-1] == "]" \
+            and not any(ch in value[1:-1] for ch in "[](){}"):
+        return value[1:-1].replace(",", " ").split()
+    return value
+
+
+def _module_list(value: Any) -> list[str]:
+    """--recompute-modules as upstream writes it: "[mhc]", "mhc core_attn" or a list."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return str(value).strip("[]").replace(",", " ").split()
+
+
+def _data_paths(value: Any) -> list[str]:
+    words = [str(w) for w in value] if isinstance(value, list) else str(value).split()
+    if len(words) > 1 and len(words) % 2 == 0:
+        try:
+            float(words[0])
+            return [f"{words[i]} {words[i + 1]}" for i in range(0, len(words), 2)]
+        except ValueError:
+            pass
+    return words
+
+
+def _field_value(flag: str, value: Any) -> tuple[str, Any]:
+    """(field path, value) of a flag that a schema field writes."""
+    path = FIELD_FLAGS[flag]
+    if flag in ("--bf16", "--fp16"):
+        return path, (flag[2:] if value else "fp32")
+    if flag == "--mock-data":
+        return path, "mock" if value else "indexed"
+    if flag == "--data-path":
+        return path, _data_paths(value)
+    return path, value
+
+
+def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
+                           conversion: Conversion) -> dict:
+    """The recipe sections (the case's own sizes) of ``MODEL_ARGS``."""
+    data: dict = {"model": {"type": "gpt"}, "parallelism": {}, "training": {}, "data": {},
+                  "test": {}, "launch": {"device": "gpu"}, "extra_args": {}}
+    notes = conversion.notes.setdefault("mapping", [])
+    runner_owned, layers_per_virtual_stage = [], None
+    recompute_modules: Optional[list[str]] = None
+    granularity = None
+    for flag, raw_value in args.items():
+        where = f"MODEL_ARGS.{flag}"
+        if not isinstance(flag, str) or not flag.startswith("--"):
+            conversion.problems.append(Problem(where, "MODEL_ARGS keys are Megatron flags with their "
+                                                      "dashes, e.g. --num-layers"))
+            continue
+        value = _listed(_substitute(raw_value, flag, env, conversion.unresolved))
+        if value is None or value is False:
+            continue  # an unset flag: the field's (or Megatron's) default
+        if flag in MHC_FLAGS:
+            _set(data, f"model.mhc.{MHC_FLAGS[flag]}", value)
+        elif flag == "--recompute-granularity":
+            granularity = value
+        elif flag == "--recompute-modules":
+            recompute_modules = _module_list(value)
+        elif flag == "--recompute-hyper-connections":
+            recompute_modules = (recompute_modules or []) + ["mhc"]
+        elif flag == "--num-layers-per-virtual-pipeline-stage":
+            layers_per_virtual_stage = int(value)
+        elif flag == "--group-query-attention":
+            continue  # implied by model.num_query_groups
+        elif flag == "--hybrid-layer-pattern":
+            _set(data, "model.type", "hybrid")
+            _set(data, "model.hybrid_layer_pattern", value)
+        elif flag == "--num-layers" and (args.get("--hybrid-layer-pattern") or case.startswith("hybrid")):
+            continue  # a hybrid model's layers come from its pattern
+        elif flag in FIELD_FLAGS:
+            path, field_value = _field_value(flag, value)
+            if flag == "--data-path" or (flag == "--mock-data" and value):
+                _set(data, "data.type", "indexed" if flag == "--data-path" else "mock")
+            _set(data, path, field_value)
+        elif flag in RUNNER_FLAGS:
+            runner_owned.append(flag)
+        else:
+            data["extra_args"][flag] = value
+    if recompute_modules:
+        if "mhc" in recompute_modules:
+            _set(data, "model.mhc.recompute", True)
+            rest = [m for m in recompute_modules if m != "mhc"]
+            if rest:
+                conversion.problems.append(Problem("MODEL_ARGS.--recompute-modules",
+                                                   f"{recompute_modules}: model.mhc.recompute covers mhc "
+                                                   f"alone; recomputing {rest} too is not mapped"))
+            if granularity not in (None, "selective"):
+                conversion.problems.append(Problem("MODEL_ARGS.--recompute-granularity",
+                                                   f"{granularity!r} with mhc recompute; mHC recompute is selective"))
+        else:
+            data["extra_args"]["--recompute-modules"] = recompute_modules
+            if granularity is not None:
+                data["extra_args"]["--recompute-granularity"] = granularity
+    elif granularity is not None:
+        data["extra_args"]["--recompute-granularity"] = granularity
+    if data["model"]["type"] == "hybrid" and _get(data, "model.mtp_num_layers") is not None:
+        depths = len([p for p in str(_get(data, "model.hybrid_layer_pattern", "")).split("/")[1:] if p])
+        if depths == _get(data, "model.mtp_num_layers"):
+            del data["model"]["mtp_num_layers"]
+            notes.append(f"--mtp-num-layers {depths}: the hybrid pattern's '/' depths say it already")
+    if _get(data, "parallelism.sp") and _get(data, "parallelism.tp", 1) == 1:
+        del data["parallelism"]["sp"]
+        notes.append("--sequence-parallel left out: tp is 1 (Megatron turns it off there)")
+    if layers_per_virtual_stage:
+        layers = _get(data, "model.num_layers") or 0
+        pp = _get(data, "parallelism.pp", 1)
+        if layers % (pp * layers_per_virtual_stage):
+            conversion.problems.append(Problem("MODEL_ARGS.--num-layers-per-virtual-pipeline-stage",
+                                               f"{layers_per_virtual_stage} does not split {layers} layers "
+                                               f"over pp={pp}"))
+        else:
+            _set(data, "parallelism.vpp", layers // (pp * layers_per_virtual_stage))
+            notes.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} -> "
+                         f"parallelism.vpp {layers // (pp * layers_per_virtual_stage)}")
+    if runner_owned:
+        notes.append(f"left to the runner: {', '.join(runner_owned)} (run directory, test type, logging)")
+    return data
+
+
+# ---- the cpu overlay -------------------------------------------------------------------------------
+def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
+    """The case shrunk for a CPU (the ``cpu`` platform) and one line per change."""
+    cpu = copy.deepcopy(full)
+    changes: list[str] = []
+
+    def change(path: str, new: Any, why: str) -> None:
+        old = _get(cpu, path)
+        if old != new:
+            _set(cpu, path, new)
+            changes.append(f"{path}: {old!r} -> {new!r} ({why})")
+
+    change("launch.device", "cpu", "gloo and the CPU runtime")
+    if _get(cpu, "model.transformer_impl") == "transformer_engine":
+        change("model.transformer_impl", "local", "Transformer Engine needs a GPU")
+    if _get(cpu, "training.dtype", "fp32") != "fp32":
+        change("training.dtype", "fp32", "CPU training runs in fp32")
+    if _get(cpu, "training.deterministic"):
+        change("training.deterministic", False, "a GPU-kernel setting; CPU runs are deterministic")
+    pp = _get(cpu, "parallelism.pp", 1)
+    vpp = _get(cpu, "parallelism.vpp") or 1
+    tp = _get(cpu, "parallelism.tp", 1)
+    layers = _get(cpu, "model.num_layers")
+    if _get(cpu, "model.type") == "gpt" and layers and not _get(cpu, "model.pipeline_layout"):
+        target = 2 * pp * vpp
+        if layers > target:
+            change("model.num_layers", target, f"two per model chunk (pp {pp} x vpp {vpp})")
+    if (_get(cpu, "model.hidden_size") or 0) > CPU["hidden_size"]:
+        change("model.hidden_size", CPU["hidden_size"], "CPU size")
+    heads = max(CPU["num_attention_heads"], tp)
+    if (_get(cpu, "model.num_attention_heads") or 0) > heads:
+        change("model.num_attention_heads", heads, "CPU size")
+    if _get(cpu, "model.num_query_groups"):
+        change("model.num_query_groups", tp, "divides the heads, divisible by tp")
+    if _get(cpu, "model.ffn_hidden_size"):
+        change("model.ffn_hidden_size", None, "4 x hidden_size")
+    if "--moe-ffn-hidden-size" in cpu.get("extra_args", {}):
+        if cpu["extra_args"]["--moe-ffn-hidden-size"] > CPU["moe_ffn_hidden_size"]:
+            change("extra_args.--moe-ffn-hidden-size", CPU["moe_ffn_hidden_size"], "CPU size")
+    if (_get(cpu, "model.seq_length") or 0) > CPU["seq_length"]:
+        change("model.seq_length", CPU["seq_length"], "CPU size")
+        if _get(cpu, "model.max_position_embeddings"):
+            change("model.max_position_embeddings", None, "= seq_length")
+    dp = _get(cpu, "parallelism.dp", 1)
+    micro = CPU["micro_batch_size"]
+    if (_get(cpu, "training.micro_batch_size") or 0) > micro:
+        change("training.micro_batch_size", micro, "CPU size")
+    gbs = _get(cpu, "training.global_batch_size")
+    mbs = _get(cpu, "training.micro_batch_size", 2)
+    if gbs and gbs > mbs * dp * CPU["micro_batches"]:
+        change("training.global_batch_size", mbs * dp * CPU["micro_batches"],
+               f"{CPU['micro_batches']} micro-batches per iteration")
+    if (_get(cpu, "training.iterations") or 0) > CPU["iterations"]:
+        change("training.iterations", CPU["iterations"], "a short CPU run")
+    eval_interval = _get(cpu, "training.eval_interval")
+    if eval_interval and eval_interval > _get(cpu, "training.iterations", CPU["iterations"]) // 2:
+        change("training.eval_interval", None, "no evaluation in a short CPU run")
+    if _get(cpu, "data.type") == "indexed":
+        change("data.type", "mock", "upstream's data sets are not here")
+        change("data.paths", [], "mock data")
+    for key in ("model", "vocab_file", "merge_file"):
+        if _get(cpu, f"data.tokenizer.{key}"):
+            change(f"data.tokenizer.{key}", None, "NullTokenizer")
+    if _get(cpu, "data.tokenizer.type", "NullTokenizer") != "NullTokenizer":
+        change("data.tokenizer.type", "NullTokenizer", "mock data")
+    if (_get(cpu, "data.tokenizer.vocab_size") or CPU["vocab_size"] + 1) > CPU["vocab_size"]:
+        change("data.tokenizer.vocab_size", CPU["vocab_size"], "CPU size")
+    dropped = [flag for flag in cpu.get("extra_args", {}) if flag.startswith(GPU_ONLY_FLAGS)]
+    for flag in dropped:
+        del cpu["extra_args"][flag]
+    if dropped:
+        changes.append(f"extra_args: left out {', '.join(dropped)} (GPU only)")
+    return cpu, changes
+
+
+def _schema_default(path: str) -> Any:
+    node: Any = Recipe().to_dict()
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
+    """What merged over ``cpu`` gives ``full``: changed values, and schema defaults for keys
+    only the cpu sections set."""
+    out: dict = {}
+    for key, value in full.items():
+        if isinstance(value, dict) and isinstance(cpu.get(key), dict):
+            inner = _overlay(value, cpu[key], f"{prefix}{key}.")
+            if inner:
+                out[key] = inner
+        elif key not in cpu or cpu[key] != value:
+            out[key] = copy.deepcopy(value)
+    for key in cpu:
+        if key not in full:
+            out[key] = None if prefix.startswith("extra_args") else _schema_default(f"{prefix}{key}")
+    return out
+
+
+# ---- the whole case ------------------------------------------------------------------------------
+def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) -> Conversion:
+    """A Megatron-LM test case as a recipe mapping (see the module docstring)."""
+    env = os.environ if env is None else env
+    case_dir = Path(case_dir)
+    conversion = Conversion(recipe={})
+    for key in raw:
+        if key not in UPSTREAM_KEYS:
+            from megatron_ext.recipes.schema import suggestion
+
+            conversion.problems.append(Problem(str(key), "not a Megatron-LM test-case key"
+                                               + suggestion(str(key), list(UPSTREAM_KEYS))))
+    args = raw.get("MODEL_ARGS")
+    if not isinstance(args, dict):
+        conversion.problems.append(Problem("MODEL_ARGS", "must be a mapping of Megatron flags to values"))
+        args = {}
+    case = case_dir.parent.name if case_dir.parent.name else ""
+    full = model_args_to_sections(args, case, env, conversion)
+
+    env_vars = raw.get("ENV_VARS") or {}
+    if not isinstance(env_vars, dict):
+        conversion.problems.append(Problem("ENV_VARS", "must be a mapping of variable names to values"))
+        env_vars = {}
+    full["launch"]["env"] = {str(k): (str(v).lower() if isinstance(v, bool) else v) for k, v in env_vars.items()}
+
+    test_type = str(raw.get("TEST_TYPE", "regular")).split("#")[0].strip()
+    if test_type in REFUSED_TEST_TYPES:
+        conversion.problems.append(Problem("TEST_TYPE", f"{test_type!r} is not supported: "
+                                                        f"{REFUSED_TEST_TYPES[test_type]}"))
+    elif test_type not in SUPPORTED_TEST_TYPES:
+        conversion.problems.append(Problem("TEST_TYPE", f"unknown test type {test_type!r}; megatron-ext "
+                                                        f"runs {', '.join(SUPPORTED_TEST_TYPES)}"))
+    else:
+        full["test"]["type"] = test_type
+    metrics = raw.get("METRICS", DEFAULT_METRICS)
+    if not isinstance(metrics, list):
+        conversion.problems.append(Problem("METRICS", "must be a list of metric names"))
+        metrics = DEFAULT_METRICS
+    full["test"]["metrics"] = [str(m) for m in metrics]
+    if "num-zeros" in metrics and not args.get("--log-num-zeros-in-grad"):
+        conversion.notes.setdefault("mapping", []).append(
+            "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad")
+
+    ep = _get(full, "parallelism.ep", 1)
+    model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
+    if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs
+        _set(full, "parallelism.dp", ep // math.gcd(model_parallel, ep))
+    cpu, changes = cpu_overlay(full)
+    goldens = golden_files(case_dir)
+    conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [DEFAULT_GPU_PLATFORM]
+    cpu["test"]["golden_values"] = golden_file(case_dir, DEFAULT_PLATFORM)
+    overlay = _overlay(full, cpu)
+    platforms = {}
+    for platform in conversion.gpu_platforms:
+        platforms[platform] = {**copy.deepcopy(overlay),
+                               "test": {**overlay.get("test", {}), "golden_values": golden_file(case_dir, platform)}}
+    conversion.recipe = {"version": 1, "name": case_dir.name or None,
+                         "description": f"Megatron-LM functional test case {case_dir.name} "
+                                        f"(imported from {TEST_CASE_FILE})",
+                         **cpu, "platforms": platforms}
+    mapping = conversion.notes.setdefault("mapping", [])
+    tp, pp, cp = (_get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp"))
+    dp = _get(full, "parallelism.dp", 1)
+    mapping.append(f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
+                   "expert parallelism admits; upstream takes the GPU count from its job)")
+    conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
+    return conversion
+
+
+def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:
+    """Problems of running ``platform``: placeholders that only the environment can fill."""
+    if platform == DEFAULT_PLATFORM:
+        return []  # the cpu overlay uses mock data and the run directory
+    return [Problem(f"MODEL_ARGS.{flag}", f"${{{name}}} is not set; export {name} (Megatron-LM's CI "
+                                          "sets it to its data mount)")
+            for name, flag in conversion.unresolved.items()]
+
+
+def notes_for(conversion: Conversion, platform: str) -> list[str]:
+    return conversion.notes.get("mapping", []) + (conversion.notes.get(platform, []))
