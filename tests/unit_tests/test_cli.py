@@ -25,8 +25,9 @@ def test_doctor_reports_versions_runtime_and_patches():
     assert "cpu runtime       active" in report
     assert "backend           gloo" in report
     for patch in registry.patches():
-        # The "trace" group is applied only while tracing (megatron-ext run --trace).
-        state = "inactive" if patch.group == "trace" else "active  "
+        # The "trace" group is applied only while tracing (megatron-ext run --trace), the
+        # "startup" one only while an entry imports megatron.
+        state = "inactive" if patch.group in ("trace", "startup") else "active  "
         assert f"{state} {patch.target}" in report
     for seam in registry.seams():
         assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report
