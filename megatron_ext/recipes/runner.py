@@ -287,7 +287,9 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
                              log_dir=phase.log_dir, env=env,
-                             timeout_s=recipe.launch.timeout_s)
+                             timeout_s=recipe.launch.timeout_s,
+                             stall_timeout_s=recipe.launch.stall_timeout_s,
+                             startup_timeout_s=recipe.launch.startup_timeout_s)
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
         results.append({"phase": phase.name, "returncode": result.returncode,
                         "seconds": round(result.seconds, 2), "timed_out": result.timed_out})
@@ -295,6 +297,7 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
         if not result.ok:
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
             what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
+                f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)" if result.stall else \
                 f"rank {rank} exited with {result.returncode}"
             _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")

@@ -71,9 +71,10 @@ POSITIVE_FIELDS = (
     "parallelism.tp", "parallelism.pp", "parallelism.vpp", "parallelism.cp", "parallelism.ep",
     "parallelism.dp", "training.iterations", "training.micro_batch_size", "training.global_batch_size",
     "training.lr_decay_iters", "training.eval_interval", "data.tokenizer.vocab_size", "launch.nodes",
-    "launch.nproc", "launch.timeout_s", "launch.slurm.gpus_per_node",
+    "launch.nproc", "launch.timeout_s", "launch.startup_timeout_s", "launch.slurm.gpus_per_node",
 )
-NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters")
+NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters",
+                       "launch.stall_timeout_s")
 
 
 def size_problems(loaded: LoadedRecipe) -> list[Problem]:
