@@ -273,7 +273,9 @@ register(
             "With mHC and PP > 1 every inter-stage tensor is the n-stream residual [s, b, n*h], "
             "but both schedules size fixed receive buffers from hidden_size (1F1B through "
             "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
-            "passes through _communicate, the one place both can be widened."
+            "passes through _communicate, the one place both can be widened. The same seam "
+            "checks, at a communicator's first exchange, that all stages agree on the fields "
+            "that shape these tensors (pipeline.consistency), and every send's shape."
         ),
     )
 )
