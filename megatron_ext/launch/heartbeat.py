@@ -40,8 +40,11 @@ STALL_MIN_S = 30.0
 STALL_FACTOR = 10.0
 STARTUP_S = 300.0
 
-# Main-thread frames whose file path contains one of these: the rank waits on its peers.
-_WAITING_PATHS = ("/torch/distributed/", "p2p_communication.py")
+# Main-thread frames whose file path contains one of these: the rank waits on its peers
+# (a blocked ``work.wait()`` is a C call, so the innermost Python frame is its caller's).
+_WAITING_PATHS = ("/torch/distributed/", "p2p_communication.py", "bridge_communicator.py",
+                  "multimodule_communicator.py", "/megatron_ext/multimodule/communicator.py",
+                  "/megatron_ext/pipeline/p2p.py")
 # ... or is busy with checkpoint I/O (may take long without being stuck).
 _IO_PATHS = ("checkpointing.py", "/dist_checkpointing/")
 
