@@ -216,6 +216,17 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
+def _stall_environment_problem() -> Optional[str]:
+    """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
+    from megatron_ext.launch import heartbeat
+
+    try:
+        heartbeat.Watchdog(Path("."), 1)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
         compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
         megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
@@ -231,6 +242,8 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
 
         if not torch.cuda.is_available():
             why = "launch.device is gpu but torch sees no GPU here; use --device cpu (or --platform cpu)"
+    if why is None:
+        why = _stall_environment_problem()
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
