@@ -136,3 +136,52 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     assert ended - failed_at < 60, f"the run ended {ended - failed_at:.0f} s after the fault"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "training-failed"
+
+
+# ---- a rank killed while saving: the tracker never points at a broken checkpoint ---------------
+@pytest.mark.skipif(os.environ.get("MEGATRON_EXT_SOAK") != "1", reason="soak only (two runs, ~1-3 min)")
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """PP=2 saves (torch_dist) every iteration; once two saves are done, rank 1 is SIGKILLed as
+    soon as the next iteration's directory appears (a save in progress). The tracker must name a
+    complete checkpoint, and a second run must resume from it."""
+    ckpt = tmp_path / "ckpt"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    save = ("extra_args={--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+            f"--save: {ckpt}, --save-interval: 1, --ckpt-format: torch_dist}}")
+    base = SMALL_GPT_PP2[:2]
+    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", "run", *base, "training.iterations=400", save,
+                            "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "run")],
+                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_during = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and cli.poll() is None:
+            # megatron rewrites the tracker in place (open 'w', write): it can be read empty
+            text = tracker.read_text().strip() if tracker.exists() else ""
+            done = int(text) if text.isdigit() else 0
+            if done >= 2 and (ckpt / f"iter_{done + 1:07d}").exists():
+                ranks = [p for p in psutil.Process(cli.pid).children() if "RANK=1" in " ".join(
+                    f"{k}={v}" for k, v in p.environ().items() if k == "RANK")]
+                ranks[0].kill()
+                killed_during = done + 1
+                break
+            time.sleep(0.005)
+        out, _ = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.send_signal(signal.SIGTERM)
+            cli.communicate(timeout=60)
+    assert killed_during is not None, out[-3000:]
+    assert cli.returncode == 3 and "rank 1 killed by SIGKILL" in out, out[-3000:]
+    last = int(tracker.read_text())
+    assert last in (killed_during - 1, killed_during), (last, killed_during)
+    assert (ckpt / f"iter_{last:07d}" / "metadata.json").exists(), "the tracker names a complete checkpoint"
+    # the same schedule (megatron refuses another iteration count), one more step, then exit
+    resume = _run_cli(["run", *base, "training.iterations=400",
+                       f"extra_args={{--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+                       f"--load: {ckpt}, --ckpt-format: torch_dist, --exit-interval: {last + 1}}}",
+                       "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "resume")], env, timeout=300)
+    log = (tmp_path / "resume" / "logs" / "rank-0.log").read_text()
+    assert resume.returncode == 0, (resume.stdout + resume.stderr)[-3000:]
+    assert f"successfully loaded checkpoint from {ckpt}" in log and f"at iteration {last}" in log, log[-3000:]
