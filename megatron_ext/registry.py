@@ -365,6 +365,22 @@ register(
 )
 
 
+register(
+    Patch(
+        target="megatron.training.checkpointing:maybe_msc",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.checkpoint.tracker"
+        ).AtomicTrackerStorage(original),
+        why=(
+            "save_checkpoint rewrites latest_checkpointed_iteration.txt in place (open 'w', then "
+            "write): a process killed in between leaves an empty tracker that megatron refuses "
+            "to load from. The module does its file I/O through maybe_msc, so a stand-in that "
+            "writes the tracker to a temporary file and renames it makes that write atomic."
+        ),
+    )
+)
+
+
 # --------------------------------------------------------------------------------------
 # "cpu" patches: the CPU runtime (megatron_ext.runtime.use_cpu), never on a GPU machine.
 # Together with runtime.cpu.CudaToCpuMode these are everything the runtime redirects.
