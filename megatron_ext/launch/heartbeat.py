@@ -8,7 +8,7 @@ Rank side (:func:`start`, :func:`progress`): when the launcher sets ``MEGATRON_E
 a daemon thread writes ``rank-R.json`` there every :data:`BEAT_S` seconds: the last training
 step the rank reached and when (``progress``, fed by :func:`megatron_ext.launch.faults.at_step`
 at every micro-batch), the slowest gap between two such calls so far, and where the main
-thread is right now, with whether that is inside ``torch.distributed`` (waiting on a peer).
+thread is right now, with whether that is inside ``torch.distributed`` or megatron's communicators (waiting on a peer).
 A sleeping or communicating main thread releases the GIL, so the thread keeps beating.
 
 Launcher side (:class:`Watchdog`): when no rank has progressed for the stall limit, it names
@@ -132,7 +132,7 @@ class Stall:
         text = (f"rank {self.rank} stalled {at}: no progress on any rank for {self.idle_s:.0f} s "
                 f"(stall limit {self.limit_s:.0f} s), its main thread in {self.where}")
         if self.waiting:
-            text += f"; rank(s) {', '.join(map(str, self.waiting))} waiting in torch.distributed"
+            text += f"; rank(s) {', '.join(map(str, self.waiting))} waiting on a peer (in communication)"
         return text
 
 
