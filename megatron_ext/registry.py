@@ -317,7 +317,9 @@ register(
             "With mHC and PP > 1 every inter-stage tensor is the n-stream residual [s, b, n*h], "
             "but both schedules size fixed receive buffers from hidden_size (1F1B through "
             "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
-            "passes through _communicate, the one place both can be widened."
+            "passes through _communicate, the one place both can be widened. The same seam "
+            "checks, at a communicator's first exchange, that all stages agree on the fields "
+            "that shape these tensors (pipeline.consistency), and every send's shape."
         ),
     )
 )
@@ -402,6 +404,22 @@ register(
             "padded_vocab_size for distributed checkpoints: an mHC checkpoint loads silently "
             "into an mHC-off model (hyper-connection weights dropped) and a TP change that "
             "re-pads the vocabulary changes the loss. Both are refused, naming the fix."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.training.checkpointing:maybe_msc",
+        make=lambda original: importlib.import_module(
+            "megatron_ext.checkpoint.tracker"
+        ).AtomicTrackerStorage(original),
+        why=(
+            "save_checkpoint rewrites latest_checkpointed_iteration.txt in place (open 'w', then "
+            "write): a process killed in between leaves an empty tracker that megatron refuses "
+            "to load from. The module does its file I/O through maybe_msc, so a stand-in that "
+            "writes the tracker to a temporary file and renames it makes that write atomic."
         ),
     )
 )

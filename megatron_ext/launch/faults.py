@@ -2,7 +2,8 @@
 
 ``MEGATRON_EXT_FAULT="rank=R,step=S[,kind=raise|kill|hang]"`` makes global rank ``R`` fail at
 training step ``S`` (1-based, as Megatron's log counts iterations): ``raise`` (default) raises
-:class:`InjectedFault`, ``kill`` sends the rank SIGKILL, ``hang`` sleeps forever. Unset, nothing
+:class:`InjectedFault`, ``kill`` sends the rank SIGKILL, ``hang`` sleeps forever (the launcher's stall watchdog, :mod:`megatron_ext.launch.heartbeat`,
+ends the run and names the rank). Unset, nothing
 happens; every training entry (``pretrain_gpt``, ``pretrain_hybrid``,
 ``multimodule.train``) calls :func:`at_step` once per step.
 
@@ -26,6 +27,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
+
+from megatron_ext.launch import heartbeat
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
 KINDS = ("raise", "kill", "hang")
@@ -88,6 +91,7 @@ def at_step(step: int) -> None:
     training is, and fires the injected fault once when rank and step match."""
     global _fired, _current_step
     _current_step = step
+    heartbeat.progress(step)
     fault = fault_from_env()
     if fault is None or _fired or step != fault.step or _global_rank() != fault.rank:
         return
@@ -122,7 +126,9 @@ def report_failure(exc: BaseException, stream: Any = None) -> str:
 
 
 def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``work(*args, **kwargs)``; on an exception report it and exit with status 1 at once."""
+    """``work(*args, **kwargs)``; on an exception report it and exit with status 1 at once.
+    Also starts the rank's heartbeat when the launcher watches for stalls."""
+    heartbeat.start(_global_rank())
     try:
         return work(*args, **kwargs)
     except (SystemExit, KeyboardInterrupt):

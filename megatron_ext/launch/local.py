@@ -8,7 +8,10 @@ races other programs for a port), and its own log file ``LOG_DIR/rank-N.log``
 (stdout and stderr). :func:`launch` follows one rank's log while the run goes (a callback
 per line, for progress), and stops the run as torchrun does: when a rank fails, the others
 get SIGTERM after a short grace, then SIGKILL; on timeout, Ctrl-C, SIGTERM or SIGHUP (raised
-as :class:`Interrupted`), all of them. Every rank runs in its own process group, so checkpoint
+as :class:`Interrupted`), all of them. A rank that hangs without exiting is found through the
+ranks' heartbeats (:mod:`megatron_ext.launch.heartbeat`): when no rank has progressed for the
+stall limit, every rank is stopped and the stalled one is named. Ranks die with the launcher
+(Linux parent-death signal), so even a SIGKILLed launcher leaves no training behind. Every rank runs in its own process group, so checkpoint
 writers and resource trackers it spawned stop with it, and what a dead rank leaves in its
 group is ended when the run ends.
 
@@ -27,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+
+from megatron_ext.launch import heartbeat
 
 POLL_S = 0.2
 GRACE_S = 10.0
@@ -78,12 +83,21 @@ class LocalJob:
     timeout_s: float = 900.0
     python: str = sys.executable
     grace_s: float = GRACE_S
+    stall_timeout_s: Optional[float] = None
+    """No progress on any rank for this long ends the run (0: never); None: the environment's
+    MEGATRON_EXT_STALL_TIMEOUT_S, else relative to the slowest step (heartbeat.Watchdog)."""
+    startup_timeout_s: Optional[float] = None
+    """The same for start-up, the first step and checkpoint I/O; None: environment, else 300 s."""
 
     def rank_command(self) -> list[str]:
         return [self.python, "-m", self.module, *self.args]
 
     def log_path(self, rank: int) -> Path:
         return self.log_dir / f"rank-{rank}.log"
+
+    @property
+    def heartbeat_dir(self) -> Path:
+        return self.log_dir / "heartbeat"
 
 
 @dataclass
@@ -96,6 +110,8 @@ class LaunchResult:
     timed_out: bool = False
     peak_rss_kib: dict[int, int] = field(default_factory=dict)
     """Each rank's peak resident memory (the kernel's ru_maxrss of the rank process, KiB)."""
+    stall: Optional["heartbeat.Stall"] = None
+    """Set when the watchdog stopped a run in which no rank progressed (returncode 124)."""
 
     @property
     def ok(self) -> bool:
@@ -199,6 +215,38 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _libc_prctl() -> Optional[Callable[..., int]]:
+    """libc's prctl, looked up in the launcher (the child between fork and exec imports nothing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies, however it dies (Linux's
+    parent-death signal; elsewhere nothing), so no rank outlives a killed launcher."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def _prepare_heartbeats(job: LocalJob) -> heartbeat.Watchdog:
+    """An empty heartbeat directory for this run (a resume phase reuses no old beats)."""
+    job.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+    for old in job.heartbeat_dir.glob("rank-*"):
+        old.unlink(missing_ok=True)
+    return heartbeat.Watchdog(job.heartbeat_dir, job.nproc, stall_s=job.stall_timeout_s,
+                              startup_s=job.startup_timeout_s)
+
+
 def stop(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM every still-running rank's group, then SIGKILL what is left after grace_s."""
     alive = [p for p in procs.values() if p.poll() is None]
@@ -239,16 +287,19 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     procs: dict[int, subprocess.Popen] = {}
     follow = job.nproc - 1 if follow_rank is None else follow_rank
     follower = LogFollower(job.log_path(follow), on_line) if on_line else None
-    failed_rank, timed_out = None, False
+    failed_rank, timed_out, stall = None, False, None
     peak_rss_kib: dict[int, int] = {}
+    watchdog = _prepare_heartbeats(job)
+    next_check = time.monotonic()
     with stop_signals_interrupt():
         try:
             for rank in range(job.nproc):
-                env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True)}
+                env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True),
+                       heartbeat.DIR_ENV: str(job.heartbeat_dir)}
                 with open(job.log_path(rank), "w") as log:
                     procs[rank] = subprocess.Popen(
                         job.rank_command(), cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
+                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
                     )
             failed_at = None
             while True:
@@ -272,6 +323,13 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
                     timed_out = True
                     stop(procs)
                     break
+                if failed_rank is None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + heartbeat.BEAT_S
+                    stall = watchdog.check()
+                    if stall is not None:
+                        failed_rank = stall.rank
+                        stop(procs)
+                        break
                 time.sleep(POLL_S)
         except BaseException:
             stop(procs, grace_s=2.0)
@@ -282,14 +340,14 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
             del store  # the ranks are gone; close the rendezvous server
             reap_groups(procs)
     codes = {r: p.poll() for r, p in procs.items()}
-    if timed_out:
+    if timed_out or stall is not None:
         returncode = 124
     elif failed_rank is not None:
         returncode = codes[failed_rank] or 1
     else:
         returncode = next((c for c in codes.values() if c), 0)
     return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out,
-                        peak_rss_kib)
+                        peak_rss_kib, stall)
 
 
 def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
@@ -297,6 +355,8 @@ def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
     rank writes, :mod:`megatron_ext.launch.faults`); else how the first failing rank ended."""
     from megatron_ext.launch import faults
 
+    if result.stall is not None:
+        return str(result.stall)
     code = result.rank_codes.get(result.failed_rank) if result.failed_rank is not None else None
     if code is not None and code < 0:  # killed from outside: its peers' errors follow from it
         return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"

@@ -143,6 +143,40 @@ def _parser_has_dest(parser: argparse.ArgumentParser, dest: str) -> bool:
     return any(action.dest == dest for action in parser._actions)
 
 
+# Sizes validate_args divides by (or takes modulo of) before checking them: 0 there is a
+# ZeroDivisionError traceback, so they are checked first.
+POSITIVE_SIZE_FLAGS = (
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--seq-length",
+    "--micro-batch-size", "--global-batch-size", "--mhc-num-residual-streams", "--num-residual-streams",
+    "--mhc-sinkhorn-iterations", "--mhc-recompute-layer-num", "--mtp-num-layers", "--num-experts",
+)
+
+
+def size_flag_problem(argv: Iterable[str]) -> Optional[str]:
+    """The first size flag given a whole number below 1 (``--flag N`` or ``--flag=N``)."""
+    argv = list(argv)
+    for i, token in enumerate(argv):
+        flag, sep, value = token.partition("=")
+        if flag not in POSITIVE_SIZE_FLAGS:
+            continue
+        if not sep:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            number = int(value)
+        except ValueError:
+            continue  # argparse names a value that is not a number itself
+        if number < 1:
+            return f"{flag} must be at least 1, got {number}"
+    return None
+
+
+# What megatron's validate_args (and the config checks it runs) raise for a bad command line.
+ARGUMENT_ERRORS = (AssertionError, ValueError, TypeError, KeyError, NotImplementedError, RuntimeError)
+
+
 def parse_megatron_args(
     extra_args_providers: Iterable[Optional[ArgsProvider]] = (),
     args_defaults: Optional[dict[str, Any]] = None,
@@ -160,7 +194,14 @@ def parse_megatron_args(
 
     defaults = {"eval_interval": DEFAULT_EVAL_INTERVAL, **(parser_defaults or {})}
     provider = _with_parser_defaults(extra_args_providers, defaults)
-    args = parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+    problem = size_flag_problem(sys.argv[1:])
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    try:
+        args = parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+    except ARGUMENT_ERRORS as exc:  # validate_args asserts: one line naming it, not a traceback
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        raise SystemExit(f"error: Megatron's argument checks: {text}") from None
     problem = mhc_flags_without_mhc(sys.argv[1:], args)
     if problem:
         raise SystemExit(f"error: {problem}")

@@ -38,11 +38,17 @@ def pipeline_tensor_shape(
 
 
 def communicate_with_pipeline_width(communicate):
-    """Wraps ``P2PCommunicator._communicate`` so its receive buffers have the pipeline width."""
+    """Wraps ``P2PCommunicator._communicate`` so its receive buffers have the pipeline width,
+    and the stages' agreement on what they exchange is checked (pipeline.consistency): on
+    the communicator's first exchange over the pipeline group, then on every send locally."""
+    from megatron_ext.pipeline import consistency
 
     @functools.wraps(communicate)
     def _communicate(self, *, tensor_shape, **kwargs):
         shape = pipeline_tensor_shape(self.config, tensor_shape, self.pp_group.size())
+        sends = (kwargs.get("tensor_send_next"), kwargs.get("tensor_send_prev"))
+        consistency.check_once(self, shape, sends)
+        consistency.check_sends(self, *sends)
         return communicate(self, tensor_shape=shape, **kwargs)
 
     return _communicate

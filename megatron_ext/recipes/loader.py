@@ -128,7 +128,7 @@ class LoadedRecipe:
     def numerics_overridden(self) -> bool:
         """True when an override may change the loss curve (anything outside test/launch
         bookkeeping), so the recipe's golden values no longer describe this run."""
-        harmless = ("test.", "launch.timeout_s", "launch.slurm.", "launch.nodes", "description", "name")
+        harmless = ("test.", "launch.timeout_s", "launch.stall_timeout_s", "launch.startup_timeout_s", "launch.slurm.", "launch.nodes", "description", "name")
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)
 

@@ -16,7 +16,9 @@ megatron-ext's guards) are in :mod:`megatron_ext.recipes.validate`.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
+import string
 from pathlib import Path
 from typing import Any, Optional
 
@@ -307,6 +309,10 @@ def _check_model(r: Recipe, add) -> None:
         add("parallelism.ep", f"ep={p.ep} needs model.num_experts")
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value < 1.0:
+            add(f"model.{name}", f"is a probability in [0, 1), got {value}")
     mhc = m.mhc
     if m.type == "gpt" and mhc.enabled and m.num_experts:
         # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
@@ -480,15 +486,55 @@ def _check_test(r: Recipe, add) -> None:
     for metric, fields in r.test.tolerances.items():
         if metric not in r.test.metrics:
             add(f"test.tolerances.{metric}", "is not one of test.metrics")
-        for key in fields:
+        if not isinstance(fields, dict):
+            add(f"test.tolerances.{metric}", f"is a map of {', '.join(TOLERANCE_FIELDS)}, got {fields!r}")
+            continue
+        for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
                 from megatron_ext.recipes.schema import suggestion
 
                 add(f"test.tolerances.{metric}.{key}", "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)))
+            else:
+                problem = _tolerance_problem(key, value)
+                if problem:
+                    add(f"test.tolerances.{metric}.{key}", problem)
+    _check_golden_pattern(r, add)
     depths = mtp_depths(r) if r.model.type != "multimodule" else 0
     for metric in r.test.metrics:
         if MTP_METRIC.match(metric) and int(metric.split("_")[1].split()[0]) > depths:
             add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
+
+
+def _tolerance_problem(key: str, value: Any) -> Optional[str]:
+    """What is wrong with one test.tolerances value (compare.py reads them as they are)."""
+    if key == "deterministic":
+        return None if isinstance(value, bool) else f"is true or false, got {value!r}"
+    if key == "max_failing_steps":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return None if ok else f"is a whole number of steps >= 0, got {value!r}"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
+        return f"is a finite number >= 0, got {value!r}"
+    return None
+
+
+GOLDEN_FIELDS = ("name", "platform")
+
+
+def _check_golden_pattern(r: Recipe, add) -> None:
+    """test.golden_values is formatted with {name} and {platform} only."""
+    pattern = r.test.golden_values
+    if not isinstance(pattern, str):
+        return
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None]
+    except ValueError as exc:
+        add("test.golden_values", f"{pattern!r}: {exc} (write a literal brace as {{{{ or }}}})")
+        return
+    unknown = [f for f in fields if f not in GOLDEN_FIELDS]
+    if unknown:
+        add("test.golden_values", f"{pattern!r}: unknown placeholder {{{unknown[0]}}}; only "
+                                  "{name} and {platform} are filled in")
 
 
 def describe(loaded: LoadedRecipe) -> str:

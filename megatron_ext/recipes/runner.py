@@ -279,6 +279,17 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
+def _stall_environment_problem() -> Optional[str]:
+    """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
+    from megatron_ext.launch import heartbeat
+
+    try:
+        heartbeat.Watchdog(Path("."), 1)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
         compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
         megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
@@ -296,6 +307,8 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
 
         if not torch.cuda.is_available():
             why = "launch.device is gpu but torch sees no GPU here; use --device cpu (or --platform cpu)"
+    if why is None:
+        why = _stall_environment_problem()
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
@@ -352,7 +365,9 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
                              log_dir=phase.log_dir, env=env,
-                             timeout_s=recipe.launch.timeout_s)
+                             timeout_s=recipe.launch.timeout_s,
+                             stall_timeout_s=recipe.launch.stall_timeout_s,
+                             startup_timeout_s=recipe.launch.startup_timeout_s)
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
         results.append({"phase": phase.name, "returncode": result.returncode,
                         "seconds": round(result.seconds, 2), "timed_out": result.timed_out,
@@ -362,6 +377,7 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
         if not result.ok:
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
             what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
+                f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)" if result.stall else \
                 f"rank {rank} exited with {result.returncode}"
             _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")

@@ -222,6 +222,11 @@ class Launch:
     nodes: int = _doc("nodes (Slurm); local runs use one", default=1)
     nproc: Optional[int] = _doc("ranks; None: tp * pp * cp * dp (required for multimodule)", default=None)
     timeout_s: int = _doc("wall-clock limit of one training run; the ranks are stopped after it", default=900)
+    stall_timeout_s: Optional[int] = _doc(
+        "no progress on any rank for this long stops the run and names the stalled rank (0: off); "
+        "None: max(30 s, 10 x the slowest step)", default=None)
+    startup_timeout_s: int = _doc("the stall limit during start-up, the first step and checkpoint I/O",
+                                  default=300)
     env: dict[str, Any] = _doc(
         "environment of every rank, scalar values (cpu adds OMP_NUM_THREADS=1, CUDA_VISIBLE_DEVICES='')",
         default_factory=dict)

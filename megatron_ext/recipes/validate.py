@@ -23,6 +23,7 @@ import io
 import os
 import re
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -72,9 +73,10 @@ POSITIVE_FIELDS = (
     "parallelism.tp", "parallelism.pp", "parallelism.vpp", "parallelism.cp", "parallelism.ep",
     "parallelism.dp", "training.iterations", "training.micro_batch_size", "training.global_batch_size",
     "training.lr_decay_iters", "training.eval_interval", "data.tokenizer.vocab_size", "launch.nodes",
-    "launch.nproc", "launch.timeout_s", "launch.slurm.gpus_per_node",
+    "launch.nproc", "launch.timeout_s", "launch.startup_timeout_s", "launch.slurm.gpus_per_node",
 )
-NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters")
+NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters",
+                       "launch.stall_timeout_s")
 
 
 def size_problems(loaded: LoadedRecipe) -> list[Problem]:
@@ -235,12 +237,21 @@ def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[li
     machine's libraries (Transformer Engine, Apex, CUDA); that is reported as a note, since
     the recipe cannot be judged on it here.
     """
-    import torch
-
     recipe = loaded.recipe
     argv = plan.megatron_args(loaded)
     if recipe.test.type == "ckpt-resume":
         argv += plan.save_args(loaded, "/nonexistent/megatron-ext-validate")
+    return argv_problems(argv, module_name, recipe.world_size, recipe.launch.device, recipe.model.type, notes)
+
+
+def argv_problems(argv: list[str], module_name: str, world_size: int, device: str = "cpu",
+                  model_type: str = "gpt", notes: Optional[list[str]] = None) -> list[Problem]:
+    """:func:`megatron_problems` for a command line of Megatron flags (what the entry
+    ``module_name`` would parse on rank 0 of ``world_size`` ranks), without a recipe."""
+    import torch
+
+    recipe = types.SimpleNamespace(launch=types.SimpleNamespace(device=device),
+                                   model=types.SimpleNamespace(type=model_type), world_size=world_size)
     sink = io.StringIO()
     stage = "model.entry"
     try:
@@ -257,6 +268,9 @@ def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[li
                 parser_defaults.update({k: v for k, v in launch.machine_defaults(on_cpu=True).items()
                                         if k != "distributed_backend"})
             stage = "megatron arguments"
+            size_problem = launch.size_flag_problem(argv)
+            if size_problem:
+                return [Problem(stage, size_problem)]
             with _as_rank_zero_of(recipe.world_size, argv), _device_architecture_without_gpu():
                 extra = launch._with_parser_defaults(
                     [provider], {"eval_interval": launch.DEFAULT_EVAL_INTERVAL, **parser_defaults}

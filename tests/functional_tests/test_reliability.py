@@ -3,6 +3,7 @@ every rank and every process the ranks started, and writes the run summary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,12 +70,40 @@ FAULT_CASES = {
     "multimodule-encoder": (SMALL_MULTIMODULE, "rank=0,step=1"),
     "multimodule-middle-llm-stage": (SMALL_MULTIMODULE, "rank=1,step=2"),
     "multimodule-last-stage": (SMALL_MULTIMODULE, "rank=2,step=1"),
+    # The last stage hangs in step 2 (after the start-up allowance); rank 0 waits on it in a P2P
+    # receive. The stall watchdog must end the run and name rank 1, not rank 0.
+    "gpt-pp2-hang-last-stage": (SMALL_GPT_PP2[:2] + ["training.iterations=4", "launch.stall_timeout_s=5"],
+                                "rank=1,step=2,kind=hang"),
 }
 
 
-# CI runs one single-model and one multi-module case (the error must reach the LLM's ranks
-# downstream of the failing encoder); MEGATRON_EXT_SOAK=1 runs every case (about 4 more minutes).
-CI_FAULT_CASES = ("gpt-pp2-raise-last-stage", "multimodule-encoder")
+# CI runs a multi-module raise (the error must reach the LLM's ranks downstream of the failing
+# encoder) and a single-model hang (the stall watchdog; the single-model raise path is the same
+# marker and launcher code as the encoder's); MEGATRON_EXT_SOAK=1 runs every case (~5 more minutes).
+CI_FAULT_CASES = ("multimodule-encoder", "gpt-pp2-hang-last-stage")
+
+
+def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``megatron-ext ARGS``; past ``timeout`` the CLI gets SIGTERM (it stops its ranks, as a
+    scheduler's stop would), and whatever is still alive after 30 s is killed by id, so a
+    test that times out leaves no ranks behind."""
+    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", *args], cwd=REPO_ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = cli.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        descendants = psutil.Process(cli.pid).children(recursive=True)
+        cli.send_signal(signal.SIGTERM)
+        try:
+            out, err = cli.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            cli.kill()
+            out, err = cli.communicate()
+        for proc in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        raise AssertionError(f"megatron-ext {' '.join(args)} ran past {timeout} s:\n{(out + err)[-4000:]}")
 
 
 @pytest.mark.parametrize(
@@ -86,9 +115,8 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     spec = faults.parse_fault(fault)
     run_dir = tmp_path / "run"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", faults.FAULT_ENV: fault}
-    result = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "run", *recipe_args, "--no-compare",
-                             "--skip-megatron-checks", "--run-dir", str(run_dir)],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = _run_cli(["run", *recipe_args, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
+                      env, timeout=300)
     ended = time.time()
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-4000:]
@@ -97,9 +125,63 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
         assert (f"first failure: rank {spec.rank} failed at step {spec.step}, faults.py" in out
                 and f"InjectedFault: injected by {faults.FAULT_ENV} on rank {spec.rank}" in out), out[-4000:]
         failed_at = faults.failure_in_log(failed_log).time
+    elif spec.kind == "hang":
+        assert (f"first failure: rank {spec.rank} stalled at step {spec.step}: no progress on any rank" in out
+                and "faults.py" in out and "rank(s) 0 waiting on a peer (in communication)" in out), out[-4000:]
+        beat = json.loads((run_dir / "logs" / "heartbeat" / f"rank-{spec.rank}.json").read_text())
+        failed_at = beat["progress"]  # when the hung rank reached the step it hangs in
     else:
         assert f"first failure: rank {spec.rank} killed by SIGKILL" in out, out[-4000:]
         failed_at = failed_log.stat().st_mtime  # its last words, just before the kill
     assert ended - failed_at < 60, f"the run ended {ended - failed_at:.0f} s after the fault"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "training-failed"
+
+
+# ---- a rank killed while saving: the tracker never points at a broken checkpoint ---------------
+@pytest.mark.skipif(os.environ.get("MEGATRON_EXT_SOAK") != "1", reason="soak only (two runs, ~1-3 min)")
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """PP=2 saves (torch_dist) every iteration; once two saves are done, rank 1 is SIGKILLed as
+    soon as the next iteration's directory appears (a save in progress). The tracker must name a
+    complete checkpoint, and a second run must resume from it."""
+    ckpt = tmp_path / "ckpt"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    save = ("extra_args={--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+            f"--save: {ckpt}, --save-interval: 1, --ckpt-format: torch_dist}}")
+    base = SMALL_GPT_PP2[:2]
+    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", "run", *base, "training.iterations=400", save,
+                            "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "run")],
+                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_during = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and cli.poll() is None:
+            # megatron rewrites the tracker in place (open 'w', write): it can be read empty
+            text = tracker.read_text().strip() if tracker.exists() else ""
+            done = int(text) if text.isdigit() else 0
+            if done >= 2 and (ckpt / f"iter_{done + 1:07d}").exists():
+                ranks = [p for p in psutil.Process(cli.pid).children() if "RANK=1" in " ".join(
+                    f"{k}={v}" for k, v in p.environ().items() if k == "RANK")]
+                ranks[0].kill()
+                killed_during = done + 1
+                break
+            time.sleep(0.005)
+        out, _ = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.send_signal(signal.SIGTERM)
+            cli.communicate(timeout=60)
+    assert killed_during is not None, out[-3000:]
+    assert cli.returncode == 3 and "rank 1 killed by SIGKILL" in out, out[-3000:]
+    last = int(tracker.read_text())
+    assert last in (killed_during - 1, killed_during), (last, killed_during)
+    assert (ckpt / f"iter_{last:07d}" / "metadata.json").exists(), "the tracker names a complete checkpoint"
+    # the same schedule (megatron refuses another iteration count), one more step, then exit
+    resume = _run_cli(["run", *base, "training.iterations=400",
+                       f"extra_args={{--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+                       f"--load: {ckpt}, --ckpt-format: torch_dist, --exit-interval: {last + 1}}}",
+                       "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "resume")], env, timeout=300)
+    log = (tmp_path / "resume" / "logs" / "rank-0.log").read_text()
+    assert resume.returncode == 0, (resume.stdout + resume.stderr)[-3000:]
+    assert f"successfully loaded checkpoint from {ckpt}" in log and f"at iteration {last}" in log, log[-3000:]

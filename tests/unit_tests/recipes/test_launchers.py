@@ -24,6 +24,18 @@ if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode in ("fail", "hang"):
     time.sleep(60)
+if mode == "stall":  # MEGATRON_EXT_FAULT hangs rank 1 at step 3; rank 0 then waits on it
+    from megatron_ext.launch import faults
+    import p2p_communication
+
+    def work():
+        for step in range(1, 1000):
+            faults.at_step(step)
+            if step == 3 and rank == 0:
+                p2p_communication.recv()
+            time.sleep(0.05)
+
+    faults.run_failing_fast(work)
 for i in range(3):
     print(f" iteration {i + 1}/3 | lm loss: 1.0E+00 |", flush=True)
 """
@@ -32,10 +44,12 @@ for i in range(3):
 @pytest.fixture
 def job(tmp_path):
     (tmp_path / "fake_rank.py").write_text(RANK_MODULE)
+    # a stand-in for megatron's p2p module: the watchdog counts a rank in it as waiting on a peer
+    (tmp_path / "p2p_communication.py").write_text("import time\ndef recv():\n    time.sleep(3600)\n")
 
     def make(mode: str, nproc: int = 2, **kwargs) -> local.LocalJob:
         return local.LocalJob(module="fake_rank", args=[mode], nproc=nproc, log_dir=tmp_path / "logs",
-                              env={"EXTRA": "x", "PYTHONPATH": str(tmp_path)}, cwd=tmp_path, **kwargs)
+                              env={"EXTRA": "x", "PYTHONPATH": f"{tmp_path}:{REPO_ROOT}"}, cwd=tmp_path, **kwargs)
 
     return make
 
@@ -64,6 +78,85 @@ def test_a_run_past_its_timeout_is_stopped_with_124(job):
     result = local.launch(job("hang", timeout_s=1.0))
     assert result.timed_out and result.returncode == 124
     assert all(code is not None for code in result.rank_codes.values())
+
+
+def test_a_hung_rank_is_named_and_every_rank_stopped(job, monkeypatch):
+    from megatron_ext.launch import faults
+
+    monkeypatch.setenv(faults.FAULT_ENV, "rank=1,step=3,kind=hang")
+    start = time.monotonic()
+    result = local.launch(job("stall", stall_timeout_s=2.0, timeout_s=60.0))
+    assert result.stall is not None and result.failed_rank == 1 and result.returncode == 124, result
+    assert (result.stall.rank, result.stall.step) == (1, 3)
+    assert "faults.py" in result.stall.where and "in at_step" in result.stall.where
+    assert all(code is not None for code in result.rank_codes.values()), "every rank stopped"
+    assert time.monotonic() - start < 30
+    summary = local.failure_summary(job("stall"), result)
+    assert summary.startswith("rank 1 stalled at step 3: no progress on any rank for "), summary
+
+
+def test_the_stalled_rank_is_the_one_not_waiting_on_a_peer():
+    from megatron_ext.launch import heartbeat
+
+    beats = {0: {"step": 5, "progress": 10.0, "waiting": True, "where": "p2p"},
+             1: {"step": 5, "progress": 12.0, "waiting": False, "where": "model.py:3 in forward"},
+             2: {"step": 5, "progress": 11.0, "waiting": True, "where": "p2p"}}
+    stall = heartbeat.name_stalled(beats, 3, idle_s=40.0, limit_s=30.0)
+    assert (stall.rank, stall.step, stall.waiting) == (1, 5, (0, 2))
+    for b in beats.values():
+        b["waiting"] = True  # a deadlock: the oldest progress
+    assert heartbeat.name_stalled(beats, 3, 40.0, 30.0).rank == 0
+    assert heartbeat.name_stalled({0: beats[0]}, 2, 40.0, 30.0).rank == 1, "no heartbeat at all"
+
+
+def test_stall_limits_start_up_allowance_then_relative_to_the_step(tmp_path, monkeypatch):
+    from megatron_ext.launch import heartbeat
+
+    monkeypatch.delenv(heartbeat.STALL_ENV, raising=False)
+    monkeypatch.delenv(heartbeat.STARTUP_ENV, raising=False)
+    watchdog = heartbeat.Watchdog(tmp_path, 2, started=0.0)
+    assert watchdog.check(now=heartbeat.STARTUP_S - 1) is None, "start-up allowance"
+    assert watchdog.check(now=heartbeat.STARTUP_S + 1).step is None
+    beat = {"step": 1, "progress": 100.0, "slowest_gap": 0.0, "waiting": False, "io": False}
+    assert watchdog.limit({0: beat, 1: beat}) == heartbeat.STARTUP_S, "the first step may be slow"
+    later = {**beat, "step": 4, "slowest_gap": 5.0}
+    assert watchdog.limit({0: later, 1: later}) == 50.0, "10 x the slowest step"
+    assert watchdog.limit({0: {**later, "slowest_gap": 0.1}, 1: later}) == 50.0
+    assert watchdog.limit({0: {**later, "io": True}, 1: later}) == heartbeat.STARTUP_S, "checkpoint I/O"
+    monkeypatch.setenv(heartbeat.STALL_ENV, "7")
+    assert heartbeat.Watchdog(tmp_path, 2).limit({0: later, 1: later}) == 7.0
+    assert not heartbeat.Watchdog(tmp_path, 2, stall_s=0).enabled
+    monkeypatch.setenv(heartbeat.STALL_ENV, "soon")
+    with pytest.raises(ValueError, match="MEGATRON_EXT_STALL_TIMEOUT_S='soon': expected a number"):
+        heartbeat.Watchdog(tmp_path, 2)
+
+
+def test_ranks_die_with_a_killed_launcher(job, tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    script = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(REPO_ROOT)!r}]\n"
+              "from pathlib import Path\nfrom megatron_ext.launch import local\n"
+              f"local.launch(local.LocalJob(module='fake_rank', args=['hang'], nproc=2, "
+              f"log_dir=Path({str(tmp_path / 'logs')!r}), cwd=Path({str(tmp_path)!r}), "
+              f"env={{'EXTRA': 'x', 'PYTHONPATH': {str(tmp_path)!r}}}))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while len(psutil.Process(launcher.pid).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = psutil.Process(launcher.pid).children()
+        assert len(ranks) == 2
+        os.kill(launcher.pid, signal.SIGKILL)  # no clean-up can run
+        launcher.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_log_follower_hands_over_complete_lines_only(tmp_path):

@@ -142,6 +142,17 @@ def test_the_shipped_recipes_have_no_plan_problems():
     (['test.tolerances."lm loss".rtl=1'], "test.tolerances.lm loss.rtl: unknown key (did you mean 'rtol'?)"),
     (["extra_args={use-flash-attn: true}"], "extra_args.use-flash-attn: keys are Megatron flags spelled with their dashes"),
     (["model.hybrid_layer_pattern=*-|*-"], "model.hybrid_layer_pattern: is for model.type: hybrid"),
+    # accepted before, then wrong only after the ranks started (or after training)
+    (["model.hidden_dropout=1.5"], "model.hidden_dropout: is a probability in [0, 1), got 1.5"),
+    (["model.attention_dropout=-0.1"], "model.attention_dropout: is a probability in [0, 1), got -0.1"),
+    (['test.tolerances."lm loss".rtol=abc'], "test.tolerances.lm loss.rtol: is a finite number >= 0, got 'abc'"),
+    (['test.tolerances."lm loss".atol=-1'], "test.tolerances.lm loss.atol: is a finite number >= 0, got -1"),
+    (['test.tolerances."lm loss".max_failing_steps=1.5'],
+     "test.tolerances.lm loss.max_failing_steps: is a whole number of steps >= 0, got 1.5"),
+    (['test.tolerances."lm loss".deterministic=maybe'], "test.tolerances.lm loss.deterministic: is true or false"),
+    (["test.golden_values=golden/{foo}.json"],
+     "test.golden_values: 'golden/{foo}.json': unknown placeholder {foo}; only {name} and {platform} are filled in"),
+    (["test.golden_values=golden/{name.json"], "test.golden_values: 'golden/{name.json': expected '}'"),
 ])
 def test_plan_problems_name_the_fields_values_and_fix(write_recipe, overrides, message):
     problems = _problems(write_recipe(MINIMAL), overrides)

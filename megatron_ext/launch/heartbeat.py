@@ -1,0 +1,209 @@
+"""Per-rank heartbeats and the launcher's stall watchdog: a hung rank ends the run, named.
+
+A rank that stops making progress without exiting (a deadlock, a peer that never sends, a
+stuck collective, ``MEGATRON_EXT_FAULT=...,kind=hang``) would otherwise keep every rank
+alive until ``launch.timeout_s``. Two halves:
+
+Rank side (:func:`start`, :func:`progress`): when the launcher sets ``MEGATRON_EXT_HEARTBEAT_DIR``,
+a daemon thread writes ``rank-R.json`` there every :data:`BEAT_S` seconds: the last training
+step the rank reached and when (``progress``, fed by :func:`megatron_ext.launch.faults.at_step`
+at every micro-batch), the slowest gap between two such calls so far, and where the main
+thread is right now, with whether that is inside ``torch.distributed`` or megatron's communicators (waiting on a peer).
+A sleeping or communicating main thread releases the GIL, so the thread keeps beating.
+
+Launcher side (:class:`Watchdog`): when no rank has progressed for the stall limit, it names
+the stalled rank: among ranks *not* waiting in communication, the one whose progress is
+oldest (its peers then wait on it); if every rank waits, the oldest of all (a deadlock). The
+limit is ``stall_s`` when given (recipe ``launch.stall_timeout_s`` or
+``MEGATRON_EXT_STALL_TIMEOUT_S``; 0 turns the watchdog off), else ``max(STALL_MIN_S,
+STALL_FACTOR x the slowest step gap seen)``. Start-up and the first step (compilation,
+dataset building, the first allocation) get ``startup_s`` instead, and so does a rank that
+is inside checkpoint I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+DIR_ENV = "MEGATRON_EXT_HEARTBEAT_DIR"
+STALL_ENV = "MEGATRON_EXT_STALL_TIMEOUT_S"
+STARTUP_ENV = "MEGATRON_EXT_STARTUP_TIMEOUT_S"
+BEAT_S = 1.0
+STALL_MIN_S = 30.0
+STALL_FACTOR = 10.0
+STARTUP_S = 300.0
+
+# Main-thread frames whose file path contains one of these: the rank waits on its peers
+# (a blocked ``work.wait()`` is a C call, so the innermost Python frame is its caller's).
+_WAITING_PATHS = ("/torch/distributed/", "p2p_communication.py", "bridge_communicator.py",
+                  "multimodule_communicator.py", "/megatron_ext/multimodule/communicator.py",
+                  "/megatron_ext/pipeline/p2p.py")
+# ... or is busy with checkpoint I/O (may take long without being stuck).
+_IO_PATHS = ("checkpointing.py", "/dist_checkpointing/")
+
+
+# ---- rank side ------------------------------------------------------------------------------
+class _State:
+    step: Optional[int] = None
+    progress: Optional[float] = None
+    slowest_gap: float = 0.0
+    thread: Optional[threading.Thread] = None
+
+
+_state = _State()
+
+
+def progress(step: int) -> None:
+    """Training reached ``step`` now (cheap: two assignments, no I/O)."""
+    now = time.time()
+    if _state.progress is not None and _state.step is not None and _state.step >= 1:
+        _state.slowest_gap = max(_state.slowest_gap, now - _state.progress)
+    _state.step, _state.progress = step, now
+
+
+def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
+    """(innermost Python frame of the main thread, waiting in communication, in checkpoint I/O)."""
+    frame = sys._current_frames().get(main_ident)
+    if frame is None:
+        return "?", False, False
+    place = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+    waiting = io = False
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        waiting = waiting or any(p in name for p in _WAITING_PATHS)
+        io = io or any(p in name for p in _IO_PATHS)
+        frame = frame.f_back
+    return place, waiting, io
+
+
+def beat_record(rank: int, main_ident: int) -> dict:
+    place, waiting, io = main_thread_place(main_ident)
+    return {"rank": rank, "pid": os.getpid(), "step": _state.step, "progress": _state.progress,
+            "slowest_gap": _state.slowest_gap, "beat": time.time(), "where": place,
+            "waiting": waiting, "io": io}
+
+
+def _write(path: Path, record: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)  # the launcher never reads half a record
+
+
+def start(rank: int) -> bool:
+    """Start this rank's heartbeat thread when the launcher asked for one (idempotent)."""
+    directory = os.environ.get(DIR_ENV)
+    if not directory or _state.thread is not None:
+        return False
+    path = Path(directory) / f"rank-{rank}.json"
+    main_ident = threading.main_thread().ident
+
+    def run() -> None:
+        while True:
+            try:
+                _write(path, beat_record(rank, main_ident))
+            except OSError:
+                pass  # the run directory went away: the launcher is not watching any more
+            time.sleep(BEAT_S)
+
+    _state.thread = threading.Thread(target=run, name="megatron-ext-heartbeat", daemon=True)
+    _state.thread.start()
+    return True
+
+
+# ---- launcher side --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stall:
+    rank: int
+    step: Optional[int]
+    idle_s: float
+    limit_s: float
+    where: str
+    waiting: tuple[int, ...]
+
+    def __str__(self) -> str:
+        at = f"at step {self.step}" if self.step is not None else "during start-up (before step 1)"
+        text = (f"rank {self.rank} stalled {at}: no progress on any rank for {self.idle_s:.0f} s "
+                f"(stall limit {self.limit_s:.0f} s), its main thread in {self.where}")
+        if self.waiting:
+            text += f"; rank(s) {', '.join(map(str, self.waiting))} waiting on a peer (in communication)"
+        return text
+
+
+def _env_seconds(name: str) -> Optional[float]:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name}={text!r}: expected a finite number of seconds >= 0")
+    return value
+
+
+class Watchdog:
+    """Reads the ranks' heartbeats; :meth:`check` returns a :class:`Stall` once the run is stuck."""
+
+    def __init__(self, directory: Path, nproc: int, stall_s: Optional[float] = None,
+                 startup_s: Optional[float] = None, started: Optional[float] = None):
+        self.directory, self.nproc = Path(directory), nproc
+        self.stall_s = stall_s if stall_s is not None else _env_seconds(STALL_ENV)
+        startup = startup_s if startup_s is not None else _env_seconds(STARTUP_ENV)
+        self.startup_s = STARTUP_S if startup is None else startup
+        self.started = time.time() if started is None else started
+
+    @property
+    def enabled(self) -> bool:
+        return self.stall_s != 0
+
+    def read(self) -> dict[int, dict]:
+        beats = {}
+        for rank in range(self.nproc):
+            try:
+                beats[rank] = json.loads((self.directory / f"rank-{rank}.json").read_text())
+            except (OSError, ValueError):
+                continue
+        return beats
+
+    def limit(self, beats: dict[int, dict]) -> float:
+        steps = [b["step"] for b in beats.values() if b.get("step") is not None]
+        if not steps or max(steps) < 2 or any(b.get("io") for b in beats.values()):
+            return self.startup_s  # start-up, the first step, checkpoint I/O
+        if self.stall_s is not None:
+            return self.stall_s
+        slowest = max(float(b.get("slowest_gap") or 0.0) for b in beats.values())
+        return max(STALL_MIN_S, STALL_FACTOR * slowest)
+
+    def check(self, now: Optional[float] = None) -> Optional[Stall]:
+        if not self.enabled:
+            return None
+        now = time.time() if now is None else now
+        beats = self.read()
+        progressed = [b["progress"] for b in beats.values() if b.get("progress") is not None]
+        last = max(progressed) if progressed else self.started
+        limit = self.limit(beats)
+        if now - last <= limit:
+            return None
+        return name_stalled(beats, self.nproc, now - last, limit)
+
+
+def name_stalled(beats: dict[int, dict], nproc: int, idle_s: float, limit_s: float) -> Stall:
+    """The rank the others wait on: not waiting in communication itself, oldest progress
+    (a rank with no heartbeat at all first: it never got going)."""
+    silent = [r for r in range(nproc) if r not in beats]
+    waiting = tuple(sorted(r for r, b in beats.items() if b.get("waiting")))
+    if silent:
+        return Stall(silent[0], None, idle_s, limit_s, "? (no heartbeat from this rank)", waiting)
+    candidates = [r for r in beats if r not in waiting] or list(beats)
+    rank = min(candidates, key=lambda r: (beats[r].get("progress") or 0.0, r))
+    beat = beats[rank]
+    return Stall(rank, beat.get("step"), idle_s, limit_s, str(beat.get("where")),
+                 tuple(r for r in waiting if r != rank))

@@ -1,0 +1,128 @@
+"""Pipeline stages agree on what crosses their edges, or the run stops naming who differs.
+
+Each rank builds its own stage from its own configuration. When two stages disagree on a
+field that shapes the inter-stage tensors, megatron-core either deadlocks, aborts inside gloo
+with a size error naming neither stage, or - when the byte counts happen to match (mHC n=4
+h=32 next to a plain h=128 stage) - trains on a silently reshaped tensor. So the first
+exchange of every P2P communicator (once per schedule call; once for a multi-module
+communicator) all-gathers, over the pipeline group, the fields that define those tensors
+(:func:`stage_fields`) plus the shape this rank is about to exchange, and every rank raises
+:class:`PipelineConsistencyError` naming the first differing field, the stages, their ranks
+and values. Later exchanges are held, locally, to the agreed shape: a stage that sends
+another shape is named with both stages and both shapes (:func:`check_sends`).
+The caller is megatron-ext's wrapper of ``P2PCommunicator._communicate`` (pipeline.shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+_CHECKED = "_megatron_ext_stages_agreed"
+_AGREED_SHAPE = "_megatron_ext_edge_shape"
+
+
+class PipelineConsistencyError(RuntimeError):
+    """Two pipeline stages were built to exchange different tensors."""
+
+
+def _dtype_name(dtype: Any) -> Optional[str]:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _variable_shapes(config: Any) -> bool:
+    # megatron then exchanges the real shapes first; fixed shapes are not comparable
+    return bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
+
+
+def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[str, Any]:
+    """What defines this stage's inter-stage tensors, in the order mismatches are reported
+    (the configuration fields first: they say what to fix; the shape then says what it does)."""
+    mhc = bool(getattr(config, "enable_mhc_connections", False))
+    return {
+        "hidden_size": getattr(config, "hidden_size", None),
+        "enable_mhc_connections": mhc,
+        "mhc_num_residual_streams": getattr(config, "mhc_num_residual_streams", None) if mhc else None,
+        "pipeline_dtype": _dtype_name(getattr(config, "pipeline_dtype", None)),
+        "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
+        "tensor_model_parallel_size": getattr(config, "tensor_model_parallel_size", None),
+        "context_parallel_size": getattr(config, "context_parallel_size", None),
+        "variable_seq_lengths": _variable_shapes(config),
+        "batch_p2p_comm": bool(getattr(config, "batch_p2p_comm", False)),
+        # [sequence (/CP, /TP under SP), micro batch, pipeline width]; None where not known yet
+        "exchanged tensor shape": None if exchanged_shape is None or _variable_shapes(config)
+        else [int(d) for d in exchanged_shape],
+    }
+
+
+def first_difference(records: list[dict[str, Any]]) -> Optional[str]:
+    """The message for the first field on which the stages differ (None if they agree).
+    ``records[i]`` is pipeline stage i's :func:`stage_fields` plus its global ``rank``."""
+    for name in records[0]:
+        if name == "rank":
+            continue
+        known = [(i, r[name]) for i, r in enumerate(records)
+                 if not (name == "exchanged tensor shape" and r[name] is None)]
+        if len({repr(v) for _, v in known}) > 1:
+            values = ", ".join(f"stage {i} (rank {records[i]['rank']}) {v}" for i, v in known)
+            return (f"pipeline stages disagree on {name}: {values}. Every pipeline stage must be "
+                    "built with the same hidden_size, mHC settings, dtypes and sequence/micro-batch "
+                    "sizes, or the tensors they exchange are misread (or the exchange hangs)")
+    return None
+
+
+def _exchanged_shape(tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]) -> Optional[list[int]]:
+    if tensor_shape is not None and len(tensor_shape):
+        return list(tensor_shape)
+    for tensor in sends:
+        if tensor is not None and hasattr(tensor, "shape"):
+            return list(tensor.shape)
+    return None
+
+
+def check_once(communicator: Any, tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]) -> None:
+    """On the communicator's first exchange: all-gather :func:`stage_fields` over its
+    pipeline group and raise on every rank if the stages differ."""
+    if getattr(communicator, _CHECKED, False):
+        return
+    group = communicator.pp_group
+    if group is None or group.size() == 1:
+        setattr(communicator, _CHECKED, True)
+        return
+    import torch.distributed as dist
+
+    mine = {"rank": dist.get_rank(), **stage_fields(communicator.config, _exchanged_shape(tensor_shape, sends))}
+    records: list[Any] = [None] * group.size()
+    dist.all_gather_object(records, mine, group=group)
+    setattr(communicator, _CHECKED, True)
+    problem = first_difference(records)
+    if problem is not None:
+        raise PipelineConsistencyError(problem)
+    shapes = [r["exchanged tensor shape"] for r in records if r["exchanged tensor shape"] is not None]
+    setattr(communicator, _AGREED_SHAPE, shapes[0] if shapes else None)
+
+
+def check_sends(communicator: Any, tensor_send_next: Any, tensor_send_prev: Any) -> None:
+    """A tensor this stage sends must have the shape the stages agreed on (what its peer's
+    buffer has): otherwise name both stages and both shapes, before anything is posted."""
+    agreed = getattr(communicator, _AGREED_SHAPE, None)
+    if agreed is None or _variable_shapes(communicator.config):
+        return
+    group = communicator.pp_group
+    for tensor, direction, peer in ((tensor_send_next, "next", getattr(communicator, "next_rank", None)),
+                                    (tensor_send_prev, "previous", getattr(communicator, "prev_rank", None))):
+        if tensor is not None and list(tensor.shape) != agreed:
+            stage = group.rank()
+            other = (stage + (1 if direction == "next" else -1)) % group.size()
+            raise PipelineConsistencyError(
+                f"pipeline edge stage {stage} -> stage {other}: stage {stage} (rank {_global(group, stage)}) "
+                f"sends a tensor of shape {list(tensor.shape)} to the {direction} stage {other} "
+                f"(rank {peer}), which receives {agreed}")
+
+
+def _global(group: Any, group_rank: int) -> Any:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_global_rank(group, group_rank)
+    except Exception:  # noqa: BLE001 - only for the message
+        return "?"

@@ -1,0 +1,119 @@
+"""Pipeline stages built differently are an error naming the field, stages, ranks and values,
+not a silently reshaped tensor: two stages whose exchanged tensors have the same byte count
+(mHC n=4 h=32 next to plain h=128, or mHC n=4 h=32 next to mHC n=2 h=64) run megatron-core's
+own 1F1B schedule. Run: torchrun --nproc_per_node 2 -m pytest <this file>."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.pipeline import consistency
+from megatron_ext.testing.distributed import init_distributed, model_parallel
+from megatron_ext.testing.equivalence import (
+    TrainPlan,
+    build_model_chunks,
+    gpt_forward_step,
+    make_microbatches,
+    transformer_config,
+)
+
+MHC_N4_H32 = dict(hidden_size=32, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4))
+PLAIN_H128 = dict(hidden_size=128, config_overrides={})
+MHC_N2_H64 = dict(hidden_size=64, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2))
+
+
+def _untied_gpt_factory(plan: TrainPlan):
+    """megatron-ext's GPTModel with untied embeddings: with tied ones megatron's own embedding
+    all-reduce at build time already fails (inside gloo) when the stages' widths differ."""
+    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+
+    def build(config, pre_process, post_process, vp_stage):
+        return GPTModel(config, get_gpt_layer_local_spec(enable_mhc_connections=config.enable_mhc_connections),
+                        vocab_size=plan.vocab_size, max_sequence_length=plan.seq_length,
+                        pre_process=pre_process, post_process=post_process,
+                        share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+
+    return build
+
+
+def _forward_backward(stage_plans: list[dict]) -> None:
+    """Each rank builds its stage from its own plan, then one 1F1B iteration runs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    init_distributed()
+    plan = TrainPlan(pp=2, steps=1, **stage_plans[dist.get_rank()])
+    with model_parallel(pp=2, seed=plan.seed):
+        config = transformer_config(plan, parallel=True, config_class=MHCTransformerConfig)
+        chunks = build_model_chunks(plan, config, _untied_gpt_factory(plan))
+        get_forward_backward_func()(
+            forward_step_func=gpt_forward_step, data_iterator=iter(make_microbatches(plan, 0)[:2]),
+            model=chunks, num_microbatches=2, seq_length=plan.seq_length,
+            micro_batch_size=plan.micro_batch_size, forward_only=False)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
+@pytest.mark.parametrize("stages, message", [
+    ((MHC_N4_H32, PLAIN_H128), "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 128."),
+    ((MHC_N4_H32, MHC_N2_H64), "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 64."),
+    ((MHC_N4_H32, dict(MHC_N4_H32, seq_length=8)),
+     "pipeline stages disagree on exchanged tensor shape: stage 0 (rank 0) [16, 2, 128], stage 1 (rank 1) [8, 2, 128]."),
+])
+def test_stages_built_differently_fail_on_every_rank_naming_the_field(stages, message):
+    with pytest.raises(consistency.PipelineConsistencyError) as raised:
+        _forward_backward(list(stages))
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
+def test_the_same_stage_configuration_passes():
+    _forward_backward([MHC_N4_H32, MHC_N4_H32])
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
+def test_without_the_check_the_same_byte_count_trains_silently(monkeypatch):
+    """Why the check exists: [16, 2, 4*32] and [16, 2, 128] have the same size, so megatron's
+    exchange reads one stage's n streams as the other's hidden vector and nothing fails."""
+    monkeypatch.setattr(consistency, "check_once", lambda *args: None)
+    _forward_backward([MHC_N4_H32, PLAIN_H128])
+
+
+# ---- single process: the field comparison and the per-send shape check -----------------------
+def test_first_difference_names_the_first_field_in_order():
+    base = {"rank": 0, **consistency.stage_fields(types.SimpleNamespace(hidden_size=32), [16, 2, 32])}
+    other = {**base, "rank": 3, "batch_p2p_comm": True, "exchanged tensor shape": [16, 2, 64]}
+    assert consistency.first_difference([base, base]) is None
+    assert consistency.first_difference([base, other]).startswith(
+        "pipeline stages disagree on batch_p2p_comm: stage 0 (rank 0) False, stage 1 (rank 3) True.")
+    unknown = {**base, "exchanged tensor shape": None}  # a stage that had not exchanged yet
+    assert consistency.first_difference([base, unknown]) is None
+
+
+class _Group:
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_a_send_of_another_shape_names_both_stages_and_both_shapes():
+    communicator = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=32), pp_group=_Group(1, 4),
+                                         next_rank=2, prev_rank=0)
+    setattr(communicator, consistency._CHECKED, True)
+    setattr(communicator, consistency._AGREED_SHAPE, [16, 2, 128])
+    consistency.check_sends(communicator, torch.empty(16, 2, 128), None)
+    with pytest.raises(consistency.PipelineConsistencyError,
+                       match=r"stage 1 -> stage 2: stage 1 \(rank .*\) sends a tensor of shape \[16, 2, 32\] "
+                             r"to the next stage 2 \(rank 2\), which receives \[16, 2, 128\]"):
+        consistency.check_sends(communicator, torch.empty(16, 2, 32), None)
