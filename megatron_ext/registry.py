@@ -761,6 +761,12 @@ declare(Seam(
     "The --help repair finds megatron help strings that do not %-format.",
     ("self", "action"), _PYTHON,
 ))
+declare(Seam(
+    "sys:_current_frames", "private_function",
+    "The stall watchdog's heartbeat names where a rank's main thread is (and whether it waits "
+    "on a peer) from another thread; Python has no public way to read a thread's frame.",
+    (), _PYTHON,
+))
 
 # ---- class adoptions ------------------------------------------------------------------
 declare(Seam(

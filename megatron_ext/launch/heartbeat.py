@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from megatron_ext import registry
 
 DIR_ENV = "MEGATRON_EXT_HEARTBEAT_DIR"
 STALL_ENV = "MEGATRON_EXT_STALL_TIMEOUT_S"
@@ -70,7 +71,7 @@ def progress(step: int) -> None:
 
 def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
     """(innermost Python frame of the main thread, waiting in communication, in checkpoint I/O)."""
-    frame = sys._current_frames().get(main_ident)
+    frame = registry.private("sys:_current_frames")().get(main_ident)
     if frame is None:
         return "?", False, False
     place = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -35,8 +35,12 @@ def test_validation_leaves_argv_and_environment_as_they_were(write_recipe):
     (["model.mhc.enabled=true", "model.mtp_num_layers=1", "model.position_embedding=rope"],
      "guard", "GPTModel does not support mtp_num_layers=1 with enable_mhc_connections"),
     # MHCTransformerConfig's own validation
+    (["model.mhc.enabled=true", "model.mhc.init_gating_factor=-1"],
+     "config (MHCTransformerConfig)", "mhc_init_gating_factor must be non-negative"),
+    # ... unless the entry's flag checks catch a size below 1 first (the same one-line error
+    # python -m megatron_ext.pretrain_gpt gives)
     (["model.mhc.enabled=true", "model.mhc.sinkhorn_iterations=0"],
-     "config (MHCTransformerConfig)", "mhc_sinkhorn_iterations must be >= 1"),
+     "megatron arguments", "--mhc-sinkhorn-iterations must be at least 1, got 0"),
     (["model.mhc.enabled=true", "model.mhc.recompute=true", "extra_args.--recompute-modules=[mhc, mlp]"],
      "config (MHCTransformerConfig)", "'mhc' and 'mlp' in recompute_modules cannot be used together"),
     # Megatron's validate_args
