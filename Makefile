@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
+.PHONY: setup run demo lint test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -20,7 +20,12 @@ demo: setup
 
 # Unit tests first in one process, then as one pytest session per rank under torchrun:
 # each session runs the tests marked for its world size (tests/conftest.py).
-test: setup test-single test-2ranks test-4ranks test-install test-gpu-prep
+test: setup lint test-single test-2ranks test-4ranks test-install test-gpu-prep
+
+# ruff (ruff.toml): the tree is formatted and lint-clean; `.venv/bin/ruff format .` fixes the first.
+lint:
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
 
 # --durations: the log shows where the time goes (make test must stay under 20 minutes).
 test-single:

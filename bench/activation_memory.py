@@ -12,7 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def measure_step(model: torch.nn.Module, compute_loss: Callable[[], torch.Tensor]) -> tuple[int, int]:
+def measure_step(
+    model: torch.nn.Module, compute_loss: Callable[[], torch.Tensor]
+) -> tuple[int, int]:
     """``(kept, peak)`` bytes of one ``compute_loss().backward()`` step of ``model``."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
 

@@ -68,7 +68,8 @@ def _batch(args):
 
 def _measure(model, batch):
     return measure_step(
-        model, lambda: model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+        model,
+        lambda: model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum(),
     )
 
 
@@ -100,7 +101,9 @@ def main() -> None:
         args.cp = cp
         with model_parallel(cp=cp):
             kept, peak = _measure(_model(args), _batch(args))
-        gathered_kv = 0 if cp == 1 else args.layers * args.seq * args.batch * 2 * args.groups * head_dim * 4
+        gathered_kv = (
+            0 if cp == 1 else args.layers * args.seq * args.batch * 2 * args.groups * head_dim * 4
+        )
         results[cp] = dict(
             kept_mib=_max_over_ranks(kept) / 2**20,
             peak_mib=_max_over_ranks(peak) / 2**20,

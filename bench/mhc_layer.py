@@ -156,11 +156,17 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--no-reference", action="store_true", help="skip mhc-reference")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="CPU: glibc keeps freed memory for reuse "
-                        "(megatron_ext.runtime.allocator), before any tensor is made")
-    parser.add_argument("--fused", action="store_true",
-                        help="add the fused Triton kernels (use_fused_mhc); CPU: interpreter")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed memory for reuse "
+        "(megatron_ext.runtime.allocator), before any tensor is made",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="add the fused Triton kernels (use_fused_mhc); CPU: interpreter",
+    )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)

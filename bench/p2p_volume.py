@@ -28,12 +28,20 @@ import torch.distributed as dist
 def _plan(args, mhc: bool):
     from megatron_ext.testing.equivalence import TrainPlan
 
-    overrides = dict(enable_mhc_connections=True, mhc_num_residual_streams=args.streams) if mhc else {}
-    return TrainPlan(pp=2, num_layers=args.layers, hidden_size=args.hidden,
-                     num_attention_heads=args.heads, seq_length=args.seq,
-                     micro_batch_size=args.micro_batch_size,
-                     global_batch_size=args.micro_batch_size * args.microbatches, vocab_size=256,
-                     config_overrides=overrides)
+    overrides = (
+        dict(enable_mhc_connections=True, mhc_num_residual_streams=args.streams) if mhc else {}
+    )
+    return TrainPlan(
+        pp=2,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * args.microbatches,
+        vocab_size=256,
+        config_overrides=overrides,
+    )
 
 
 def _traced_step(args, mhc: bool) -> list:
@@ -53,16 +61,22 @@ def _traced_step(args, mhc: bool) -> list:
 
     plan = _plan(args, mhc)
     with model_parallel(pp=2, seed=plan.seed):
-        config = transformer_config(plan, parallel=True,
-                                    config_class=MHCTransformerConfig if mhc else None)
+        config = transformer_config(
+            plan, parallel=True, config_class=MHCTransformerConfig if mhc else None
+        )
         chunks = build_model_chunks(plan, config, gpt_model_factory(plan))
         data = make_microbatches(plan, 0)[: args.microbatches]
         tracer = Tracer()
         with tracing(tracer):
             get_forward_backward_func()(
-                forward_step_func=gpt_forward_step, data_iterator=iter(data), model=chunks,
-                num_microbatches=args.microbatches, seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size, forward_only=False)
+                forward_step_func=gpt_forward_step,
+                data_iterator=iter(data),
+                model=chunks,
+                num_microbatches=args.microbatches,
+                seq_length=plan.seq_length,
+                micro_batch_size=plan.micro_batch_size,
+                forward_only=False,
+            )
         return tracer.events
 
 
@@ -103,28 +117,46 @@ def main() -> None:
         width = args.hidden * (args.streams if mhc else 1)
         expected = args.microbatches * args.seq * args.micro_batch_size * width * 4
         rows["mhc" if mhc else "plain"] = {
-            "measured_bytes": _edge_bytes(gathered), "expected_bytes_per_edge": expected,
+            "measured_bytes": _edge_bytes(gathered),
+            "expected_bytes_per_edge": expected,
         }
     if dist.get_rank() == 0:
-        print(f"P2P bytes per training step, PP=2 1F1B, CPU gloo: hidden {args.hidden}, seq "
-              f"{args.seq}, micro-batch {args.micro_batch_size}, {args.microbatches} "
-              f"micro-batches, fp32, mHC n={args.streams}")
+        print(
+            f"P2P bytes per training step, PP=2 1F1B, CPU gloo: hidden {args.hidden}, seq "
+            f"{args.seq}, micro-batch {args.micro_batch_size}, {args.microbatches} "
+            f"micro-batches, fp32, mHC n={args.streams}"
+        )
         for name, row in rows.items():
             for edge, nbytes in row["measured_bytes"].items():
-                print(f"  {name:6} edge {edge}: {nbytes:>12,} B   (expected "
-                      f"{row['expected_bytes_per_edge']:,} B)")
+                print(
+                    f"  {name:6} edge {edge}: {nbytes:>12,} B   (expected "
+                    f"{row['expected_bytes_per_edge']:,} B)"
+                )
         plain, mhc = rows["plain"]["measured_bytes"], rows["mhc"]["measured_bytes"]
         ratios = {edge: mhc[edge] / plain[edge] if plain[edge] else None for edge in plain}
         print("  mHC / plain: " + ", ".join(f"{e} {r:.2f}x" for e, r in ratios.items() if r))
-        print(json.dumps({
-            "bench": "p2p_volume",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.node(), "load_average": os.getloadavg()[0],
-            "sizes": dict(hidden=args.hidden, seq=args.seq, layers=args.layers,
-                          micro_batch_size=args.micro_batch_size,
-                          microbatches=args.microbatches, streams=args.streams),
-            "edges": rows, "mhc_over_plain": ratios,
-        }))
+        print(
+            json.dumps(
+                {
+                    "bench": "p2p_volume",
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds"
+                    ),
+                    "machine": platform.node(),
+                    "load_average": os.getloadavg()[0],
+                    "sizes": dict(
+                        hidden=args.hidden,
+                        seq=args.seq,
+                        layers=args.layers,
+                        micro_batch_size=args.micro_batch_size,
+                        microbatches=args.microbatches,
+                        streams=args.streams,
+                    ),
+                    "edges": rows,
+                    "mhc_over_plain": ratios,
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -30,14 +30,25 @@ import torch.distributed as dist
 def _plan(args, pp: int, microbatches: int, mhc: bool):
     from megatron_ext.testing.equivalence import TrainPlan
 
-    overrides = dict(enable_mhc_connections=True, mhc_num_residual_streams=args.streams) if mhc else {}
-    return TrainPlan(pp=pp, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                     seq_length=args.seq, micro_batch_size=args.micro_batch_size,
-                     global_batch_size=args.micro_batch_size * microbatches, vocab_size=256,
-                     config_overrides=overrides)
+    overrides = (
+        dict(enable_mhc_connections=True, mhc_num_residual_streams=args.streams) if mhc else {}
+    )
+    return TrainPlan(
+        pp=pp,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * microbatches,
+        vocab_size=256,
+        config_overrides=overrides,
+    )
 
 
-def _time_block(args, pp: int, microbatches: int, mhc: bool, traced: bool = False) -> tuple[float, list]:
+def _time_block(
+    args, pp: int, microbatches: int, mhc: bool, traced: bool = False
+) -> tuple[float, list]:
     """Median seconds of one training step (forward and backward of every micro-batch) and,
     with ``traced``, this rank's recorded events of one extra step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -55,7 +66,9 @@ def _time_block(args, pp: int, microbatches: int, mhc: bool, traced: bool = Fals
 
     plan = _plan(args, pp, microbatches, mhc)
     with model_parallel(pp=pp, seed=plan.seed):
-        config = transformer_config(plan, parallel=True, config_class=MHCTransformerConfig if mhc else None)
+        config = transformer_config(
+            plan, parallel=True, config_class=MHCTransformerConfig if mhc else None
+        )
         chunks = build_model_chunks(plan, config, gpt_model_factory(plan))
         data = make_microbatches(plan, 0)[:microbatches]
 
@@ -63,9 +76,14 @@ def _time_block(args, pp: int, microbatches: int, mhc: bool, traced: bool = Fals
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             get_forward_backward_func()(
-                forward_step_func=gpt_forward_step, data_iterator=iter(data), model=chunks,
-                num_microbatches=microbatches, seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size, forward_only=False)
+                forward_step_func=gpt_forward_step,
+                data_iterator=iter(data),
+                model=chunks,
+                num_microbatches=microbatches,
+                seq_length=plan.seq_length,
+                micro_batch_size=plan.micro_batch_size,
+                forward_only=False,
+            )
 
         step()  # warm-up: allocator, caches
         times = []
@@ -123,26 +141,49 @@ def main() -> None:
             _, events = _time_block(args, p, m, mhc, traced=True)
             bubble = _measured_bubble(events)
             single, piped = statistics.median(t1), statistics.median(tp)
-            results.append({
-                "variant": "mhc" if mhc else "plain", "pp": p, "microbatches": m,
-                "t_pp1_s": round(single, 4), "t_pp_s": round(piped, 4),
-                "efficiency_measured": round(single / (p * piped), 4),
-                "efficiency_theoretical": round(m / (m + p - 1), 4),
-                "bubble_measured": round(bubble, 4),
-                "bubble_theoretical": round(simulate(build_schedule(SchedulePlan(pp=p, microbatches=m))).bubble(), 4),
-            })
+            results.append(
+                {
+                    "variant": "mhc" if mhc else "plain",
+                    "pp": p,
+                    "microbatches": m,
+                    "t_pp1_s": round(single, 4),
+                    "t_pp_s": round(piped, 4),
+                    "efficiency_measured": round(single / (p * piped), 4),
+                    "efficiency_theoretical": round(m / (m + p - 1), 4),
+                    "bubble_measured": round(bubble, 4),
+                    "bubble_theoretical": round(
+                        simulate(build_schedule(SchedulePlan(pp=p, microbatches=m))).bubble(), 4
+                    ),
+                }
+            )
     if rank == 0:
-        print(f"pipeline efficiency, one training step, CPU gloo, {p} ranks, hidden {args.hidden}, "
-              f"seq {args.seq}, {args.layers} layers, micro-batch {args.micro_batch_size}, "
-              f"mHC n={args.streams}; medians of {args.repeats} x {args.steps} steps")
-        print(f"{'variant':8} {'m':>3} {'T(PP=1) s':>10} {'T(PP=2) s':>10} {'measured':>9} {'m/(m+p-1)':>10} "
-              f"{'bubble meas.':>13} {'bubble theory':>14}")
+        print(
+            f"pipeline efficiency, one training step, CPU gloo, {p} ranks, hidden {args.hidden}, "
+            f"seq {args.seq}, {args.layers} layers, micro-batch {args.micro_batch_size}, "
+            f"mHC n={args.streams}; medians of {args.repeats} x {args.steps} steps"
+        )
+        print(
+            f"{'variant':8} {'m':>3} {'T(PP=1) s':>10} {'T(PP=2) s':>10} {'measured':>9} {'m/(m+p-1)':>10} "
+            f"{'bubble meas.':>13} {'bubble theory':>14}"
+        )
         for r in results:
-            print(f"{r['variant']:8} {r['microbatches']:>3} {r['t_pp1_s']:>10.4f} {r['t_pp_s']:>10.4f} "
-                  f"{r['efficiency_measured']:>9.3f} {r['efficiency_theoretical']:>10.3f} "
-                  f"{r['bubble_measured']:>13.1%} {r['bubble_theoretical']:>14.1%}")
-        print(json.dumps({"benchmark": "pipeline_efficiency", "world_size": p, "hidden": args.hidden,
-                          "seq": args.seq, "layers": args.layers, "results": results}))
+            print(
+                f"{r['variant']:8} {r['microbatches']:>3} {r['t_pp1_s']:>10.4f} {r['t_pp_s']:>10.4f} "
+                f"{r['efficiency_measured']:>9.3f} {r['efficiency_theoretical']:>10.3f} "
+                f"{r['bubble_measured']:>13.1%} {r['bubble_theoretical']:>14.1%}"
+            )
+        print(
+            json.dumps(
+                {
+                    "benchmark": "pipeline_efficiency",
+                    "world_size": p,
+                    "hidden": args.hidden,
+                    "seq": args.seq,
+                    "layers": args.layers,
+                    "results": results,
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

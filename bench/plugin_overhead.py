@@ -47,21 +47,27 @@ def _result(kind: str, args, times: dict, extra: dict) -> dict:
     wall = {name: statistics.median(t[0] for t in values) for name, values in times.items()}
     cpu = {name: statistics.median(t[1] for t in values) for name, values in times.items()}
     return {
-        "bench": "plugin_overhead", "part": kind,
+        "bench": "plugin_overhead",
+        "part": kind,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.node(), "load_average": os.getloadavg()[0],
+        "machine": platform.node(),
+        "load_average": os.getloadavg()[0],
         "threads": torch.get_num_threads(),
         "sizes": dict(hidden=args.hidden, seq=args.seq, layers=args.layers, batch=args.batch),
-        "median_wall_s": wall, "median_cpu_s": cpu,
+        "median_wall_s": wall,
+        "median_cpu_s": cpu,
         "ratio_wall": wall[names[1]] / wall[names[0]],
-        "ratio_cpu": cpu[names[1]] / cpu[names[0]], **extra,
+        "ratio_cpu": cpu[names[1]] / cpu[names[0]],
+        **extra,
     }
 
 
 def _print_rows(result: dict, label: str) -> None:
     for name in result["median_wall_s"]:
-        print(f"  {name:18} wall {result['median_wall_s'][name] * 1e3:9.2f} ms   "
-              f"CPU {result['median_cpu_s'][name] * 1e3:9.2f} ms")
+        print(
+            f"  {name:18} wall {result['median_wall_s'][name] * 1e3:9.2f} ms   "
+            f"CPU {result['median_cpu_s'][name] * 1e3:9.2f} ms"
+        )
     print(f"  {label}: wall {result['ratio_wall']:.4f}, CPU time {result['ratio_cpu']:.4f}")
 
 
@@ -76,16 +82,14 @@ def _models(args):
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
     from megatron_ext.testing.configs import small_config
 
-    fields = dict(num_layers=args.layers, hidden_size=args.hidden,
-                  num_attention_heads=args.heads)
+    fields = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads)
     built = {}
     for name, config, model_class, spec in (
         ("megatron-core", small_config(TransformerConfig, **fields), CoreGPTModel, core_spec()),
         ("megatron-ext", small_config(**fields), GPTModel, get_gpt_layer_local_spec()),
     ):
         torch.manual_seed(0)
-        built[name] = model_class(config, spec, vocab_size=args.vocab,
-                                  max_sequence_length=args.seq)
+        built[name] = model_class(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq)
     return built
 
 
@@ -101,15 +105,18 @@ def _model_part(args) -> None:
         times = {name: [] for name in models}
         for iteration in range(args.warmup + args.iters):
             for name, model in models.items():
-                elapsed = _timed(lambda: model(tokens, positions, mask, labels=tokens)
-                                 .float().mean().backward())
+                elapsed = _timed(
+                    lambda: model(tokens, positions, mask, labels=tokens).float().mean().backward()
+                )
                 model.zero_grad(set_to_none=True)
                 if iteration >= args.warmup:
                     times[name].append(elapsed)
     result = _result("model", args, times, {"iters": args.iters})
-    print(f"GPT fwd+bwd, CPU ({torch.get_num_threads()} threads), fp32, h={args.hidden} "
-          f"s={args.seq} b={args.batch} layers={args.layers}, mHC off, median of {args.iters} "
-          "interleaved runs")
+    print(
+        f"GPT fwd+bwd, CPU ({torch.get_num_threads()} threads), fp32, h={args.hidden} "
+        f"s={args.seq} b={args.batch} layers={args.layers}, mHC off, median of {args.iters} "
+        "interleaved runs"
+    )
     _print_rows(result, "megatron-ext / megatron-core")
     print(json.dumps(result))
 
@@ -135,21 +142,33 @@ def _pp_part(args) -> None:
     init_distributed()
     runtime.use_cpu()  # megatron's schedules on CPU; applies install() too
     torch.set_num_threads(1)
-    plan = TrainPlan(pp=2, num_layers=args.layers, hidden_size=args.hidden,
-                     num_attention_heads=args.heads, seq_length=args.seq,
-                     micro_batch_size=args.batch, global_batch_size=args.batch * args.microbatches,
-                     vocab_size=args.vocab)
+    plan = TrainPlan(
+        pp=2,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        micro_batch_size=args.batch,
+        global_batch_size=args.batch * args.microbatches,
+        vocab_size=args.vocab,
+    )
     times = {"without install()": [], "with install()": []}
     with model_parallel(pp=2, seed=plan.seed):
-        chunks = build_model_chunks(plan, transformer_config(plan, parallel=True),
-                                    gpt_model_factory(plan))
+        chunks = build_model_chunks(
+            plan, transformer_config(plan, parallel=True), gpt_model_factory(plan)
+        )
         data = make_microbatches(plan, 0)[: args.microbatches]
 
         def run():
             get_forward_backward_func()(
-                forward_step_func=gpt_forward_step, data_iterator=iter(data), model=chunks,
-                num_microbatches=args.microbatches, seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size, forward_only=False)
+                forward_step_func=gpt_forward_step,
+                data_iterator=iter(data),
+                model=chunks,
+                num_microbatches=args.microbatches,
+                seq_length=plan.seq_length,
+                micro_batch_size=plan.micro_batch_size,
+                forward_only=False,
+            )
             dist.barrier()
 
         def step() -> tuple[float, float]:
@@ -170,14 +189,23 @@ def _pp_part(args) -> None:
     # Rank 0's wall clock is the step's; CPU time is summed over both ranks.
     gathered = [None, None]
     dist.all_gather_object(gathered, times)
-    times = {name: [(wall, cpu + other[name][k][1]) for k, (wall, cpu) in enumerate(values)]
-             for name, values in gathered[0].items() for other in [gathered[1]]}
+    times = {
+        name: [(wall, cpu + other[name][k][1]) for k, (wall, cpu) in enumerate(values)]
+        for name, values in gathered[0].items()
+        for other in [gathered[1]]
+    }
     if dist.get_rank() == 0:
-        result = _result("pp", args, times, {"repeats": args.repeats, "steps": args.steps,
-                                             "microbatches": args.microbatches})
-        print(f"PP=2 1F1B training step, CPU gloo 2 ranks, fp32, h={args.hidden} s={args.seq} "
-              f"micro-batch {args.batch} x {args.microbatches}, {args.layers} layers, mHC off; "
-              f"median of {args.repeats} x {args.steps} alternating steps")
+        result = _result(
+            "pp",
+            args,
+            times,
+            {"repeats": args.repeats, "steps": args.steps, "microbatches": args.microbatches},
+        )
+        print(
+            f"PP=2 1F1B training step, CPU gloo 2 ranks, fp32, h={args.hidden} s={args.seq} "
+            f"micro-batch {args.batch} x {args.microbatches}, {args.layers} layers, mHC off; "
+            f"median of {args.repeats} x {args.steps} alternating steps"
+        )
         _print_rows(result, "with / without (CPU: both ranks)")
         print(json.dumps(result))
     dist.barrier()

@@ -23,15 +23,18 @@ IMPORTS = "import megatron.core, megatron.training, megatron.training.arguments"
 PROBE = "import sys; print('torch._dynamo' in sys.modules)"
 CHILDREN = {
     "eager": f"{IMPORTS}; {PROBE}",
-    "deferred": ("from megatron_ext.launch import startup; startup.defer_torch_compile(); "
-                 f"{IMPORTS}; startup.restore_torch_compile(); {PROBE}"),
+    "deferred": (
+        "from megatron_ext.launch import startup; startup.defer_torch_compile(); "
+        f"{IMPORTS}; startup.restore_torch_compile(); {PROBE}"
+    ),
 }
 
 
 def _child_cpu_seconds(code: str) -> tuple[float, bool]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True, text=True
+    ).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return cpu, out.strip().splitlines()[-1] == "True"
@@ -50,12 +53,23 @@ def main() -> None:
             compiler_imported[name] = dynamo
     median = {name: statistics.median(values) for name, values in seconds.items()}
     for name in CHILDREN:
-        print(f"{name:9s} median {median[name]:.2f} CPU-s over {args.repeats} "
-              f"(torch._dynamo imported: {compiler_imported[name]})")
+        print(
+            f"{name:9s} median {median[name]:.2f} CPU-s over {args.repeats} "
+            f"(torch._dynamo imported: {compiler_imported[name]})"
+        )
     ratio = median["deferred"] / median["eager"]
     print(f"deferred / eager: {ratio:.2f}")
-    print(json.dumps({"bench": "startup_imports", "repeats": args.repeats, "median_cpu_s": median,
-                      "ratio_deferred_to_eager": round(ratio, 3), "compiler_imported": compiler_imported}))
+    print(
+        json.dumps(
+            {
+                "bench": "startup_imports",
+                "repeats": args.repeats,
+                "median_cpu_s": median,
+                "ratio_deferred_to_eager": round(ratio, 3),
+                "compiler_imported": compiler_imported,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -92,22 +92,43 @@ class ParallelPlan:
         problems = self.size_problems()
         if problems:
             return problems
-        if self.world is not None and self.dp_size is None and self.world % self.model_parallel_size:
-            problems.append(PlanProblem(
-                "world_size",
-                f"world size {self.world} is not divisible by tp({self.tp})*pp({self.pp})*"
-                f"cp({self.cp})={self.model_parallel_size}"))
-        if self.world is not None and self.dp_size is not None and self.world != self.world_from_sizes:
-            problems.append(PlanProblem(
-                "world_size",
-                f"{self.world} ranks, but tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * "
-                f"dp({self.dp_size}) = {self.world_from_sizes}; leave nproc null or change dp"))
+        if (
+            self.world is not None
+            and self.dp_size is None
+            and self.world % self.model_parallel_size
+        ):
+            problems.append(
+                PlanProblem(
+                    "world_size",
+                    f"world size {self.world} is not divisible by tp({self.tp})*pp({self.pp})*"
+                    f"cp({self.cp})={self.model_parallel_size}",
+                )
+            )
+        if (
+            self.world is not None
+            and self.dp_size is not None
+            and self.world != self.world_from_sizes
+        ):
+            problems.append(
+                PlanProblem(
+                    "world_size",
+                    f"{self.world} ranks, but tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * "
+                    f"dp({self.dp_size}) = {self.world_from_sizes}; leave nproc null or change dp",
+                )
+            )
         if self.sp and self.tp == 1:
-            problems.append(PlanProblem(
-                "sp", "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)"))
+            problems.append(
+                PlanProblem(
+                    "sp",
+                    "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)",
+                )
+            )
         if self.ep > 1 and (self.tp * self.dp * self.cp) % self.ep:
-            problems.append(PlanProblem(
-                "ep", f"ep={self.ep} must divide tp * dp * cp = {self.tp * self.dp * self.cp}"))
+            problems.append(
+                PlanProblem(
+                    "ep", f"ep={self.ep} must divide tp * dp * cp = {self.tp * self.dp * self.cp}"
+                )
+            )
         return problems
 
     @property
@@ -119,28 +140,38 @@ class ParallelPlan:
         if seq_length % self.seq_len_divisor == 0:
             return None
         if self.cp > 1 and self.sp:
-            return (f"{seq_length} is not divisible by 2 * cp * tp = {self.seq_len_divisor} "
-                    "(context parallelism's load-balanced split, each chunk split again over tp "
-                    "by sequence parallelism)")
+            return (
+                f"{seq_length} is not divisible by 2 * cp * tp = {self.seq_len_divisor} "
+                "(context parallelism's load-balanced split, each chunk split again over tp "
+                "by sequence parallelism)"
+            )
         if self.cp > 1:
-            return (f"{seq_length} is not divisible by 2 * cp = {self.seq_len_divisor} "
-                    "(context parallelism's load-balanced split)")
-        return (f"{seq_length} is not divisible by tp={self.tp}, which sequence parallelism "
-                "splits it over")
+            return (
+                f"{seq_length} is not divisible by 2 * cp = {self.seq_len_divisor} "
+                "(context parallelism's load-balanced split)"
+            )
+        return (
+            f"{seq_length} is not divisible by tp={self.tp}, which sequence parallelism "
+            "splits it over"
+        )
 
     def layers_problem(self, num_layers: int) -> Optional[str]:
         """Why ``num_layers`` does not split evenly over the model chunks (None when it does)."""
         if num_layers % self.model_chunks == 0:
             return None
-        return (f"{num_layers} layers do not split over pp({self.pp}) * vpp({self.virtual_stages}) "
-                f"= {self.model_chunks} model chunks")
+        return (
+            f"{num_layers} layers do not split over pp({self.pp}) * vpp({self.virtual_stages}) "
+            f"= {self.model_chunks} model chunks"
+        )
 
     def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> Optional[str]:
         """Why the global batch does not split into micro-batches over the DP replicas."""
         if global_batch_size % (micro_batch_size * self.dp) == 0:
             return None
-        return (f"{global_batch_size} is not a multiple of micro_batch_size({micro_batch_size}) "
-                f"* dp({self.dp})")
+        return (
+            f"{global_batch_size} is not a multiple of micro_batch_size({micro_batch_size}) "
+            f"* dp({self.dp})"
+        )
 
     def check(self) -> "ParallelPlan":
         """Raise ``ValueError`` listing every problem; returns the plan."""

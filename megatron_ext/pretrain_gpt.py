@@ -125,7 +125,9 @@ def dense_layer_spec(args: argparse.Namespace, config: TransformerConfig):
     )
 
 
-def transformer_layer_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: Optional[int]):
+def transformer_layer_spec(
+    args: argparse.Namespace, config: TransformerConfig, vp_stage: Optional[int]
+):
     """The decoder's spec, chosen the way upstream's GPT builder chooses it."""
     use_te = args.transformer_impl == "transformer_engine"
     if args.spec is not None:
@@ -135,7 +137,9 @@ def transformer_layer_spec(args: argparse.Namespace, config: TransformerConfig, 
             get_transformer_block_with_experimental_attention_variant_spec,
         )
 
-        return get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
+        return get_transformer_block_with_experimental_attention_variant_spec(
+            config=config, vp_stage=vp_stage
+        )
     if args.num_experts:
         # A block spec: dense and MoE layers interleave per --moe-layer-freq.
         return core_specs.get_gpt_decoder_block_spec(
@@ -154,7 +158,9 @@ def transformer_layer_spec(args: argparse.Namespace, config: TransformerConfig, 
     return dense_layer_spec(args, config)
 
 
-def mtp_block_spec(args: argparse.Namespace, config: TransformerConfig, decoder_spec, vp_stage: Optional[int]):
+def mtp_block_spec(
+    args: argparse.Namespace, config: TransformerConfig, decoder_spec, vp_stage: Optional[int]
+):
     """Multi-token-prediction layers reuse the spec of the decoder's last layer."""
     if args.mtp_num_layers is None:
         return None
@@ -210,7 +216,9 @@ def model_provider(
 # ---- entry ---------------------------------------------------------------------------------------
 def main(
     config_class: type[TransformerConfig] = MHCTransformerConfig,
-    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+    extra_args_provider: Optional[
+        Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+    ] = None,
 ) -> None:
     """Train a GPT from the command line's Megatron flags.
 

@@ -97,14 +97,16 @@ class MegatronCoreCode:
     @property
     def from_distribution(self) -> bool:
         """The imported code is the installed distribution's own files."""
-        return self.distribution_path is not None and os.path.realpath(self.path) == os.path.realpath(
-            self.distribution_path
-        )
+        return self.distribution_path is not None and os.path.realpath(
+            self.path
+        ) == os.path.realpath(self.distribution_path)
 
     def describe(self) -> str:
         where = f"megatron-core {self.version} (code at {self.path}"
         if self.distribution_version is None:
-            return where + "; no megatron-core distribution is installed, so a checkout on the path)"
+            return (
+                where + "; no megatron-core distribution is installed, so a checkout on the path)"
+            )
         if self.from_distribution and self.distribution_version == self.version:
             return where + ")"
         return where + (
@@ -121,7 +123,9 @@ def imported_megatron_core() -> MegatronCoreCode:
     (even a virtualenv inside an unrelated project), so the version is rebuilt from the parts.
     """
     package_info = importlib.import_module("megatron.core.package_info")
-    version = ".".join(str(part) for part in package_info.VERSION[:3]) + str(package_info.VERSION[3])
+    version = ".".join(str(part) for part in package_info.VERSION[:3]) + str(
+        package_info.VERSION[3]
+    )
     path = os.path.dirname(os.path.abspath(package_info.__file__))
     try:
         distribution = metadata.distribution("megatron-core")
@@ -294,9 +298,9 @@ register(
 register(
     Patch(
         target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
-        make=lambda _original: importlib.import_module(
-            "megatron_ext.pipeline.p2p"
-        ).batched_p2p_ops_forward_first,
+        make=lambda _original: (
+            importlib.import_module("megatron_ext.pipeline.p2p").batched_p2p_ops_forward_first
+        ),
         why=(
             "With batch_p2p_comm=True and PP=2 the previous and next rank coincide, and the "
             "upstream posting order (send_prev, recv_prev, send_next, recv_next) matches a "
@@ -352,22 +356,43 @@ def _trace(attribute: str, maker: str, why: str) -> None:
     def make(original: Any) -> Any:
         return getattr(importlib.import_module("megatron_ext.pipeline.trace"), maker)(original)
 
-    register(Patch(target=f"megatron.core.pipeline_parallel.schedules:{attribute}", make=make,
-                   why=why, group="trace"))
+    register(
+        Patch(
+            target=f"megatron.core.pipeline_parallel.schedules:{attribute}",
+            make=make,
+            why=why,
+            group="trace",
+        )
+    )
 
 
-_trace("forward_step", "traced_forward_step",
-       "Both pipelined schedules run every forward pass through it, with the micro-batch and "
-       "the virtual chunk as arguments: the one place to time and label an F.")
-_trace("backward_step", "traced_backward_step",
-       "Every single-module backward pass; its output tensor identifies the micro-batch and chunk.")
-_trace("backward_step_multimodule", "traced_backward_step",
-       "The multi-module schedule's backward pass (bound by name at each schedule call).")
-_trace("forward_backward_pipelining_without_interleaving", "traced_schedule",
-       "1F1B: one iteration per call; its P2P communicator is handed over wrapped in a recorder "
-       "(the schedule exposes no hook around its exchanges).")
-_trace("forward_backward_pipelining_with_interleaving", "traced_schedule",
-       "The interleaved schedule, likewise.")
+_trace(
+    "forward_step",
+    "traced_forward_step",
+    "Both pipelined schedules run every forward pass through it, with the micro-batch and "
+    "the virtual chunk as arguments: the one place to time and label an F.",
+)
+_trace(
+    "backward_step",
+    "traced_backward_step",
+    "Every single-module backward pass; its output tensor identifies the micro-batch and chunk.",
+)
+_trace(
+    "backward_step_multimodule",
+    "traced_backward_step",
+    "The multi-module schedule's backward pass (bound by name at each schedule call).",
+)
+_trace(
+    "forward_backward_pipelining_without_interleaving",
+    "traced_schedule",
+    "1F1B: one iteration per call; its P2P communicator is handed over wrapped in a recorder "
+    "(the schedule exposes no hook around its exchanges).",
+)
+_trace(
+    "forward_backward_pipelining_with_interleaving",
+    "traced_schedule",
+    "The interleaved schedule, likewise.",
+)
 
 
 _DEAD_MTP_OUTPUT_WEIGHT_WHY = (
@@ -439,55 +464,103 @@ def _cpu(target: str, replacement_name: str, why: str, wraps: bool = False) -> N
     register(Patch(target=target, make=make, why=why, group="cpu"))
 
 
-_cpu("torch.cuda:current_device", "current_device",
-     "megatron allocates P2P, shape-exchange and grad buffers on torch.cuda.current_device().")
-_cpu("torch.cuda:device_count", "device_count",
-     "megatron.training initialises its model-parallel groups only when a device is counted.")
-_cpu("torch.cuda:set_device", "set_device",
-     "megatron.training binds each rank to a GPU at start-up.")
-_cpu("torch.cuda:synchronize", "synchronize",
-     "P2P communication and DDP synchronise the GPU; CPU work is already ordered.")
-_cpu("torch.cuda:get_rng_state", "get_rng_state",
-     "megatron's CUDA RNG tracker saves generator states; the CPU generator stands in.")
-_cpu("torch.cuda:set_rng_state", "set_rng_state",
-     "megatron's CUDA RNG tracker restores generator states; the CPU generator stands in.")
-_cpu("torch.cuda:manual_seed", "manual_seed",
-     "model_parallel_cuda_manual_seed seeds the tracker's per-TP-rank streams through it.")
-_cpu("torch.cuda:manual_seed_all", "manual_seed",
-     "Same as torch.cuda.manual_seed, for callers that seed every device.")
-_cpu("megatron.core.tensor_parallel.random:_get_cuda_rng_state", "megatron_get_rng_state",
-     "The tracker's fork() reads the CUDA default generator directly.")
-_cpu("megatron.core.tensor_parallel.random:_set_cuda_rng_state", "megatron_set_rng_state",
-     "The tracker's fork() writes the CUDA default generator directly (lazily, via CUDA init).")
-_cpu("torch.cuda:Stream", "FakeStream",
-     "DDP and megatron.training create side streams for communication and model wrapping.")
-_cpu("torch.cuda:Event", "FakeEvent",
-     "Timers and DDP record CUDA events.")
-_cpu("torch.cuda:current_stream", "current_stream",
-     "DDP's grad buffers order their collectives after the current stream.")
-_cpu("torch.cuda:default_stream", "current_stream",
-     "Some paths wait on the default stream.")
-_cpu("torch.cuda:stream", "stream",
-     "megatron.training wraps DDP construction in `with torch.cuda.stream(s)`.")
-_cpu("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
-     "host_copy_as_on_gpu",
-     "The alltoall MoE dispatcher expects its split sizes as host numpy arrays after this call; "
-     "on CPU it would leave torch tensors, which all_to_all_single's binding rejects.",
-     wraps=True)
-_cpu("megatron.training.training:initialize_megatron", "allow_no_cuda",
-     "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
-     wraps=True)
-_cpu("megatron.training.arguments:get_device_arch_version", "no_device_architecture",
-     "validate_args asks the GPU for its architecture when TP/CP > 1; there is no driver to ask.",
-     wraps=True)
-_cpu("megatron.training.training:set_jit_fusion_options", "skip_jit_warmup",
-     "The fused-kernel warm-up compiles CUDA kernels; on CPU it costs ~30 s and gains nothing.",
-     wraps=True)
-_cpu("megatron.training.training:build_train_valid_test_data_iterators",
-     "keep_rng_across_data_iterators",
-     "Data-iterator construction draws from the CPU generator, which is also the stand-in "
-     "CUDA generator here; forking keeps dropout identical between resumed and continuous runs.",
-     wraps=True)
+_cpu(
+    "torch.cuda:current_device",
+    "current_device",
+    "megatron allocates P2P, shape-exchange and grad buffers on torch.cuda.current_device().",
+)
+_cpu(
+    "torch.cuda:device_count",
+    "device_count",
+    "megatron.training initialises its model-parallel groups only when a device is counted.",
+)
+_cpu(
+    "torch.cuda:set_device", "set_device", "megatron.training binds each rank to a GPU at start-up."
+)
+_cpu(
+    "torch.cuda:synchronize",
+    "synchronize",
+    "P2P communication and DDP synchronise the GPU; CPU work is already ordered.",
+)
+_cpu(
+    "torch.cuda:get_rng_state",
+    "get_rng_state",
+    "megatron's CUDA RNG tracker saves generator states; the CPU generator stands in.",
+)
+_cpu(
+    "torch.cuda:set_rng_state",
+    "set_rng_state",
+    "megatron's CUDA RNG tracker restores generator states; the CPU generator stands in.",
+)
+_cpu(
+    "torch.cuda:manual_seed",
+    "manual_seed",
+    "model_parallel_cuda_manual_seed seeds the tracker's per-TP-rank streams through it.",
+)
+_cpu(
+    "torch.cuda:manual_seed_all",
+    "manual_seed",
+    "Same as torch.cuda.manual_seed, for callers that seed every device.",
+)
+_cpu(
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+    "megatron_get_rng_state",
+    "The tracker's fork() reads the CUDA default generator directly.",
+)
+_cpu(
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+    "megatron_set_rng_state",
+    "The tracker's fork() writes the CUDA default generator directly (lazily, via CUDA init).",
+)
+_cpu(
+    "torch.cuda:Stream",
+    "FakeStream",
+    "DDP and megatron.training create side streams for communication and model wrapping.",
+)
+_cpu("torch.cuda:Event", "FakeEvent", "Timers and DDP record CUDA events.")
+_cpu(
+    "torch.cuda:current_stream",
+    "current_stream",
+    "DDP's grad buffers order their collectives after the current stream.",
+)
+_cpu("torch.cuda:default_stream", "current_stream", "Some paths wait on the default stream.")
+_cpu(
+    "torch.cuda:stream",
+    "stream",
+    "megatron.training wraps DDP construction in `with torch.cuda.stream(s)`.",
+)
+_cpu(
+    "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+    "host_copy_as_on_gpu",
+    "The alltoall MoE dispatcher expects its split sizes as host numpy arrays after this call; "
+    "on CPU it would leave torch tensors, which all_to_all_single's binding rejects.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:initialize_megatron",
+    "allow_no_cuda",
+    "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.arguments:get_device_arch_version",
+    "no_device_architecture",
+    "validate_args asks the GPU for its architecture when TP/CP > 1; there is no driver to ask.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:set_jit_fusion_options",
+    "skip_jit_warmup",
+    "The fused-kernel warm-up compiles CUDA kernels; on CPU it costs ~30 s and gains nothing.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:build_train_valid_test_data_iterators",
+    "keep_rng_across_data_iterators",
+    "Data-iterator construction draws from the CPU generator, which is also the stand-in "
+    "CUDA generator here; forking keeps dropout identical between resumed and continuous runs.",
+    wraps=True,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -620,7 +693,9 @@ def seam_problem(seam: Seam) -> str | None:
     except (TypeError, ValueError):
         return f"{seam.target} has no readable signature"
     if found != seam.signature:
-        return f"{seam.target} takes ({', '.join(found)}), written for ({', '.join(seam.signature)})"
+        return (
+            f"{seam.target} takes ({', '.join(found)}), written for ({', '.join(seam.signature)})"
+        )
     return None
 
 
@@ -639,8 +714,12 @@ def verify_seams(force: bool = False) -> None:
         f"found {_package_version(seam.package)}]"
         for seam, problem in problems
     ]
-    message = "megatron-ext depends on private code that changed:\n" + "\n".join(lines) + (
-        f"\nInstall the verified versions, or set {ALLOW_UNVERIFIED_ENV}=1 to go on at your own risk."
+    message = (
+        "megatron-ext depends on private code that changed:\n"
+        + "\n".join(lines)
+        + (
+            f"\nInstall the verified versions, or set {ALLOW_UNVERIFIED_ENV}=1 to go on at your own risk."
+        )
     )
     if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         warnings.warn(message, stacklevel=2)
@@ -659,151 +738,263 @@ _MULTIMODULE = f"{_MCORE}.pipeline_parallel.multimodule_communicator"
 _RANDOM = f"{_MCORE}.tensor_parallel.random"
 
 # ---- overridden private methods -------------------------------------------------------
-declare(Seam(
-    f"{_LAYER}._forward_attention", "private_method_override",
-    "HyperConnectionTransformerLayer runs the attention sub-layer on the n streams "
-    "(aggregate, attend, merge); TransformerLayer.forward calls this hook.",
-    ("self", "hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb",
-     "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
-     "inference_context", "packed_seq_params", "sequence_len_offset", "padding_mask",
-     "inference_params"),
-))
-declare(Seam(
-    f"{_LAYER}._forward_mlp", "private_method_override",
-    "HyperConnectionTransformerLayer runs the MLP sub-layer on the n streams.",
-    ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
-))
-declare(Seam(
-    f"{_MTP}:MultiTokenPredictionLayer._concat_embeddings", "private_method_override",
-    "The Hybrid mHC MTP layer contracts the n streams before concatenating the embedding.",
-    ("self", "hidden_states", "decoder_input"),
-))
-declare(Seam(
-    f"{_MTP}:MultiTokenPredictionLayer._postprocess", "private_method_override",
-    "The Hybrid mHC MTP layer keeps its output as n streams for the next depth.",
-    ("self", "hidden_states"),
-))
-declare(Seam(
-    f"{_BRIDGE}._get_or_create_broadcast_pg", "private_method_override",
-    "GridBridgeCommunicator creates the broadcast groups on the grids' backend (upstream "
-    "hard-codes nccl, which fails on CPU/gloo) and caches them per pipeline.",
-    ("ranks_list",),
-))
-declare(Seam(
-    f"{_BRIDGE}._get_or_create_bridge_pg", "private_method_override",
-    "GridBridgeCommunicator: the leader (bridge) groups, likewise on the grids' backend.",
-    ("ranks",),
-))
-declare(Seam(
-    f"{_MULTIMODULE}:MultiModulePipelineCommunicator._build_bridge_comms",
-    "private_method_override",
-    "MultiModuleCommunicator builds GridBridgeCommunicators instead of megatron's bridges.",
-    ("self",),
-))
-declare(Seam(
-    "torch.nn.modules.module:Module._apply", "private_method_override",
-    "HyperConnectionModule keeps its mapping parameters fp32 when the model is cast to "
-    "bf16/fp16 (.half(), Float16Module): every cast goes through _apply.",
-    ("self", "fn", "recurse"), _TORCH,
-))
+declare(
+    Seam(
+        f"{_LAYER}._forward_attention",
+        "private_method_override",
+        "HyperConnectionTransformerLayer runs the attention sub-layer on the n streams "
+        "(aggregate, attend, merge); TransformerLayer.forward calls this hook.",
+        (
+            "self",
+            "hidden_states",
+            "attention_mask",
+            "context",
+            "context_mask",
+            "rotary_pos_emb",
+            "rotary_pos_cos",
+            "rotary_pos_sin",
+            "rotary_pos_cos_sin",
+            "attention_bias",
+            "inference_context",
+            "packed_seq_params",
+            "sequence_len_offset",
+            "padding_mask",
+            "inference_params",
+        ),
+    )
+)
+declare(
+    Seam(
+        f"{_LAYER}._forward_mlp",
+        "private_method_override",
+        "HyperConnectionTransformerLayer runs the MLP sub-layer on the n streams.",
+        ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionLayer._concat_embeddings",
+        "private_method_override",
+        "The Hybrid mHC MTP layer contracts the n streams before concatenating the embedding.",
+        ("self", "hidden_states", "decoder_input"),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionLayer._postprocess",
+        "private_method_override",
+        "The Hybrid mHC MTP layer keeps its output as n streams for the next depth.",
+        ("self", "hidden_states"),
+    )
+)
+declare(
+    Seam(
+        f"{_BRIDGE}._get_or_create_broadcast_pg",
+        "private_method_override",
+        "GridBridgeCommunicator creates the broadcast groups on the grids' backend (upstream "
+        "hard-codes nccl, which fails on CPU/gloo) and caches them per pipeline.",
+        ("ranks_list",),
+    )
+)
+declare(
+    Seam(
+        f"{_BRIDGE}._get_or_create_bridge_pg",
+        "private_method_override",
+        "GridBridgeCommunicator: the leader (bridge) groups, likewise on the grids' backend.",
+        ("ranks",),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:MultiModulePipelineCommunicator._build_bridge_comms",
+        "private_method_override",
+        "MultiModuleCommunicator builds GridBridgeCommunicators instead of megatron's bridges.",
+        ("self",),
+    )
+)
+declare(
+    Seam(
+        "torch.nn.modules.module:Module._apply",
+        "private_method_override",
+        "HyperConnectionModule keeps its mapping parameters fp32 when the model is cast to "
+        "bf16/fp16 (.half(), Float16Module): every cast goes through _apply.",
+        ("self", "fn", "recurse"),
+        _TORCH,
+    )
+)
 
 # ---- private functions called --------------------------------------------------------
-declare(Seam(
-    f"{_RANDOM}:_get_all_rng_states", "private_function",
-    "mHC recompute saves the CPU, CUDA and tracker RNG states at the first forward so the "
-    "recomputed dropout masks match.",
-    (),
-))
-declare(Seam(
-    f"{_RANDOM}:_set_all_rng_states", "private_function",
-    "mHC recompute restores those states before recomputing.",
-    ("cpu_rng_state", "cuda_rng_state", "cuda_rng_state_tracker"),
-))
-declare(Seam(
-    f"{_RANDOM}:_fork_rng", "private_function",
-    "mHC recompute restores the caller's RNG states after recomputing.",
-    (),
-))
-declare(Seam(
-    f"{_MULTIMODULE}:_prepare_tensor_for_comm", "private_function",
-    "MultiModuleCommunicator shapes tensors for the bridge exactly as megatron's does.",
-    ("tensor",),
-))
-declare(Seam(
-    f"{_MULTIMODULE}:_restore_tensor_from_comm", "private_function",
-    "MultiModuleCommunicator restores received tensors exactly as megatron's does.",
-    ("tensor",),
-))
-declare(Seam(
-    f"{_MCORE}.pipeline_parallel.schedules:_build_default_pg_collection", "private_function",
-    "Schedule tracing hands the schedule the process groups it would build itself.",
-    (),
-))
-declare(Seam(
-    f"{_MCORE}.parallel_state:_set_global_memory_buffer", "private_function",
-    "Multi-module pipelines never call initialize_model_parallel, which creates the global "
-    "memory buffer local attention needs; there is no public creator.",
-    (),
-))
-declare(Seam(
-    "torch.autograd:_is_checkpoint_valid", "private_function",
-    "mHC recompute refuses torch.autograd.grad through a recomputed region, as megatron's "
-    "CheckpointFunction does.",
-    (), _TORCH,
-))
-declare(Seam(
-    "argparse:ArgumentParser._get_formatter", "private_function",
-    "The --help repair formats each help string as argparse would.",
-    ("self",), _PYTHON,
-))
-declare(Seam(
-    "argparse:HelpFormatter._expand_help", "private_function",
-    "The --help repair finds megatron help strings that do not %-format.",
-    ("self", "action"), _PYTHON,
-))
-declare(Seam(
-    "sys:_current_frames", "private_function",
-    "The stall watchdog's heartbeat names where a rank's main thread is (and whether it waits "
-    "on a peer) from another thread; Python has no public way to read a thread's frame.",
-    (), _PYTHON,
-))
+declare(
+    Seam(
+        f"{_RANDOM}:_get_all_rng_states",
+        "private_function",
+        "mHC recompute saves the CPU, CUDA and tracker RNG states at the first forward so the "
+        "recomputed dropout masks match.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_RANDOM}:_set_all_rng_states",
+        "private_function",
+        "mHC recompute restores those states before recomputing.",
+        ("cpu_rng_state", "cuda_rng_state", "cuda_rng_state_tracker"),
+    )
+)
+declare(
+    Seam(
+        f"{_RANDOM}:_fork_rng",
+        "private_function",
+        "mHC recompute restores the caller's RNG states after recomputing.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:_prepare_tensor_for_comm",
+        "private_function",
+        "MultiModuleCommunicator shapes tensors for the bridge exactly as megatron's does.",
+        ("tensor",),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:_restore_tensor_from_comm",
+        "private_function",
+        "MultiModuleCommunicator restores received tensors exactly as megatron's does.",
+        ("tensor",),
+    )
+)
+declare(
+    Seam(
+        f"{_MCORE}.pipeline_parallel.schedules:_build_default_pg_collection",
+        "private_function",
+        "Schedule tracing hands the schedule the process groups it would build itself.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_MCORE}.parallel_state:_set_global_memory_buffer",
+        "private_function",
+        "Multi-module pipelines never call initialize_model_parallel, which creates the global "
+        "memory buffer local attention needs; there is no public creator.",
+        (),
+    )
+)
+declare(
+    Seam(
+        "torch.autograd:_is_checkpoint_valid",
+        "private_function",
+        "mHC recompute refuses torch.autograd.grad through a recomputed region, as megatron's "
+        "CheckpointFunction does.",
+        (),
+        _TORCH,
+    )
+)
+declare(
+    Seam(
+        "argparse:ArgumentParser._get_formatter",
+        "private_function",
+        "The --help repair formats each help string as argparse would.",
+        ("self",),
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "argparse:HelpFormatter._expand_help",
+        "private_function",
+        "The --help repair finds megatron help strings that do not %-format.",
+        ("self", "action"),
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "sys:_current_frames",
+        "private_function",
+        "The stall watchdog's heartbeat names where a rank's main thread is (and whether it waits "
+        "on a peer) from another thread; Python has no public way to read a thread's frame.",
+        (),
+        _PYTHON,
+    )
+)
 
 # ---- class adoptions ------------------------------------------------------------------
-declare(Seam(
-    f"{_MCORE}.transformer.transformer_block:TransformerBlock", "class_adoption",
-    "megatron's GPTModel builds its decoder block itself; HyperConnectionTransformerBlock "
-    "adopts it in place (its attributes: config, layers, final_layernorm, post_process).",
-    ("config", "spec", "post_layer_norm", "pre_process", "post_process", "pg_collection",
-     "vp_stage"),
-))
-declare(Seam(
-    f"{_MTP}:MultiTokenPredictionBlock", "class_adoption",
-    "megatron's HybridModel builds its MTP block itself; HyperConnectionMTPBlock adopts it.",
-    ("config", "spec", "vp_stage", "pg_collection", "mtp_layer_pattern", "mtp_num_depths",
-     "hybrid_submodules", "mamba_submodules", "name"),
-))
+declare(
+    Seam(
+        f"{_MCORE}.transformer.transformer_block:TransformerBlock",
+        "class_adoption",
+        "megatron's GPTModel builds its decoder block itself; HyperConnectionTransformerBlock "
+        "adopts it in place (its attributes: config, layers, final_layernorm, post_process).",
+        (
+            "config",
+            "spec",
+            "post_layer_norm",
+            "pre_process",
+            "post_process",
+            "pg_collection",
+            "vp_stage",
+        ),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionBlock",
+        "class_adoption",
+        "megatron's HybridModel builds its MTP block itself; HyperConnectionMTPBlock adopts it.",
+        (
+            "config",
+            "spec",
+            "vp_stage",
+            "pg_collection",
+            "mtp_layer_pattern",
+            "mtp_num_depths",
+            "hybrid_submodules",
+            "mamba_submodules",
+            "name",
+        ),
+    )
+)
 
 # ---- private attributes read -----------------------------------------------------------
-declare(Seam(
-    "argparse:ArgumentParser()._option_string_actions", "private_attribute",
-    "Our flags and their aliases skip spellings megatron's parser already declares.",
-    None, _PYTHON,
-))
-declare(Seam(
-    "argparse:ArgumentParser()._actions", "private_attribute",
-    "The --help repair and the parser-default check walk every action of megatron's parser.",
-    None, _PYTHON,
-))
-declare(Seam(
-    "torch.distributed.distributed_c10d:_world.pg_map", "private_attribute",
-    "Tests release the process groups they created (torch lists them nowhere public).",
-    None, _TORCH,
-))
+declare(
+    Seam(
+        "argparse:ArgumentParser()._option_string_actions",
+        "private_attribute",
+        "Our flags and their aliases skip spellings megatron's parser already declares.",
+        None,
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "argparse:ArgumentParser()._actions",
+        "private_attribute",
+        "The --help repair and the parser-default check walk every action of megatron's parser.",
+        None,
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "torch.distributed.distributed_c10d:_world.pg_map",
+        "private_attribute",
+        "Tests release the process groups they created (torch lists them nowhere public).",
+        None,
+        _TORCH,
+    )
+)
 
 # ---- attributes rewritten on objects megatron built -------------------------------------
-declare(Seam(
-    "argparse:Action", "object_attribute",
-    "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "
-    "rewritten with the '%' escaped.",
-    None, _PYTHON,
-))
+declare(
+    Seam(
+        "argparse:Action",
+        "object_attribute",
+        "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "
+        "rewritten with the '%' escaped.",
+        None,
+        _PYTHON,
+    )
+)

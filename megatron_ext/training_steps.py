@@ -84,31 +84,69 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     fill the fields of :class:`megatron_ext.config.MHCTransformerConfig` of the same names."""
     defaults = MHCTransformerConfig.__dataclass_fields__
     group = parser.add_argument_group(title="megatron-ext", description="mHC residual streams")
-    _add_flag(parser, group, "--enable-mhc-connections", action="store_true",
-              help="n manifold-constrained hyper-connection residual streams per layer "
-              "(alias: --enable-hyper-connections)")
-    _add_flag(parser, group, "--mhc-num-residual-streams", type=int,
-              default=defaults["mhc_num_residual_streams"].default,
-              help="n, the number of residual streams (alias: --num-residual-streams)")
-    _add_flag(parser, group, "--mhc-sinkhorn-iterations", type=int,
-              default=defaults["mhc_sinkhorn_iterations"].default,
-              help="Sinkhorn-Knopp iterations making H_res doubly stochastic")
-    _add_flag(parser, group, "--mhc-init-gating-factor", type=float,
-              default=defaults["mhc_init_gating_factor"].default,
-              help="initial alpha_pre/alpha_post/alpha_res")
-    _add_flag(parser, group, "--mhc-learned-output-contract", action="store_true",
-              help="GPT: contract the streams with upstream dev's learned contraction "
-              "(decoder.hc_head_*) instead of the mean; loads dev GPT checkpoints")
-    _add_flag(parser, group, "--use-fused-mhc", action="store_true",
-              help="run the mHC maths through the fused Triton kernels (CUDA; needs triton, "
-              "n <= 8) instead of the native path")
-    _add_flag(parser, group, "--mhc-recompute-layer-num", type=int, default=None,
-              help="layers per mHC recompute group with --recompute-modules mhc "
-              "(default: the whole stage is one group)")
+    _add_flag(
+        parser,
+        group,
+        "--enable-mhc-connections",
+        action="store_true",
+        help="n manifold-constrained hyper-connection residual streams per layer "
+        "(alias: --enable-hyper-connections)",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-num-residual-streams",
+        type=int,
+        default=defaults["mhc_num_residual_streams"].default,
+        help="n, the number of residual streams (alias: --num-residual-streams)",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-sinkhorn-iterations",
+        type=int,
+        default=defaults["mhc_sinkhorn_iterations"].default,
+        help="Sinkhorn-Knopp iterations making H_res doubly stochastic",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-init-gating-factor",
+        type=float,
+        default=defaults["mhc_init_gating_factor"].default,
+        help="initial alpha_pre/alpha_post/alpha_res",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-learned-output-contract",
+        action="store_true",
+        help="GPT: contract the streams with upstream dev's learned contraction "
+        "(decoder.hc_head_*) instead of the mean; loads dev GPT checkpoints",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--use-fused-mhc",
+        action="store_true",
+        help="run the mHC maths through the fused Triton kernels (CUDA; needs triton, "
+        "n <= 8) instead of the native path",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-recompute-layer-num",
+        type=int,
+        default=None,
+        help="layers per mHC recompute group with --recompute-modules mhc "
+        "(default: the whole stage is one group)",
+    )
     return parser
 
 
-def reject_unsupported_flags(args: argparse.Namespace, entry: str = "megatron_ext.pretrain_gpt") -> None:
+def reject_unsupported_flags(
+    args: argparse.Namespace, entry: str = "megatron_ext.pretrain_gpt"
+) -> None:
     """Refuse the flags of :data:`UNSUPPORTED_FLAGS`, naming upstream's script of ``entry``."""
     used = [flag for dest, flag in UNSUPPORTED_FLAGS.items() if getattr(args, dest, None)]
     if used:
@@ -128,9 +166,10 @@ def fall_back_to_local_layers(args: argparse.Namespace) -> None:
         args.transformer_impl = "local"
 
 
-
 # ---- model config ---------------------------------------------------------------------------------
-def transformer_config(args: argparse.Namespace, config_class: type[TransformerConfig]) -> TransformerConfig:
+def transformer_config(
+    args: argparse.Namespace, config_class: type[TransformerConfig]
+) -> TransformerConfig:
     """The model's TransformerConfig, as ``config_class``, from the parsed flags.
 
     ``config_class`` receives every flag whose name matches one of its fields. Megatron itself
@@ -148,7 +187,9 @@ def transformer_config(args: argparse.Namespace, config_class: type[TransformerC
     return core_transformer_config_from_args(args, config_class=config_class)
 
 
-def language_model_kwargs(args: argparse.Namespace, pre_process: bool, post_process: bool) -> dict[str, Any]:
+def language_model_kwargs(
+    args: argparse.Namespace, pre_process: bool, post_process: bool
+) -> dict[str, Any]:
     """The constructor arguments GPTModel and HybridModel take alike from the flags."""
     return dict(
         vocab_size=args.padded_vocab_size,
@@ -216,7 +257,9 @@ def get_batch(data_iterator, vp_stage: Optional[int], config: TransformerConfig)
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=get_context_parallel_group())
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+    )
     return tuple(batch.get(key) for key in BATCH_KEYS)
 
 
@@ -236,7 +279,9 @@ def _validate_loss(loss: torch.Tensor, args: argparse.Namespace) -> None:
         rerun_state_machine.validate_result(
             result=loss,
             rejection_func=partial(
-                rerun_state_machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+                rerun_state_machine.is_unexpectedly_large,
+                threshold=SPIKY_LOSS_FACTOR,
+                context="loss",
             ),
             message="Spiky loss",
             tolerance=0.0,
@@ -280,7 +325,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         return plan, partial(loss_func, loss_mask, model=model)
 
     with stimer:
-        output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        output_tensor = model(
+            tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+        )
     return output_tensor, partial(loss_func, loss_mask, model=model)
 
 
@@ -349,7 +396,9 @@ def train(
     program_start: float,
     check_args: Callable[[argparse.Namespace], None],
     config_class: type[TransformerConfig] = MHCTransformerConfig,
-    extra_args_provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+    extra_args_provider: Optional[
+        Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+    ] = None,
 ) -> None:
     """Parse the command line's Megatron flags, check them (``check_args``, the entry's own) and
     run ``pretrain`` with ``model_provider(..., config_class=config_class)`` (the entry's model)."""

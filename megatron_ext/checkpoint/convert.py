@@ -94,19 +94,31 @@ def hybrid_from_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """PR #6401/dev Hybrid keys -> megatron-ext's (the inverse of :func:`hybrid_to_upstream`)."""
     layers, converted = _by_layer(state_dict)
     for head, entries in layers.items():
-        inner = {rest[len(UPSTREAM_INNER) + 1:]: v for rest, v in entries.items()
-                 if rest.startswith(UPSTREAM_INNER + ".")}
-        connection = {rest[len(UPSTREAM_HYPER_CONNECTION) + 1:]: v for rest, v in entries.items()
-                      if rest.startswith(UPSTREAM_HYPER_CONNECTION + ".")}
-        stray = set(entries) - {f"{UPSTREAM_INNER}.{k}" for k in inner} - {
-            f"{UPSTREAM_HYPER_CONNECTION}.{k}" for k in connection}
+        inner = {
+            rest[len(UPSTREAM_INNER) + 1 :]: v
+            for rest, v in entries.items()
+            if rest.startswith(UPSTREAM_INNER + ".")
+        }
+        connection = {
+            rest[len(UPSTREAM_HYPER_CONNECTION) + 1 :]: v
+            for rest, v in entries.items()
+            if rest.startswith(UPSTREAM_HYPER_CONNECTION + ".")
+        }
+        stray = (
+            set(entries)
+            - {f"{UPSTREAM_INNER}.{k}" for k in inner}
+            - {f"{UPSTREAM_HYPER_CONNECTION}.{k}" for k in connection}
+        )
         if stray or not inner or not connection:
             raise ConversionError(
                 f"{head}: an upstream Hybrid mHC layer holds only {UPSTREAM_HYPER_CONNECTION}.* and "
                 f"{UPSTREAM_INNER}.* keys (found {sorted(stray) or 'one of them missing'})"
             )
-        kinds = [name for marker, name in HYPER_CONNECTION_BY_INNER
-                 if any(k.startswith(marker) for k in inner)]
+        kinds = [
+            name
+            for marker, name in HYPER_CONNECTION_BY_INNER
+            if any(k.startswith(marker) for k in inner)
+        ]
         if len(kinds) != 1:
             raise ConversionError(
                 f"{head}: cannot tell which sub-block the hyper connection wraps (inner layer has "
@@ -154,7 +166,11 @@ def convert_state_dict(state_dict: Mapping[str, Any], model: str, to: str) -> di
 def _model_entries(checkpoint: Mapping[str, Any]) -> list[str]:
     """The keys of a Megatron torch checkpoint that hold model state dicts ("model", or
     "model0", "model1", ... under virtual pipeline stages); none for a bare state dict."""
-    return sorted(k for k in checkpoint if re.fullmatch(r"model\d*", str(k)) and isinstance(checkpoint[k], Mapping))
+    return sorted(
+        k
+        for k in checkpoint
+        if re.fullmatch(r"model\d*", str(k)) and isinstance(checkpoint[k], Mapping)
+    )
 
 
 def convert_file(source_path: str, target_path: str, model: str, to: str, source: str) -> list[str]:
@@ -165,7 +181,9 @@ def convert_file(source_path: str, target_path: str, model: str, to: str, source
 
     checkpoint = torch.load(source_path, map_location="cpu", weights_only=False)
     if not isinstance(checkpoint, Mapping):
-        raise ConversionError(f"{source_path}: expected a state dict or a Megatron checkpoint, got {type(checkpoint).__name__}")
+        raise ConversionError(
+            f"{source_path}: expected a state dict or a Megatron checkpoint, got {type(checkpoint).__name__}"
+        )
     entries = _model_entries(checkpoint)
     notes: list[str] = []
     if entries:

@@ -58,7 +58,13 @@ class AtomicTrackerStorage:
         inner_open = self._inner.open
 
         def open_(path, mode: str = "r", *args: Any, **kwargs: Any):
-            if mode == "w" and not args and not kwargs and str(path).endswith(TRACKER_NAME) and not _msc_enabled():
+            if (
+                mode == "w"
+                and not args
+                and not kwargs
+                and str(path).endswith(TRACKER_NAME)
+                and not _msc_enabled()
+            ):
                 return atomic_text_file(str(path))
             return inner_open(path, mode, *args, **kwargs)
 

@@ -72,9 +72,8 @@ class MHCTransformerConfig(TransformerConfig):
     @property
     def mhc_recompute_enabled(self) -> bool:
         """True when mHC selective recompute is requested (selective granularity + 'mhc')."""
-        return (
-            self.recompute_granularity == "selective"
-            and MHC_RECOMPUTE_MODULE in (self.recompute_modules or [])
+        return self.recompute_granularity == "selective" and MHC_RECOMPUTE_MODULE in (
+            self.recompute_modules or []
         )
 
     def _validate_mhc(self) -> None:

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+
 @dataclass(frozen=True)
 class Guard:
     """One rule: the function (``module:qualname``) that enforces it, when it runs, and what
@@ -109,8 +110,7 @@ def check_mhc_values(config: Any) -> None:
         )
     if config.mhc_init_gating_factor < 0:
         raise ValueError(
-            "mhc_init_gating_factor must be non-negative, got "
-            f"{config.mhc_init_gating_factor}"
+            f"mhc_init_gating_factor must be non-negative, got {config.mhc_init_gating_factor}"
         )
 
 
@@ -193,8 +193,10 @@ def check_gpt_mhc_mtp(config: Any) -> None:
 
 def check_hybrid_mhc_mtp(config: Any) -> None:
     """Hybrid MTP with mHC must run on the final post-process chunk."""
-    if getattr(config, "enable_mhc_connections", False) and config.mtp_num_layers and (
-        config.mtp_standalone
+    if (
+        getattr(config, "enable_mhc_connections", False)
+        and config.mtp_num_layers
+        and (config.mtp_standalone)
     ):
         raise UnsupportedCombinationError(
             "a standalone MTP stage (mtp_standalone=True) is not supported with "
@@ -233,59 +235,131 @@ def inference_wrapper_rejecting_mhc_pipeline(init):
 # fails on a raising check that is missing here).
 GUARDS: tuple[Guard, ...] = (
     # config: MHCTransformerConfig.__post_init__ runs these, and megatron-ext validate through it
-    Guard("megatron_ext.guards:check_mhc_recompute", "config",
-          "a bad mhc_recompute_layer_num; 'mhc' recompute without mHC, with 'mlp', with offloading"),
-    Guard("megatron_ext.guards:check_fused_mhc", "config",
-          "use_fused_mhc without mHC, with n > 8 streams, or without triton/CUDA (or the interpreter)"),
-    Guard("megatron_ext.guards:check_mhc_values", "config",
-          "mhc_num_residual_streams < 1, mhc_sinkhorn_iterations < 1, mhc_init_gating_factor < 0"),
-    Guard("megatron_ext.guards:check_mhc_features", "config",
-          "mHC with full recompute, fused inference TP communication, fp32 residual connection"),
-    Guard("megatron_ext.guards:check_mhc_layer_features", "config",
-          "mHC with CUDA graphs, offloaded layer norms, or a chunked MLP (any pipeline size)"),
-    Guard("megatron_ext.guards:check_mhc_pipeline", "config",
-          "mHC under PP with the overlapped MoE schedule or activation offloading"),
-    Guard("megatron_ext.guards:check_gpt_mhc_mtp", "config",
-          "a GPT with mHC, PP and MTP (validate; GPTModel at construction)"),
-    Guard("megatron_ext.guards:check_hybrid_mhc_mtp", "config",
-          "a standalone MTP stage with mHC (validate; HybridModel at construction)"),
+    Guard(
+        "megatron_ext.guards:check_mhc_recompute",
+        "config",
+        "a bad mhc_recompute_layer_num; 'mhc' recompute without mHC, with 'mlp', with offloading",
+    ),
+    Guard(
+        "megatron_ext.guards:check_fused_mhc",
+        "config",
+        "use_fused_mhc without mHC, with n > 8 streams, or without triton/CUDA (or the interpreter)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_values",
+        "config",
+        "mhc_num_residual_streams < 1, mhc_sinkhorn_iterations < 1, mhc_init_gating_factor < 0",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_features",
+        "config",
+        "mHC with full recompute, fused inference TP communication, fp32 residual connection",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_layer_features",
+        "config",
+        "mHC with CUDA graphs, offloaded layer norms, or a chunked MLP (any pipeline size)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_pipeline",
+        "config",
+        "mHC under PP with the overlapped MoE schedule or activation offloading",
+    ),
+    Guard(
+        "megatron_ext.guards:check_gpt_mhc_mtp",
+        "config",
+        "a GPT with mHC, PP and MTP (validate; GPTModel at construction)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_hybrid_mhc_mtp",
+        "config",
+        "a standalone MTP stage with mHC (validate; HybridModel at construction)",
+    ),
     # recipe: megatron-ext validate, before any process starts
-    Guard("megatron_ext.recipes.plan:_check_context_parallel", "recipe",
-          "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag"),
-    Guard("megatron_ext.recipes.plan:plan_problems", "recipe",
-          "recipe fields that contradict each other or the parallel plan (ParallelPlan.problems)"),
+    Guard(
+        "megatron_ext.recipes.plan:_check_context_parallel",
+        "recipe",
+        "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag",
+    ),
+    Guard(
+        "megatron_ext.recipes.plan:plan_problems",
+        "recipe",
+        "recipe fields that contradict each other or the parallel plan (ParallelPlan.problems)",
+    ),
     # spec: the layer specs, before any weight exists
-    Guard("megatron_ext.mhc.transformer_layer:_check_config", "spec",
-          "an mHC layer in a config without enable_mhc_connections"),
-    Guard("megatron_ext.mhc.transformer_layer:_check_submodules", "spec",
-          "cross-attention (or its hyper connection) in an mHC layer"),
-    Guard("megatron_ext.mhc.transformer_layer:HyperConnectionTransformerLayer.__init__", "spec",
-          "an mHC layer as a GPT MTP layer, or with a MoE MLP outside HybridModel"),
-    Guard("megatron_ext.mhc.transformer_block:check_layers_support_mhc", "spec",
-          "layers without mHC residual streams in an mHC block"),
-    Guard("megatron_ext.models.hybrid.hybrid_model:_check_mhc_spec", "spec",
-          "a hybrid stack or MTP spec that cannot carry the n streams"),
-    Guard("megatron_ext.models.hybrid.layer_specs:UnavailableHybridLayer.__new__", "spec",
-          "a hybrid pattern symbol the spec cannot build (e.g. Mamba without mamba_ssm)"),
-    Guard("megatron_ext.models.context_parallel:_check_supported", "spec",
-          "local CP attention with a non-causal or sliding-window mask"),
+    Guard(
+        "megatron_ext.mhc.transformer_layer:_check_config",
+        "spec",
+        "an mHC layer in a config without enable_mhc_connections",
+    ),
+    Guard(
+        "megatron_ext.mhc.transformer_layer:_check_submodules",
+        "spec",
+        "cross-attention (or its hyper connection) in an mHC layer",
+    ),
+    Guard(
+        "megatron_ext.mhc.transformer_layer:HyperConnectionTransformerLayer.__init__",
+        "spec",
+        "an mHC layer as a GPT MTP layer, or with a MoE MLP outside HybridModel",
+    ),
+    Guard(
+        "megatron_ext.mhc.transformer_block:check_layers_support_mhc",
+        "spec",
+        "layers without mHC residual streams in an mHC block",
+    ),
+    Guard(
+        "megatron_ext.models.hybrid.hybrid_model:_check_mhc_spec",
+        "spec",
+        "a hybrid stack or MTP spec that cannot carry the n streams",
+    ),
+    Guard(
+        "megatron_ext.models.hybrid.layer_specs:UnavailableHybridLayer.__new__",
+        "spec",
+        "a hybrid pattern symbol the spec cannot build (e.g. Mamba without mamba_ssm)",
+    ),
+    Guard(
+        "megatron_ext.models.context_parallel:_check_supported",
+        "spec",
+        "local CP attention with a non-causal or sliding-window mask",
+    ),
     # build: a model being constructed
-    Guard("megatron_ext.models.hybrid.hybrid_model:HybridModel.__init__", "build",
-          "a chunk with mHC MTP layers but no post_process (layout placing MTP elsewhere)"),
+    Guard(
+        "megatron_ext.models.hybrid.hybrid_model:HybridModel.__init__",
+        "build",
+        "a chunk with mHC MTP layers but no post_process (layout placing MTP elsewhere)",
+    ),
     # forward: only a forward call knows
-    Guard("megatron_ext.mhc.transformer_block:HyperConnectionTransformerBlock._assign_recompute_groups",
-          "forward", "'mhc' recompute with extract_layer_indices while training"),
-    Guard("megatron_ext.models.hybrid.mtp:HyperConnectionMTPLayer.forward_single_position",
-          "forward", "speculative decoding with mHC MTP layers"),
-    Guard("megatron_ext.models.hybrid.mtp:HyperConnectionMTPBlock.forward", "forward",
-          "mHC MTP layers split across pipeline stages"),
-    Guard("megatron_ext.models.context_parallel:ContextParallelDotProductAttention.forward",
-          "forward", "packed sequences (THD) with local CP attention"),
+    Guard(
+        "megatron_ext.mhc.transformer_block:HyperConnectionTransformerBlock._assign_recompute_groups",
+        "forward",
+        "'mhc' recompute with extract_layer_indices while training",
+    ),
+    Guard(
+        "megatron_ext.models.hybrid.mtp:HyperConnectionMTPLayer.forward_single_position",
+        "forward",
+        "speculative decoding with mHC MTP layers",
+    ),
+    Guard(
+        "megatron_ext.models.hybrid.mtp:HyperConnectionMTPBlock.forward",
+        "forward",
+        "mHC MTP layers split across pipeline stages",
+    ),
+    Guard(
+        "megatron_ext.models.context_parallel:ContextParallelDotProductAttention.forward",
+        "forward",
+        "packed sequences (THD) with local CP attention",
+    ),
     # load and inference: registered patches wrap megatron's own functions
-    Guard("megatron_ext.guards.checkpoint_args:checking_model_settings", "load",
-          "a checkpoint whose mHC settings or padded vocabulary differ from the model's"),
-    Guard("megatron_ext.guards:check_mhc_inference_pipeline", "inference",
-          "mHC inference on a pipeline group larger than one"),
+    Guard(
+        "megatron_ext.guards.checkpoint_args:checking_model_settings",
+        "load",
+        "a checkpoint whose mHC settings or padded vocabulary differ from the model's",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_inference_pipeline",
+        "inference",
+        "mHC inference on a pipeline group larger than one",
+    ),
 )
 
 

@@ -35,19 +35,26 @@ def _padded(vocab: int, divisible_by: int, tp: int) -> int:
 def _mhc_settings(ns: Any) -> dict[str, Any]:
     """mHC on/off and, when on, its stream count (off: the count means nothing)."""
     on = bool(getattr(ns, "enable_mhc_connections", False))
-    return {"enable_mhc_connections": on,
-            "mhc_num_residual_streams": getattr(ns, "mhc_num_residual_streams", None) if on else None}
+    return {
+        "enable_mhc_connections": on,
+        "mhc_num_residual_streams": getattr(ns, "mhc_num_residual_streams", None) if on else None,
+    }
 
 
 def mhc_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
     saved, now = _mhc_settings(checkpoint_args), _mhc_settings(args)
-    diffs = [f"{name}: checkpoint {saved[name]!r}, now {now[name]!r}" for name in MHC_FIELDS
-             if saved[name] != now[name]]
+    diffs = [
+        f"{name}: checkpoint {saved[name]!r}, now {now[name]!r}"
+        for name in MHC_FIELDS
+        if saved[name] != now[name]
+    ]
     if not diffs:
         return None
-    return ("the checkpoint's mHC settings differ from this model's (" + "; ".join(diffs) + "); the "
-            "hyper-connection weights would be dropped or misread. Use the checkpoint's mHC flags "
-            f"(--enable-mhc-connections, --mhc-num-residual-streams), or set {ALLOW_ENV}=1 to load anyway")
+    return (
+        "the checkpoint's mHC settings differ from this model's (" + "; ".join(diffs) + "); the "
+        "hyper-connection weights would be dropped or misread. Use the checkpoint's mHC flags "
+        f"(--enable-mhc-connections, --mhc-num-residual-streams), or set {ALLOW_ENV}=1 to load anyway"
+    )
 
 
 def vocab_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
@@ -63,11 +70,17 @@ def vocab_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
     if divisible and saved_tp and vocab:
         candidate = divisible * saved_tp // tp if (divisible * saved_tp) % tp == 0 else None
         if candidate and _padded(vocab, candidate, tp) == saved:
-            fix = f"pass --make-vocab-size-divisible-by {candidate} to keep the checkpoint's padding"
-    fix = fix or "pin --make-vocab-size-divisible-by so the padded vocabulary stays the checkpoint's"
-    return (f"the padded vocabulary changes on resume: {saved} in the checkpoint (TP {saved_tp}), {now} "
-            f"now (TP {tp}); the embedding and output rows would be re-cut and the loss would change. "
-            f"{fix[0].upper()}{fix[1:]} (or set {ALLOW_ENV}=1 to load anyway)")
+            fix = (
+                f"pass --make-vocab-size-divisible-by {candidate} to keep the checkpoint's padding"
+            )
+    fix = (
+        fix or "pin --make-vocab-size-divisible-by so the padded vocabulary stays the checkpoint's"
+    )
+    return (
+        f"the padded vocabulary changes on resume: {saved} in the checkpoint (TP {saved_tp}), {now} "
+        f"now (TP {tp}); the embedding and output rows would be re-cut and the loss would change. "
+        f"{fix[0].upper()}{fix[1:]} (or set {ALLOW_ENV}=1 to load anyway)"
+    )
 
 
 def checking_model_settings(original: Callable[..., None]) -> Callable[..., None]:
@@ -79,7 +92,11 @@ def checking_model_settings(original: Callable[..., None]) -> Callable[..., None
         from megatron.training import get_args
 
         args = get_args()
-        problems = [p for p in (mhc_mismatch(checkpoint_args, args), vocab_mismatch(checkpoint_args, args)) if p]
+        problems = [
+            p
+            for p in (mhc_mismatch(checkpoint_args, args), vocab_mismatch(checkpoint_args, args))
+            if p
+        ]
         if not problems:
             return
         if os.environ.get(ALLOW_ENV) == "1":

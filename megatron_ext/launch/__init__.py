@@ -23,6 +23,7 @@ __all__ = ["CPU_DEMO_ARGS", "CPU_DEMO_NPROC", "silence_warnings_off_rank_zero"]
 CPU_DEMO_NPROC = 2
 """Ranks for the demo: one per pipeline stage."""
 
+# fmt: off
 CPU_DEMO_ARGS: tuple[str, ...] = (
     # A 4-layer GPT split over 2 pipeline stages. It is small enough for 2 cores.
     "--pipeline-model-parallel-size", "2",
@@ -54,6 +55,7 @@ CPU_DEMO_ARGS: tuple[str, ...] = (
     "--eval-iters", "1",
     "--eval-interval", "5",
 )
+# fmt: on
 
 _NOISY_CATEGORIES = (UserWarning, FutureWarning, DeprecationWarning)
 

@@ -33,13 +33,17 @@ def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
-def cpu_demo_command(extra_args: list[str] | tuple[str, ...] = (), nproc: int = CPU_DEMO_NPROC) -> list[str]:
+def cpu_demo_command(
+    extra_args: list[str] | tuple[str, ...] = (), nproc: int = CPU_DEMO_NPROC
+) -> list[str]:
     """The full command line that runs the demo, with ``extra_args`` appended."""
     return [
         *_torchrun(),
         "--standalone",  # a free rendezvous port: two demos (or a demo and a test) can overlap
-        "--nproc_per_node", str(nproc),
-        "-m", ENTRY_MODULE,
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        ENTRY_MODULE,
         *CPU_DEMO_ARGS,
         *extra_args,
     ]

@@ -61,7 +61,9 @@ def parse_fault(text: str) -> Fault:
         raise ValueError(f"{FAULT_ENV}={text!r}: rank and step must be integers") from None
     kind = fields.get("kind", "raise")
     if kind not in KINDS or rank < 0 or step < 1:
-        raise ValueError(f"{FAULT_ENV}={text!r}: kind is one of {', '.join(KINDS)}, rank >= 0, step >= 1")
+        raise ValueError(
+            f"{FAULT_ENV}={text!r}: kind is one of {', '.join(KINDS)}, rank >= 0, step >= 1"
+        )
     return Fault(rank, step, kind)
 
 
@@ -109,7 +111,11 @@ def at_step(step: int) -> None:
 def where(exc: BaseException) -> str:
     """The training step (if one had started) and the innermost frame of the error."""
     frames = traceback.extract_tb(exc.__traceback__)
-    place = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    place = (
+        f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
+        if frames
+        else "?"
+    )
     step = f"step {_current_step}" if _current_step is not None else "start-up (before step 1)"
     return f"{step}, {place}"
 
@@ -159,7 +165,9 @@ def failure_in_log(path: Path) -> Optional[RankFailure]:
     for line in reversed(text.splitlines()):
         match = _MARKER_LINE.search(line)
         if match:
-            return RankFailure(int(match.group(1)), float(match.group(2)), match.group(3), match.group(4))
+            return RankFailure(
+                int(match.group(1)), float(match.group(2)), match.group(3), match.group(4)
+            )
     return None
 
 

@@ -43,9 +43,14 @@ STARTUP_S = 300.0
 
 # Main-thread frames whose file path contains one of these: the rank waits on its peers
 # (a blocked ``work.wait()`` is a C call, so the innermost Python frame is its caller's).
-_WAITING_PATHS = ("/torch/distributed/", "p2p_communication.py", "bridge_communicator.py",
-                  "multimodule_communicator.py", "/megatron_ext/multimodule/communicator.py",
-                  "/megatron_ext/pipeline/p2p.py")
+_WAITING_PATHS = (
+    "/torch/distributed/",
+    "p2p_communication.py",
+    "bridge_communicator.py",
+    "multimodule_communicator.py",
+    "/megatron_ext/multimodule/communicator.py",
+    "/megatron_ext/pipeline/p2p.py",
+)
 # ... or is busy with checkpoint I/O (may take long without being stuck).
 _IO_PATHS = ("checkpointing.py", "/dist_checkpointing/")
 
@@ -86,9 +91,17 @@ def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
 
 def beat_record(rank: int, main_ident: int) -> dict:
     place, waiting, io = main_thread_place(main_ident)
-    return {"rank": rank, "pid": os.getpid(), "step": _state.step, "progress": _state.progress,
-            "slowest_gap": _state.slowest_gap, "beat": time.time(), "where": place,
-            "waiting": waiting, "io": io}
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "step": _state.step,
+        "progress": _state.progress,
+        "slowest_gap": _state.slowest_gap,
+        "beat": time.time(),
+        "where": place,
+        "waiting": waiting,
+        "io": io,
+    }
 
 
 def _write(path: Path, record: dict) -> None:
@@ -130,8 +143,10 @@ class Stall:
 
     def __str__(self) -> str:
         at = f"at step {self.step}" if self.step is not None else "during start-up (before step 1)"
-        text = (f"rank {self.rank} stalled {at}: no progress on any rank for {self.idle_s:.0f} s "
-                f"(stall limit {self.limit_s:.0f} s), its main thread in {self.where}")
+        text = (
+            f"rank {self.rank} stalled {at}: no progress on any rank for {self.idle_s:.0f} s "
+            f"(stall limit {self.limit_s:.0f} s), its main thread in {self.where}"
+        )
         if self.waiting:
             text += f"; rank(s) {', '.join(map(str, self.waiting))} waiting on a peer (in communication)"
         return text
@@ -153,8 +168,14 @@ def _env_seconds(name: str) -> Optional[float]:
 class Watchdog:
     """Reads the ranks' heartbeats; :meth:`check` returns a :class:`Stall` once the run is stuck."""
 
-    def __init__(self, directory: Path, nproc: int, stall_s: Optional[float] = None,
-                 startup_s: Optional[float] = None, started: Optional[float] = None):
+    def __init__(
+        self,
+        directory: Path,
+        nproc: int,
+        stall_s: Optional[float] = None,
+        startup_s: Optional[float] = None,
+        started: Optional[float] = None,
+    ):
         self.directory, self.nproc = Path(directory), nproc
         self.stall_s = stall_s if stall_s is not None else _env_seconds(STALL_ENV)
         startup = startup_s if startup_s is not None else _env_seconds(STARTUP_ENV)
@@ -206,5 +227,11 @@ def name_stalled(beats: dict[int, dict], nproc: int, idle_s: float, limit_s: flo
     candidates = [r for r in beats if r not in waiting] or list(beats)
     rank = min(candidates, key=lambda r: (beats[r].get("progress") or 0.0, r))
     beat = beats[rank]
-    return Stall(rank, beat.get("step"), idle_s, limit_s, str(beat.get("where")),
-                 tuple(r for r in waiting if r != rank))
+    return Stall(
+        rank,
+        beat.get("step"),
+        idle_s,
+        limit_s,
+        str(beat.get("where")),
+        tuple(r for r in waiting if r != rank),
+    )

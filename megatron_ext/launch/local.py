@@ -46,12 +46,24 @@ def _agent_store(world_size: int, timeout_s: float):
 
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=max(60.0, timeout_s)))
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=max(60.0, timeout_s)),
+    )
 
 
-def rank_environment(rank: int, world_size: int, port: int, local_world_size: Optional[int] = None,
-                     master_addr: str = "127.0.0.1", agent_store: bool = False) -> dict[str, str]:
+def rank_environment(
+    rank: int,
+    world_size: int,
+    port: int,
+    local_world_size: Optional[int] = None,
+    master_addr: str = "127.0.0.1",
+    agent_store: bool = False,
+) -> dict[str, str]:
     """The variables torchrun gives rank ``rank`` of a single-node job."""
     local = local_world_size or world_size
     env = {"TORCHELASTIC_USE_AGENT_STORE": str(True)} if agent_store else {}
@@ -243,8 +255,9 @@ def _prepare_heartbeats(job: LocalJob) -> heartbeat.Watchdog:
     job.heartbeat_dir.mkdir(parents=True, exist_ok=True)
     for old in job.heartbeat_dir.glob("rank-*"):
         old.unlink(missing_ok=True)
-    return heartbeat.Watchdog(job.heartbeat_dir, job.nproc, stall_s=job.stall_timeout_s,
-                              startup_s=job.startup_timeout_s)
+    return heartbeat.Watchdog(
+        job.heartbeat_dir, job.nproc, stall_s=job.stall_timeout_s, startup_s=job.startup_timeout_s
+    )
 
 
 def stop(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -276,8 +289,11 @@ def _reap(procs: dict[int, subprocess.Popen], peak_rss_kib: dict[int, int]) -> N
             peak_rss_kib[rank] = int(usage.ru_maxrss)
 
 
-def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
-           follow_rank: Optional[int] = None) -> LaunchResult:
+def launch(
+    job: LocalJob,
+    on_line: Optional[Callable[[str], None]] = None,
+    follow_rank: Optional[int] = None,
+) -> LaunchResult:
     """Run ``job`` to the end; ``on_line`` receives each line that rank ``follow_rank``
     (default: the last, which prints Megatron's iteration lines) writes to its log."""
     job.log_dir.mkdir(parents=True, exist_ok=True)
@@ -294,12 +310,22 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
     with stop_signals_interrupt():
         try:
             for rank in range(job.nproc):
-                env = {**os.environ, **job.env, **rank_environment(rank, job.nproc, port, agent_store=True),
-                       heartbeat.DIR_ENV: str(job.heartbeat_dir)}
+                env = {
+                    **os.environ,
+                    **job.env,
+                    **rank_environment(rank, job.nproc, port, agent_store=True),
+                    heartbeat.DIR_ENV: str(job.heartbeat_dir),
+                }
                 with open(job.log_path(rank), "w") as log:
                     procs[rank] = subprocess.Popen(
-                        job.rank_command(), cwd=job.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                        job.rank_command(),
+                        cwd=job.cwd,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
                     )
             failed_at = None
             while True:
@@ -310,8 +336,10 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
                 if failed_rank is None:
                     # Several may have ended since the last poll: a rank killed by a signal
                     # caused its peers' communication errors, not the other way round.
-                    bad = sorted((r for r, c in codes.items() if c not in (None, 0)),
-                                 key=lambda r: (codes[r] >= 0, r))
+                    bad = sorted(
+                        (r for r, c in codes.items() if c not in (None, 0)),
+                        key=lambda r: (codes[r] >= 0, r),
+                    )
                     if bad:
                         failed_rank, failed_at = bad[0], time.monotonic()
                 if all(c is not None for c in codes.values()):
@@ -346,8 +374,9 @@ def launch(job: LocalJob, on_line: Optional[Callable[[str], None]] = None,
         returncode = codes[failed_rank] or 1
     else:
         returncode = next((c for c in codes.values() if c), 0)
-    return LaunchResult(returncode, failed_rank, time.monotonic() - start, codes, timed_out,
-                        peak_rss_kib, stall)
+    return LaunchResult(
+        returncode, failed_rank, time.monotonic() - start, codes, timed_out, peak_rss_kib, stall
+    )
 
 
 def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
@@ -359,12 +388,16 @@ def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
         return str(result.stall)
     code = result.rank_codes.get(result.failed_rank) if result.failed_rank is not None else None
     if code is not None and code < 0:  # killed from outside: its peers' errors follow from it
-        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+        return (
+            f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+        )
     reported = faults.first_failure(job.log_path(r) for r in range(job.nproc))
     if reported is not None:
         return str(reported)
     if result.failed_rank is not None:
-        return f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+        return (
+            f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
+        )
     return None
 
 

@@ -80,11 +80,17 @@ def _check_directive_values(job: SlurmJob) -> None:
     """#SBATCH lines cannot be quoted for bash (they are comments); refuse line breaks."""
     from megatron_ext.recipes.safety import check_directives
 
-    check_directives([
-        ("job name", job.name), ("partition", job.partition), ("account", job.account),
-        ("time", job.time), ("run directory", job.run_dir), ("working directory", job.workdir),
-        *((f"sbatch_args[{i}]", a) for i, a in enumerate(job.sbatch_args)),
-    ])
+    check_directives(
+        [
+            ("job name", job.name),
+            ("partition", job.partition),
+            ("account", job.account),
+            ("time", job.time),
+            ("run directory", job.run_dir),
+            ("working directory", job.workdir),
+            *((f"sbatch_args[{i}]", a) for i, a in enumerate(job.sbatch_args)),
+        ]
+    )
 
 
 def sbatch_script(job: SlurmJob) -> str:
@@ -127,15 +133,22 @@ def sbatch_script(job: SlurmJob) -> str:
     plain = {k: v for k, v in job.env.items() if not is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in plain.items()))
-    rank_env = ("export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
-                "LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS} GROUP_RANK=$SLURM_NODEID")
+    rank_env = (
+        "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID "
+        "LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-$SLURM_NTASKS} GROUP_RANK=$SLURM_NODEID"
+    )
     container: list[str] = []
     if job.container_image:
-        mounts = list(dict.fromkeys([*job.container_mounts, f"{run_dir}:{run_dir}",
-                                     f"{job.workdir}:{job.workdir}"]))
-        container = [f"--container-image={job.container_image}",
-                     f"--container-mounts={','.join(mounts)}",
-                     f"--container-workdir={job.workdir}"]
+        mounts = list(
+            dict.fromkeys(
+                [*job.container_mounts, f"{run_dir}:{run_dir}", f"{job.workdir}:{job.workdir}"]
+            )
+        )
+        container = [
+            f"--container-image={job.container_image}",
+            f"--container-mounts={','.join(mounts)}",
+            f"--container-workdir={job.workdir}",
+        ]
     from megatron_ext.recipes.safety import ENV_KEY, UnsafeValueError
 
     for key in job.env:
@@ -150,8 +163,14 @@ def sbatch_script(job: SlurmJob) -> str:
             f"export MASTER_PORT=$((BASE_PORT + {i}))",
             f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
         ]
-        srun = ["srun", "--mpi=none", "--kill-on-bad-exit=1", f"--ntasks={job.world_size}",
-                f"--output={step.log_dir}/rank-%t.log", *container]
+        srun = [
+            "srun",
+            "--mpi=none",
+            "--kill-on-bad-exit=1",
+            f"--ntasks={job.world_size}",
+            f"--output={step.log_dir}/rank-%t.log",
+            *container,
+        ]
         inner = f'{rank_env}; exec {q(job.python)} -m {q(step.module)} "$@"'
         head = shlex.join(srun) + f" bash -c {q(inner)} megatron-ext"
         groups: list[list[str]] = []
@@ -174,15 +193,23 @@ def submit(script: Path, env: Optional[dict[str, str]] = None) -> str:
     the job inherits through sbatch's environment instead of the script."""
     import os
 
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                          env={**os.environ, **env} if env else None)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env} if env else None,
+    )
     if proc.returncode != 0:
-        raise SlurmError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        raise SlurmError(
+            f"sbatch failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+        )
     return proc.stdout.strip().split(";")[0]
 
 
 def _squeue_state(job_id: str) -> Optional[str]:
-    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         return None  # the job has left squeue's memory (invalid job id)
     return proc.stdout.strip() or None
@@ -195,8 +222,7 @@ def job_state(job_id: str) -> tuple[Optional[str], Optional[int]]:
         return None, None
     state = re.search(r"JobState=(\S+)", proc.stdout)
     code = re.search(r"ExitCode=(\d+):(\d+)", proc.stdout)
-    return (state.group(1) if state else None,
-            int(code.group(1)) if code else None)
+    return (state.group(1) if state else None, int(code.group(1)) if code else None)
 
 
 def cancel(job_id: str) -> None:
@@ -216,8 +242,13 @@ class JobResult:
         return not self.timed_out and self.exit_code == 0 and self.state in (None, "COMPLETED")
 
 
-def wait(job_id: str, run_dir: Path, timeout_s: float, on_poll: Optional[Callable[[], None]] = None,
-         on_state: Optional[Callable[[str], None]] = None) -> JobResult:
+def wait(
+    job_id: str,
+    run_dir: Path,
+    timeout_s: float,
+    on_poll: Optional[Callable[[], None]] = None,
+    on_state: Optional[Callable[[str], None]] = None,
+) -> JobResult:
     """Block until the job leaves the queue (cancelling it after ``timeout_s``)."""
     start = time.monotonic()
     last_state = None

@@ -146,12 +146,26 @@ def _parser_has_dest(parser: argparse.ArgumentParser, dest: str) -> bool:
 # Sizes validate_args divides by (or takes modulo of) before checking them: 0 there is a
 # ZeroDivisionError traceback, so they are checked first.
 POSITIVE_SIZE_FLAGS = (
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-    "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-    "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--seq-length",
-    "--micro-batch-size", "--global-batch-size", "--mhc-num-residual-streams", "--num-residual-streams",
-    "--mhc-sinkhorn-iterations", "--mhc-recompute-layer-num", "--mtp-num-layers", "--num-experts",
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
+    "--virtual-pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--num-query-groups",
+    "--seq-length",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--mhc-num-residual-streams",
+    "--num-residual-streams",
+    "--mhc-sinkhorn-iterations",
+    "--mhc-recompute-layer-num",
+    "--mtp-num-layers",
+    "--num-experts",
 )
 
 
@@ -174,7 +188,14 @@ def size_flag_problem(argv: Iterable[str]) -> Optional[str]:
 
 
 # What megatron's validate_args (and the config checks it runs) raise for a bad command line.
-ARGUMENT_ERRORS = (AssertionError, ValueError, TypeError, KeyError, NotImplementedError, RuntimeError)
+ARGUMENT_ERRORS = (
+    AssertionError,
+    ValueError,
+    TypeError,
+    KeyError,
+    NotImplementedError,
+    RuntimeError,
+)
 
 
 def parse_megatron_args(
@@ -198,7 +219,9 @@ def parse_megatron_args(
     if problem:
         raise SystemExit(f"error: {problem}")
     try:
-        args = parse_and_validate_args(extra_args_provider=provider, args_defaults=args_defaults or {})
+        args = parse_and_validate_args(
+            extra_args_provider=provider, args_defaults=args_defaults or {}
+        )
     except ARGUMENT_ERRORS as exc:  # validate_args asserts: one line naming it, not a traceback
         text = " ".join((str(exc).strip() or type(exc).__name__).split())
         raise SystemExit(f"error: Megatron's argument checks: {text}") from None
@@ -213,13 +236,20 @@ def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> Opti
     ``--enable-mhc-connections`` would train a different model without a word: refuse."""
     if getattr(args, "enable_mhc_connections", False):
         return None
-    given = sorted({flag for flag in (token.split("=", 1)[0] for token in argv)
-                    if flag.startswith("--mhc-") or flag == "--use-fused-mhc"})
+    given = sorted(
+        {
+            flag
+            for flag in (token.split("=", 1)[0] for token in argv)
+            if flag.startswith("--mhc-") or flag == "--use-fused-mhc"
+        }
+    )
     if not given:
         return None
-    return (f"{', '.join(given)} given without --enable-mhc-connections, so mHC would be off and "
-            "they would do nothing; add --enable-mhc-connections (recipes: model.mhc.enabled: true) "
-            "or remove them")
+    return (
+        f"{', '.join(given)} given without --enable-mhc-connections, so mHC would be off and "
+        "they would do nothing; add --enable-mhc-connections (recipes: model.mhc.enabled: true) "
+        "or remove them"
+    )
 
 
 # ---- 4. pretrain ---------------------------------------------------------------------------------

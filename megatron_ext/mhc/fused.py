@@ -113,10 +113,12 @@ def _kernels():
 # are small on GPU so an n x n x BH product fits in registers. The interpreter runs programs one
 # after another with numpy, so it gets bigger token blocks (fewer programs; still several per
 # test tensor, so the block offsets are exercised).
-_GPU_TILES = dict(dot_tokens=16, dot_cols=64, sinkhorn_tokens=64, stream_tokens=4,
-                  stream_hidden=128)
-_INTERPRETER_TILES = dict(dot_tokens=16, dot_cols=64, sinkhorn_tokens=16, stream_tokens=16,
-                          stream_hidden=64)
+_GPU_TILES = dict(
+    dot_tokens=16, dot_cols=64, sinkhorn_tokens=64, stream_tokens=4, stream_hidden=128
+)
+_INTERPRETER_TILES = dict(
+    dot_tokens=16, dot_cols=64, sinkhorn_tokens=16, stream_tokens=16, stream_hidden=64
+)
 
 
 def _tiles() -> dict:
@@ -149,19 +151,49 @@ class FusedStreamsIn(torch.autograd.Function):
         inv_rms = torch.empty(tokens, **f32)
         dot_tokens, dot_cols = tiles["dot_tokens"], tiles["dot_cols"]
         kernels["maps"][(_cdiv(tokens, dot_tokens),)](
-            x3, weight, bias, z, projected, pre, post, norm, inv_rms, tokens, nh, width,
-            RMS_EPS, 1.0 / math.sqrt(nh), N=n, KP=max(16, _pow2(width)), BT=dot_tokens,
+            x3,
+            weight,
+            bias,
+            z,
+            projected,
+            pre,
+            post,
+            norm,
+            inv_rms,
+            tokens,
+            nh,
+            width,
+            RMS_EPS,
+            1.0 / math.sqrt(nh),
+            N=n,
+            KP=max(16, _pow2(width)),
+            BT=dot_tokens,
             BC=dot_cols,
         )
         mix = torch.empty(tokens, n, n, device=x3.device, dtype=x3.dtype)
         kernels["sinkhorn"][(_cdiv(tokens, tiles["sinkhorn_tokens"]),)](
-            z, mix, tokens, width, iterations, _MIN_DENOMINATOR, N=n, NP=_pow2(n),
+            z,
+            mix,
+            tokens,
+            width,
+            iterations,
+            _MIN_DENOMINATOR,
+            N=n,
+            NP=_pow2(n),
             BT=tiles["sinkhorn_tokens"],
         )
         aggregated = torch.empty(tokens, 1, hidden, device=x3.device, dtype=x3.dtype)
         bt, bh = tiles["stream_tokens"], tiles["stream_hidden"]
         kernels["aggregate"][(_cdiv(tokens, bt), _cdiv(hidden, bh))](
-            x3, pre, aggregated, tokens, hidden, N=n, NP=_pow2(n), BT=bt, BH=bh,
+            x3,
+            pre,
+            aggregated,
+            tokens,
+            hidden,
+            N=n,
+            NP=_pow2(n),
+            BT=bt,
+            BH=bh,
         )
         ctx.save_for_backward(x3, weight, z, projected, pre, post, norm, inv_rms)
         ctx.n, ctx.iterations = n, iterations
@@ -177,14 +209,29 @@ class FusedStreamsIn(torch.autograd.Function):
         grad_z = torch.zeros(tokens, width, device=x3.device, dtype=torch.float32)
         if grad_mix is not None:
             kernels["sinkhorn_backward"][(_cdiv(tokens, tiles["sinkhorn_tokens"]),)](
-                z, grad_mix.contiguous(), grad_z, tokens, width, iterations, _MIN_DENOMINATOR,
-                N=n, NP=_pow2(n), BT=tiles["sinkhorn_tokens"],
+                z,
+                grad_mix.contiguous(),
+                grad_z,
+                tokens,
+                width,
+                iterations,
+                _MIN_DENOMINATOR,
+                N=n,
+                NP=_pow2(n),
+                BT=tiles["sinkhorn_tokens"],
             )
         grad_aggregated = grad_aggregated.reshape(tokens, hidden).contiguous()
         grad_pre = torch.empty(tokens, n, device=x3.device, dtype=torch.float32)
         kernels["aggregate_backward"][(_cdiv(tokens, tiles["stream_tokens"]),)](
-            x3, grad_aggregated, grad_pre, tokens, hidden, N=n, NP=_pow2(n),
-            BT=tiles["stream_tokens"], BH=tiles["stream_hidden"],
+            x3,
+            grad_aggregated,
+            grad_pre,
+            tokens,
+            hidden,
+            N=n,
+            NP=_pow2(n),
+            BT=tiles["stream_tokens"],
+            BH=tiles["stream_hidden"],
         )
         # The [T, n²+2n] glue (sigmoid and RMS derivatives) is a handful of tiny ops.
         grad_z[:, :n] = grad_pre * pre * (1.0 - pre)
@@ -199,8 +246,20 @@ class FusedStreamsIn(torch.autograd.Function):
         grad_x = torch.empty_like(x3)
         dot_tokens, dot_cols = tiles["dot_tokens"], tiles["dot_cols"]
         kernels["streams_grad"][(_cdiv(tokens, dot_tokens), _cdiv(nh, dot_cols))](
-            x3, grad_aggregated, pre, grad_projected, weight, coefficient.contiguous(), grad_x,
-            tokens, hidden, width, N=n, KP=max(16, _pow2(width)), BT=dot_tokens, BC=dot_cols,
+            x3,
+            grad_aggregated,
+            pre,
+            grad_projected,
+            weight,
+            coefficient.contiguous(),
+            grad_x,
+            tokens,
+            hidden,
+            width,
+            N=n,
+            KP=max(16, _pow2(width)),
+            BT=dot_tokens,
+            BC=dot_cols,
         )
         # The weight gradient is a plain GEMM: left to torch.
         grad_weight = torch.mm(grad_projected.t(), x3.reshape(tokens, nh).float())
@@ -225,8 +284,21 @@ class FusedMerge(torch.autograd.Function):
         out = torch.empty_like(x3)
         bt, bh = tiles["stream_tokens"], tiles["stream_hidden"]
         kernels["merge"][(_cdiv(tokens, bt), _cdiv(hidden, bh))](
-            mix, x3, post, y, bias_arg, seed, out, tokens, hidden, float(dropout_p), N=n,
-            NP=_pow2(n), BT=bt, BH=bh, HAS_BIAS=has_bias,
+            mix,
+            x3,
+            post,
+            y,
+            bias_arg,
+            seed,
+            out,
+            tokens,
+            hidden,
+            float(dropout_p),
+            N=n,
+            NP=_pow2(n),
+            BT=bt,
+            BH=bh,
+            HAS_BIAS=has_bias,
             DROPOUT=dropout_p > 0,
         )
         ctx.save_for_backward(mix, x3, post, y, bias_arg, seed)
@@ -244,14 +316,36 @@ class FusedMerge(torch.autograd.Function):
         grad_mix = torch.empty(tokens, n, n, device=x3.device, dtype=torch.float32)
         grad_post = torch.empty(tokens, n, device=x3.device, dtype=torch.float32)
         kernels["merge_backward"][(_cdiv(tokens, tiles["stream_tokens"]),)](
-            grad.contiguous(), mix, x3, post, y, bias_arg, seed, grad_x, grad_y, grad_mix,
-            grad_post, tokens, hidden, float(ctx.dropout_p), N=n, NP=_pow2(n),
-            BT=tiles["stream_tokens"], BH=tiles["stream_hidden"], HAS_BIAS=ctx.has_bias,
+            grad.contiguous(),
+            mix,
+            x3,
+            post,
+            y,
+            bias_arg,
+            seed,
+            grad_x,
+            grad_y,
+            grad_mix,
+            grad_post,
+            tokens,
+            hidden,
+            float(ctx.dropout_p),
+            N=n,
+            NP=_pow2(n),
+            BT=tiles["stream_tokens"],
+            BH=tiles["stream_hidden"],
+            HAS_BIAS=ctx.has_bias,
             DROPOUT=ctx.dropout_p > 0,
         )
         grad_bias = grad_y.sum(dim=0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return (grad_mix.to(mix.dtype), grad_x, grad_post.to(post.dtype),
-                grad_y.to(y.dtype), grad_bias, None)
+        return (
+            grad_mix.to(mix.dtype),
+            grad_x,
+            grad_post.to(post.dtype),
+            grad_y.to(y.dtype),
+            grad_bias,
+            None,
+        )
 
 
 def fused_streams_in(x3, gated_weight, bias, n: int, iterations: int):

@@ -238,9 +238,7 @@ def bias_dropout_add_streams(
     if training and dropout_p > 0:
         return _dropout_merge(h_res, residual, h_post, y, bias, dropout_p)
     dtype = residual.dtype
-    return merge_rows(
-        _mix_matrices(h_res, dtype), residual, _post_cols(h_post, dtype), y, bias
-    )
+    return merge_rows(_mix_matrices(h_res, dtype), residual, _post_cols(h_post, dtype), y, bias)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -381,9 +379,7 @@ class HyperConnectionModule(MegatronModule):
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
-    def compute_mappings(
-        self, x: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute_mappings(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
         if self.use_reference_path:
             return reference_mappings(self, x)

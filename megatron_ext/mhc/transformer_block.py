@@ -141,7 +141,10 @@ class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
             metadata = ensure_metadata_has_dp_cp_group(metadata)
             sharded_state_dict.update(
                 make_sharded_tensors_for_checkpoint(
-                    own, prefix, sharded_offsets=sharded_offsets or (), tp_group=self.tp_group,
+                    own,
+                    prefix,
+                    sharded_offsets=sharded_offsets or (),
+                    tp_group=self.tp_group,
                     dp_cp_group=metadata["dp_cp_group"],
                 )
             )

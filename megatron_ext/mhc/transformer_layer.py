@@ -196,9 +196,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             return layer_input
         return run_maybe_checkpointed(recompute, apply_norm, (layer_input,))
 
-    def _merge(
-        self, connection, h_res, residual, h_post, output_with_bias, recompute
-    ) -> Tensor:
+    def _merge(self, connection, h_res, residual, h_post, output_with_bias, recompute) -> Tensor:
         """``H_resᵀ · residual + dropout(H_post ⊗ (y + bias))`` ``[s, b, n*h]`` (discardable
         unless it is the output that ends a recompute group: pass ``recompute=None`` then)."""
         output, bias = output_with_bias

@@ -55,9 +55,7 @@ def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def local_token_positions(
-    local_seq_length: int, cp_size: int, cp_rank: int, device=None
-) -> Tensor:
+def local_token_positions(local_seq_length: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
     """Global sequence index of each of this rank's ``local_seq_length`` tokens."""
     if local_seq_length % 2:
         raise ValueError(

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_token_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the per-token losses where ``loss_mask`` is set, the mask as fp32 [N])."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()

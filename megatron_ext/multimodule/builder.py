@@ -174,7 +174,9 @@ def _agree(problem: Optional[str], what: str) -> None:
     dist.all_gather_object(everyone, problem)
     problems = [f"rank {r}: {p}" for r, p in enumerate(everyone) if p]
     if problems:
-        raise MultiModuleBuildError(f"{what} failed on {len(problems)} rank(s):\n" + "\n".join(problems))
+        raise MultiModuleBuildError(
+            f"{what} failed on {len(problems)} rank(s):\n" + "\n".join(problems)
+        )
 
 
 def _create_grids(plan: MultiModulePlan) -> tuple[dict, list]:
@@ -184,7 +186,9 @@ def _create_grids(plan: MultiModulePlan) -> tuple[dict, list]:
     grids, embedding_groups = {}, []
     for name, m in plan.modules.items():
         grid = HyperCommGrid(
-            [m.tp, m.cp, m.pp, m.dp, 1], list(GRID_DIMS), rank_offset=m.first_rank,
+            [m.tp, m.cp, m.pp, m.dp, 1],
+            list(GRID_DIMS),
+            rank_offset=m.first_rank,
             backend=plan.backend,
         )
         # With cp = 1 the tp-cp and dp-cp groups have the tp and dp groups' members.
@@ -344,7 +348,8 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
                 )
             ddp = DistributedDataParallel(
                 module_config,
-                dataclasses.replace(ddp_config) if ddp_config is not None
+                dataclasses.replace(ddp_config)
+                if ddp_config is not None
                 else DistributedDataParallelConfig(),
                 module,
                 pg_collection=module_pgcs[name],
@@ -407,4 +412,3 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
         _groups=[group for _, _, group in embedding_groups],
         _pg_cache=pg_cache,
     )
-

@@ -205,7 +205,9 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
                 ndim = self.module_output_ndim.get(name, 3)
             else:
                 ndim = 3
-            markers[name] = abort_marker(error, ndim, self.dim_mapping["b"], self.config.pipeline_dtype)
+            markers[name] = abort_marker(
+                error, ndim, self.dim_mapping["b"], self.config.pipeline_dtype
+            )
         super().send_forward(markers)
 
     def _check_before_sending(self, output_dict: dict) -> None:
@@ -239,12 +241,16 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
         self._check_before_sending(output_dict)
         super().send_forward(output_dict, is_last_stage)
 
-    def send_backward_recv_forward(self, grad_dict, tensor_shape=None, is_first_stage: bool = False):
+    def send_backward_recv_forward(
+        self, grad_dict, tensor_shape=None, is_first_stage: bool = False
+    ):
         received = super().send_backward_recv_forward(grad_dict, tensor_shape, is_first_stage)
         self._check_received(received, propagate=False)
         return received
 
-    def send_forward_recv_backward(self, output_dict, tensor_shape=None, is_last_stage: bool = False):
+    def send_forward_recv_backward(
+        self, output_dict, tensor_shape=None, is_last_stage: bool = False
+    ):
         """Upstream's exchange, with the gradients of several successors summed."""
         self._check_before_sending(output_dict)
         grad_dict: dict = {}
@@ -270,7 +276,9 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
                 for bridge in info.bridge_comms_as_src_module:
                     _accumulate(grad_dict, bridge.src_module_name, bridge.recv_backward())
             else:
-                grad = info.p2p_communicator.recv_backward(tensor_shapes=tensor_shape, is_last_stage=False)
+                grad = info.p2p_communicator.recv_backward(
+                    tensor_shapes=tensor_shape, is_last_stage=False
+                )
                 grad_dict[name] = _restore_tensor_from_comm(grad)
         return grad_dict
 

@@ -43,7 +43,9 @@ def finalize_multimodule_grads(
     plan = joint.plan
     for name, chunk in joint.local_modules.items():
         finalize_model_grads(
-            [chunk], None, pg_collection=joint.finalize_pg_collections[name],
+            [chunk],
+            None,
+            pg_collection=joint.finalize_pg_collections[name],
             force_all_reduce=force_all_reduce,
         )
     if num_tokens is not None:

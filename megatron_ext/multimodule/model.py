@@ -50,7 +50,9 @@ class StageContext:
         return self.pp_rank == self.pp_size - 1
 
 
-def default_forward(module: torch.nn.Module, batch: Any, inputs: Optional[dict], stage: StageContext):
+def default_forward(
+    module: torch.nn.Module, batch: Any, inputs: Optional[dict], stage: StageContext
+):
     """``module(batch, inputs)``: for modules written against this package's contract."""
     return module(batch, inputs)
 

@@ -67,7 +67,9 @@ class ModulePlan:
     def coordinates(self, rank: int) -> dict[str, int]:
         """The (tp, cp, pp, dp) coordinates of ``rank`` in this module's grid."""
         if rank not in self.ranks:
-            raise ValueError(f"rank {rank} is not in ranks {self.ranks.start}..{self.ranks.stop - 1}")
+            raise ValueError(
+                f"rank {rank} is not in ranks {self.ranks.start}..{self.ranks.stop - 1}"
+            )
         local = rank - self.first_rank
         coords = {}
         for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)):
@@ -128,7 +130,7 @@ class MultiModulePlan:
             if state.get(name) == "done":
                 return
             if state.get(name) == "active":
-                cycle = " -> ".join(path[path.index(name):] + (name,))
+                cycle = " -> ".join(path[path.index(name) :] + (name,))
                 raise MultiModulePlanError([f"the topology has a cycle: {cycle}; it must be a DAG"])
             state[name] = "active"
             for src in self.predecessors(name):
@@ -241,7 +243,9 @@ class MultiModulePlan:
         for name, m in self.modules.items():
             for bad in m.parallel.size_problems():
                 value = getattr(m, bad.field)
-                problems.append(f"module {name!r}: {bad.field}={value!r} must be a positive integer")
+                problems.append(
+                    f"module {name!r}: {bad.field}={value!r} must be a positive integer"
+                )
             if not isinstance(m.first_rank, int) or m.first_rank < 0:
                 problems.append(f"module {name!r}: first_rank={m.first_rank!r} must be >= 0")
             if m.output_ndim not in (None, 2, 3):
@@ -260,7 +264,9 @@ class MultiModulePlan:
         problems = []
         for src, dests in self.topology.items():
             if src not in self.modules:
-                problems.append(f"topology names {src!r}, which is not a module ({sorted(self.modules)})")
+                problems.append(
+                    f"topology names {src!r}, which is not a module ({sorted(self.modules)})"
+                )
             for dst in dests:
                 if dst not in self.modules:
                     problems.append(f"topology edge {src} -> {dst}: {dst!r} is not a module")
@@ -311,7 +317,9 @@ class MultiModulePlan:
                 shared = sorted(set(self.modules[a].ranks) & set(self.modules[b].ranks))
                 if not shared:
                     continue
-                span = f"ranks {shared[0]}..{shared[-1]}" if len(shared) > 1 else f"rank {shared[0]}"
+                span = (
+                    f"ranks {shared[0]}..{shared[-1]}" if len(shared) > 1 else f"rank {shared[0]}"
+                )
                 if self.reachable(a, b) or self.reachable(b, a):
                     first, second = (a, b) if self.reachable(a, b) else (b, a)
                     problems.append(

@@ -122,7 +122,9 @@ def read_recipe(recipe: dict, world_size: Optional[int] = None) -> MultiModuleRe
     lms = [name for name, m in modules.items() if (m or {}).get("kind") == "language_model"]
     for name, m in modules.items():
         if (m or {}).get("kind") not in KINDS:
-            problems.append(f"model.modules.{name}.kind must be one of {KINDS}, got {(m or {}).get('kind')!r}")
+            problems.append(
+                f"model.modules.{name}.kind must be one of {KINDS}, got {(m or {}).get('kind')!r}"
+            )
     if modules and len(lms) != 1:
         problems.append(f"exactly one module must have kind: language_model, found {lms}")
     if problems:
@@ -131,8 +133,10 @@ def read_recipe(recipe: dict, world_size: Optional[int] = None) -> MultiModuleRe
         launch = recipe.get("launch", {}) or {}
         world_size = launch.get("nproc") or int(os.environ.get("WORLD_SIZE", "1"))
     plan = MultiModulePlan(
-        modules={name: ModulePlan(**{k: m[k] for k in PARALLEL_KEYS if k in m})
-                 for name, m in modules.items()},
+        modules={
+            name: ModulePlan(**{k: m[k] for k in PARALLEL_KEYS if k in m})
+            for name, m in modules.items()
+        },
         topology={k: list(v or []) for k, v in (model.get("topology") or {}).items()},
         language_model=lms[0],
         world_size=world_size,
@@ -149,7 +153,9 @@ def read_recipe(recipe: dict, world_size: Optional[int] = None) -> MultiModuleRe
     )
 
 
-def validate_recipe(path: str, overrides: list[str] = (), world_size: Optional[int] = None) -> list[str]:
+def validate_recipe(
+    path: str, overrides: list[str] = (), world_size: Optional[int] = None
+) -> list[str]:
     """Every problem of a multimodule recipe file, found without starting anything."""
     try:
         recipe = load_recipe(path, list(overrides))
@@ -166,8 +172,10 @@ def recipe_problems(recipe: dict, world_size: Optional[int] = None) -> list[str]
         return [str(error)]
     problems = mm.plan.problems()
     if mm.training.lr_schedule != "constant":
-        problems.append(f"training.lr_schedule={mm.training.lr_schedule!r}: this entry trains "
-                        "with a constant learning rate")
+        problems.append(
+            f"training.lr_schedule={mm.training.lr_schedule!r}: this entry trains "
+            "with a constant learning rate"
+        )
     try:
         mm.num_microbatches()
         for name in mm.plan.modules:
@@ -192,13 +200,16 @@ def _module_impls(mm: MultiModuleRecipe) -> dict:
                 mhc_init_gating_factor=mhc.get("init_gating_factor", 0.01),
             )
         config = vlm.transformer_config(
-            spec.get("num_layers", 2), spec.get("hidden_size", 64),
-            spec.get("num_attention_heads", 4), **overrides,
+            spec.get("num_layers", 2),
+            spec.get("hidden_size", 64),
+            spec.get("num_attention_heads", 4),
+            **overrides,
         )
         kind = spec["kind"]
         if kind == "vision_encoder":
-            impls[name] = vlm.encoder_impl(config, spec.get("patch_dim", 48),
-                                           bool(spec.get("flatten_output", False)))
+            impls[name] = vlm.encoder_impl(
+                config, spec.get("patch_dim", 48), bool(spec.get("flatten_output", False))
+            )
         elif kind == "projector":
             impls[name] = vlm.projector_impl(config)
         else:
@@ -208,10 +219,15 @@ def _module_impls(mm: MultiModuleRecipe) -> dict:
 
 
 def _image_lengths(mm: MultiModuleRecipe) -> tuple[int, ...]:
-    lengths = {tuple(spec.get("image_lengths", (8,))) for spec in mm.modules.values()
-               if spec["kind"] == "vision_encoder"}
+    lengths = {
+        tuple(spec.get("image_lengths", (8,)))
+        for spec in mm.modules.values()
+        if spec["kind"] == "vision_encoder"
+    }
     if len(lengths) > 1:
-        raise ValueError(f"every vision_encoder must use the same image_lengths, got {sorted(lengths)}")
+        raise ValueError(
+            f"every vision_encoder must use the same image_lengths, got {sorted(lengths)}"
+        )
     return lengths.pop() if lengths else (8,)
 
 
@@ -240,13 +256,21 @@ def _init_distributed() -> None:
 def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
     """``RECIPE [KEY=VALUE ...]`` first, then flags: ``--recipe`` and the Megatron flags this
     entry honours; other flags (and their values) are ignored and reported."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.multimodule.train",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.multimodule.train", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--recipe", help="the recipe (the recipe runner passes it this way)")
     parser.add_argument("--tensorboard-dir", help="where the last rank writes TensorBoard scalars")
-    for flag, kind in (("--train-iters", int), ("--micro-batch-size", int),
-                       ("--global-batch-size", int), ("--lr", float), ("--weight-decay", float),
-                       ("--clip-grad", float), ("--seed", int), ("--lr-decay-style", str)):
+    for flag, kind in (
+        ("--train-iters", int),
+        ("--micro-batch-size", int),
+        ("--global-batch-size", int),
+        ("--lr", float),
+        ("--weight-decay", float),
+        ("--clip-grad", float),
+        ("--seed", int),
+        ("--lr-decay-style", str),
+    ):
         parser.add_argument(flag, type=kind)
     split = next((i for i, token in enumerate(argv) if token.startswith("-")), len(argv))
     positional, flags = argv[:split], argv[split:]
@@ -263,9 +287,16 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
     if recipe is None:
         parser.error("give the recipe file (RECIPE.yaml or --recipe RECIPE.yaml)")
     args.recipe = recipe
-    fields = {"train_iters": "iterations", "micro_batch_size": "micro_batch_size",
-              "global_batch_size": "global_batch_size", "lr": "lr", "weight_decay": "weight_decay",
-              "clip_grad": "clip_grad", "seed": "seed", "lr_decay_style": "lr_schedule"}
+    fields = {
+        "train_iters": "iterations",
+        "micro_batch_size": "micro_batch_size",
+        "global_batch_size": "global_batch_size",
+        "lr": "lr",
+        "weight_decay": "weight_decay",
+        "clip_grad": "clip_grad",
+        "seed": "seed",
+        "lr_decay_style": "lr_schedule",
+    }
     for attr, field in fields.items():
         value = getattr(args, attr)
         if value is not None:
@@ -280,7 +311,9 @@ def _tensorboard_writer(directory: Optional[str]):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        logger.warning("tensorboard is not installed: no TensorBoard scalars (pip install tensorboard)")
+        logger.warning(
+            "tensorboard is not installed: no TensorBoard scalars (pip install tensorboard)"
+        )
         return None
     return SummaryWriter(log_dir=directory, max_queue=1000)
 
@@ -299,17 +332,32 @@ def train(mm: MultiModuleRecipe, log=print, tensorboard_dir: Optional[str] = Non
 
     t = mm.training
     if t.lr_schedule != "constant":
-        raise ValueError(f"training.lr_schedule={t.lr_schedule!r}: this entry trains with a constant lr")
+        raise ValueError(
+            f"training.lr_schedule={t.lr_schedule!r}: this entry trains with a constant lr"
+        )
     num_microbatches = mm.num_microbatches()
     config = MultiModulePipelineConfig(pipeline_dtype=torch.float32)
-    pipeline = build(mm.plan, _module_impls(mm), config, DistributedDataParallelConfig(), seed=t.seed)
-    params = [p for m in pipeline.model.core_modules().values() for p in m.parameters() if p.requires_grad]
+    pipeline = build(
+        mm.plan, _module_impls(mm), config, DistributedDataParallelConfig(), seed=t.seed
+    )
+    params = [
+        p for m in pipeline.model.core_modules().values() for p in m.parameters() if p.requires_grad
+    ]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    readers = {name: spec.get("patch_dim", 48) for name, spec in mm.modules.items()
-               if spec["kind"] == "vision_encoder"}
-    data = vlm.VLMData(mm.language_model, readers, vocab_size=mm.vocab_size,
-                       text_length=mm.text_length, image_lengths=_image_lengths(mm), seed=t.seed,
-                       text_pattern=mm.modules[mm.language_model].get("text_pattern", "random"))
+    readers = {
+        name: spec.get("patch_dim", 48)
+        for name, spec in mm.modules.items()
+        if spec["kind"] == "vision_encoder"
+    }
+    data = vlm.VLMData(
+        mm.language_model,
+        readers,
+        vocab_size=mm.vocab_size,
+        text_length=mm.text_length,
+        image_lengths=_image_lengths(mm),
+        seed=t.seed,
+        text_pattern=mm.modules[mm.language_model].get("text_pattern", "random"),
+    )
     forward_step = vlm.make_forward_step(mm.language_model)
     last_rank = dist.get_rank() == dist.get_world_size() - 1
     writer = _tensorboard_writer(tensorboard_dir) if last_rank else None
@@ -321,11 +369,17 @@ def train(mm: MultiModuleRecipe, log=print, tensorboard_dir: Optional[str] = Non
         start = time.perf_counter()
         pipeline.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
-        batches = vlm.local_batches(pipeline, data, iteration - 1, num_microbatches, t.micro_batch_size)
+        batches = vlm.local_batches(
+            pipeline, data, iteration - 1, num_microbatches, t.micro_batch_size
+        )
         reports = pipeline.forward_backward(forward_step, iter(batches), num_microbatches)
         # Megatron's lm loss: the mean over micro-batches and language-model replicas.
-        total = torch.tensor([sum(r["lm loss"] for r in reports), len(reports)]
-                             if pipeline.reports_loss else [0.0, 0.0], dtype=torch.float64)
+        total = torch.tensor(
+            [sum(r["lm loss"] for r in reports), len(reports)]
+            if pipeline.reports_loss
+            else [0.0, 0.0],
+            dtype=torch.float64,
+        )
         dist.all_reduce(total)
         loss = float(total[0] / total[1])
         grad_norm = global_grad_norm(pipeline)
@@ -336,13 +390,20 @@ def train(mm: MultiModuleRecipe, log=print, tensorboard_dir: Optional[str] = Non
         elapsed_ms = (time.perf_counter() - start) * 1e3
         losses.append(loss)
         if writer is not None:
-            for tag, value in (("lm loss", loss), ("grad-norm", grad_norm), ("learning-rate", t.lr),
-                               ("batch-size", t.global_batch_size), ("iteration-time", elapsed_ms / 1e3)):
+            for tag, value in (
+                ("lm loss", loss),
+                ("grad-norm", grad_norm),
+                ("learning-rate", t.lr),
+                ("batch-size", t.global_batch_size),
+                ("iteration-time", elapsed_ms / 1e3),
+            ):
                 writer.add_scalar(tag, value, iteration)
             writer.flush()
         if last_rank:
-            log(f"multimodule: iteration {iteration}/{t.iterations} | lm loss {loss:.6f} "
-                f"| grad norm {grad_norm:.3f} | {elapsed_ms:.0f} ms")
+            log(
+                f"multimodule: iteration {iteration}/{t.iterations} | lm loss {loss:.6f} "
+                f"| grad norm {grad_norm:.3f} | {elapsed_ms:.0f} ms"
+            )
             sys.stdout.flush()
     if writer is not None:
         writer.close()
@@ -357,13 +418,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     mm = read_recipe(load_recipe(args.recipe, overrides), dist.get_world_size())
     if dist.get_rank() == 0:
-        modules = ", ".join(f"{n} (tp{m.tp} pp{m.pp} dp{m.dp}, ranks {m.ranks.start}-{m.ranks.stop - 1})"
-                            for n, m in mm.plan.modules.items())
-        print(f"multimodule: {modules}; topology {mm.plan.topology}; "
-              f"{mm.num_microbatches()} micro-batches per iteration", flush=True)
+        modules = ", ".join(
+            f"{n} (tp{m.tp} pp{m.pp} dp{m.dp}, ranks {m.ranks.start}-{m.ranks.stop - 1})"
+            for n, m in mm.plan.modules.items()
+        )
+        print(
+            f"multimodule: {modules}; topology {mm.plan.topology}; "
+            f"{mm.num_microbatches()} micro-batches per iteration",
+            flush=True,
+        )
         if ignored:
-            print(f"multimodule: ignoring Megatron flags this entry does not use: {' '.join(ignored)}",
-                  flush=True)
+            print(
+                f"multimodule: ignoring Megatron flags this entry does not use: {' '.join(ignored)}",
+                flush=True,
+            )
     train(mm, tensorboard_dir=args.tensorboard_dir)
     dist.barrier()
     dist.destroy_process_group()

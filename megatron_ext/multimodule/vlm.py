@@ -36,12 +36,18 @@ CPU_FRIENDLY = dict(
 )
 
 
-def transformer_config(num_layers: int, hidden_size: int, num_attention_heads: int, **overrides: Any):
+def transformer_config(
+    num_layers: int, hidden_size: int, num_attention_heads: int, **overrides: Any
+):
     """A CPU-friendly TransformerConfig (an MHCTransformerConfig when mHC fields are given)."""
     from megatron_ext.config import MHCTransformerConfig
 
-    kwargs = dict(CPU_FRIENDLY, num_layers=num_layers, hidden_size=hidden_size,
-                  num_attention_heads=num_attention_heads)
+    kwargs = dict(
+        CPU_FRIENDLY,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+    )
     kwargs.update(overrides)
     return MHCTransformerConfig(**kwargs)
 
@@ -74,7 +80,10 @@ class VisionEncoder(MegatronModule):
             layer_specs=[get_gpt_layer_local_spec()] * layers, layer_norm=LocalNorm
         )
         self.block = TransformerBlock(
-            config, spec, pre_process=self.pre_process, post_process=self.post_process,
+            config,
+            spec,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
             pg_collection=stage.pg_collection,
         )
 
@@ -151,7 +160,9 @@ def language_model_impl(config: Any, vocab_size: int, max_sequence_length: int) 
         decoder_input = None
         if stage.pre_process:
             tokens = data["tokens"]
-            text = core_module(module).embedding(input_ids=tokens, position_ids=data["position_ids"])
+            text = core_module(module).embedding(
+                input_ids=tokens, position_ids=data["position_ids"]
+            )
             parts = [as_sbh(inputs[p], tokens.shape[0]) for p in stage.predecessors]
             decoder_input = torch.cat(parts + [text], dim=0)
         return module(
@@ -235,17 +246,24 @@ class VLMData:
         elif self.text_pattern == "random":
             tokens = torch.randint(0, self.vocab_size, (samples, s_txt + 1), generator=g)
         else:
-            raise ValueError(f"text_pattern must be 'random' or 'arithmetic', got {self.text_pattern!r}")
+            raise ValueError(
+                f"text_pattern must be 'random' or 'arithmetic', got {self.text_pattern!r}"
+            )
         labels = torch.zeros(samples, total, dtype=torch.long)
         labels[:, prefix:] = tokens[:, 1:]
         loss_mask = torch.zeros(samples, total)
         loss_mask[:, prefix:] = (torch.rand(samples, s_txt, generator=g) > 0.1).float()
         data[self.language_model] = {
             "tokens": tokens[:, :-1].contiguous(),
-            "position_ids": torch.arange(prefix, total).unsqueeze(0).expand(samples, s_txt).contiguous(),
+            "position_ids": torch.arange(prefix, total)
+            .unsqueeze(0)
+            .expand(samples, s_txt)
+            .contiguous(),
             "labels": labels,
             "loss_mask": loss_mask,
-            "attention_mask": torch.triu(torch.ones(1, 1, total, total, dtype=torch.bool), diagonal=1),
+            "attention_mask": torch.triu(
+                torch.ones(1, 1, total, total, dtype=torch.bool), diagonal=1
+            ),
         }
         return data
 
@@ -268,7 +286,9 @@ def lm_input_count(plan: Any) -> int:
     return len(plan.predecessors(plan.language_model))
 
 
-def local_batches(pipeline: Any, data: VLMData, step: int, num_microbatches: int, lm_mbs: int) -> list:
+def local_batches(
+    pipeline: Any, data: VLMData, step: int, num_microbatches: int, lm_mbs: int
+) -> list:
     """This rank's batch for each micro-batch of a step: each local module's share."""
     plan = pipeline.plan
     samples = lm_mbs * plan.modules[plan.language_model].dp
@@ -284,11 +304,15 @@ def local_batches(pipeline: Any, data: VLMData, step: int, num_microbatches: int
     return batches
 
 
-def default_vlm_configs(hidden_size: int = 32, heads: int = 4, encoder_layers: int = 2,
-                        lm_layers: int = 2, **lm_overrides: Any) -> tuple[Any, Any]:
+def default_vlm_configs(
+    hidden_size: int = 32,
+    heads: int = 4,
+    encoder_layers: int = 2,
+    lm_layers: int = 2,
+    **lm_overrides: Any,
+) -> tuple[Any, Any]:
     """(encoder config, language-model config), CPU-friendly; mHC fields go to the LM."""
     return (
         transformer_config(encoder_layers, hidden_size, heads),
         transformer_config(lm_layers, hidden_size, heads, **lm_overrides),
     )
-

@@ -31,7 +31,9 @@ def _dtype_name(dtype: Any) -> Optional[str]:
 
 def _variable_shapes(config: Any) -> bool:
     # megatron then exchanges the real shapes first; fixed shapes are not comparable
-    return bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
+    return bool(
+        getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False)
+    )
 
 
 def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[str, Any]:
@@ -41,7 +43,9 @@ def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[
     return {
         "hidden_size": getattr(config, "hidden_size", None),
         "enable_mhc_connections": mhc,
-        "mhc_num_residual_streams": getattr(config, "mhc_num_residual_streams", None) if mhc else None,
+        "mhc_num_residual_streams": getattr(config, "mhc_num_residual_streams", None)
+        if mhc
+        else None,
         "pipeline_dtype": _dtype_name(getattr(config, "pipeline_dtype", None)),
         "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
         "tensor_model_parallel_size": getattr(config, "tensor_model_parallel_size", None),
@@ -49,7 +53,8 @@ def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[
         "variable_seq_lengths": _variable_shapes(config),
         "batch_p2p_comm": bool(getattr(config, "batch_p2p_comm", False)),
         # [sequence (/CP, /TP under SP), micro batch, pipeline width]; None where not known yet
-        "exchanged tensor shape": None if exchanged_shape is None or _variable_shapes(config)
+        "exchanged tensor shape": None
+        if exchanged_shape is None or _variable_shapes(config)
         else [int(d) for d in exchanged_shape],
     }
 
@@ -60,17 +65,24 @@ def first_difference(records: list[dict[str, Any]]) -> Optional[str]:
     for name in records[0]:
         if name == "rank":
             continue
-        known = [(i, r[name]) for i, r in enumerate(records)
-                 if not (name == "exchanged tensor shape" and r[name] is None)]
+        known = [
+            (i, r[name])
+            for i, r in enumerate(records)
+            if not (name == "exchanged tensor shape" and r[name] is None)
+        ]
         if len({repr(v) for _, v in known}) > 1:
             values = ", ".join(f"stage {i} (rank {records[i]['rank']}) {v}" for i, v in known)
-            return (f"pipeline stages disagree on {name}: {values}. Every pipeline stage must be "
-                    "built with the same hidden_size, mHC settings, dtypes and sequence/micro-batch "
-                    "sizes, or the tensors they exchange are misread (or the exchange hangs)")
+            return (
+                f"pipeline stages disagree on {name}: {values}. Every pipeline stage must be "
+                "built with the same hidden_size, mHC settings, dtypes and sequence/micro-batch "
+                "sizes, or the tensors they exchange are misread (or the exchange hangs)"
+            )
     return None
 
 
-def _exchanged_shape(tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]) -> Optional[list[int]]:
+def _exchanged_shape(
+    tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]
+) -> Optional[list[int]]:
     if tensor_shape is not None and len(tensor_shape):
         return list(tensor_shape)
     for tensor in sends:
@@ -79,7 +91,9 @@ def _exchanged_shape(tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]
     return None
 
 
-def check_once(communicator: Any, tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]) -> None:
+def check_once(
+    communicator: Any, tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]
+) -> None:
     """On the communicator's first exchange: all-gather :func:`stage_fields` over its
     pipeline group and raise on every rank if the stages differ."""
     if getattr(communicator, _CHECKED, False):
@@ -90,14 +104,19 @@ def check_once(communicator: Any, tensor_shape: Optional[Sequence[int]], sends: 
         return
     import torch.distributed as dist
 
-    mine = {"rank": dist.get_rank(), **stage_fields(communicator.config, _exchanged_shape(tensor_shape, sends))}
+    mine = {
+        "rank": dist.get_rank(),
+        **stage_fields(communicator.config, _exchanged_shape(tensor_shape, sends)),
+    }
     records: list[Any] = [None] * group.size()
     dist.all_gather_object(records, mine, group=group)
     setattr(communicator, _CHECKED, True)
     problem = first_difference(records)
     if problem is not None:
         raise PipelineConsistencyError(problem)
-    shapes = [r["exchanged tensor shape"] for r in records if r["exchanged tensor shape"] is not None]
+    shapes = [
+        r["exchanged tensor shape"] for r in records if r["exchanged tensor shape"] is not None
+    ]
     setattr(communicator, _AGREED_SHAPE, shapes[0] if shapes else None)
 
 
@@ -108,15 +127,18 @@ def check_sends(communicator: Any, tensor_send_next: Any, tensor_send_prev: Any)
     if agreed is None or _variable_shapes(communicator.config):
         return
     group = communicator.pp_group
-    for tensor, direction, peer in ((tensor_send_next, "next", getattr(communicator, "next_rank", None)),
-                                    (tensor_send_prev, "previous", getattr(communicator, "prev_rank", None))):
+    for tensor, direction, peer in (
+        (tensor_send_next, "next", getattr(communicator, "next_rank", None)),
+        (tensor_send_prev, "previous", getattr(communicator, "prev_rank", None)),
+    ):
         if tensor is not None and list(tensor.shape) != agreed:
             stage = group.rank()
             other = (stage + (1 if direction == "next" else -1)) % group.size()
             raise PipelineConsistencyError(
                 f"pipeline edge stage {stage} -> stage {other}: stage {stage} (rank {_global(group, stage)}) "
                 f"sends a tensor of shape {list(tensor.shape)} to the {direction} stage {other} "
-                f"(rank {peer}), which receives {agreed}")
+                f"(rank {peer}), which receives {agreed}"
+            )
 
 
 def _global(group: Any, group_rank: int) -> Any:

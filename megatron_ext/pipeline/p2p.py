@@ -35,5 +35,7 @@ def batched_p2p_ops_forward_first(
         (dist.isend, tensor_send_prev, prev_pipeline_rank),  # backward: gradient out
         (dist.irecv, tensor_recv_next, next_pipeline_rank),  # backward: gradient in
     ]
-    ops = [dist.P2POp(op, tensor, peer, group) for op, tensor, peer in planned if tensor is not None]
+    ops = [
+        dist.P2POp(op, tensor, peer, group) for op, tensor, peer in planned if tensor is not None
+    ]
     return dist.batch_isend_irecv(ops) if ops else []

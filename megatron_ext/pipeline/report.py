@@ -34,13 +34,23 @@ class MessageSize:
 
     @property
     def bytes(self) -> int:
-        return message_bytes(self.hidden, self.seq, self.micro_batch_size, self.mhc_streams,
-                             self.dtype_bytes, self.tp, self.cp, self.sequence_parallel)
+        return message_bytes(
+            self.hidden,
+            self.seq,
+            self.micro_batch_size,
+            self.mhc_streams,
+            self.dtype_bytes,
+            self.tp,
+            self.cp,
+            self.sequence_parallel,
+        )
 
     def describe(self) -> str:
         s = self.seq // self.cp // (self.tp if self.sequence_parallel else 1)
         width = f"{self.mhc_streams}*{self.hidden}" if self.mhc_streams > 1 else str(self.hidden)
-        return f"[{s}, {self.micro_batch_size}, {width}] x {self.dtype_bytes} B = {_size(self.bytes)}"
+        return (
+            f"[{s}, {self.micro_batch_size}, {width}] x {self.dtype_bytes} B = {_size(self.bytes)}"
+        )
 
 
 def _size(n: float) -> str:
@@ -55,35 +65,54 @@ def kind_of(plan: SchedulePlan) -> str:
     if plan.multimodule is not None:
         return "multi-module 1F1B (forward_backward_pipelining_without_interleaving, one warm-up per rank)"
     if plan.vpp:
-        return ("interleaved 1F1B (forward_backward_pipelining_with_interleaving, "
-                f"microbatch_group_size_per_vp_stage={plan.group_size})")
+        return (
+            "interleaved 1F1B (forward_backward_pipelining_with_interleaving, "
+            f"microbatch_group_size_per_vp_stage={plan.group_size})"
+        )
     return "1F1B (forward_backward_pipelining_without_interleaving)"
 
 
-def report(plan: SchedulePlan, size: Optional[MessageSize] = None, steps: bool = False) -> tuple[list[str], Schedule]:
+def report(
+    plan: SchedulePlan, size: Optional[MessageSize] = None, steps: bool = False
+) -> tuple[list[str], Schedule]:
     """The printed report and the schedule it describes."""
     schedule = build_schedule(plan)
     timeline = simulate(schedule)
     ranks = len(schedule.ranks)
-    lines = [f"schedule: {kind_of(plan)}",
-             f"plan: {ranks} pipeline rank(s)" + (f" x {plan.vpp} chunks" if plan.vpp else "")
-             + f", {plan.microbatches} micro-batch(es) per iteration"]
+    lines = [
+        f"schedule: {kind_of(plan)}",
+        f"plan: {ranks} pipeline rank(s)"
+        + (f" x {plan.vpp} chunks" if plan.vpp else "")
+        + f", {plan.microbatches} micro-batch(es) per iteration",
+    ]
     if plan.multimodule is not None:
         mm = plan.multimodule
         for rank in range(ranks):
-            lines.append(f"  rank {rank}: {', '.join(mm.modules_on(rank))}, warm-up {mm.warmup_on(rank)}")
-    lines += ["", "grid (ranks x time; a forward takes 1 column, a backward 2 (~); '.' idle;",
-              "     F3c1 = forward of micro-batch 3 on chunk 1):",
-              format_timeline(timeline, schedule.chunks), ""]
-    lines.append(f"bubble: {timeline.bubble():.1%} of the iteration idle (this schedule, F=1, B=2, "
-                 "communication free)")
+            lines.append(
+                f"  rank {rank}: {', '.join(mm.modules_on(rank))}, warm-up {mm.warmup_on(rank)}"
+            )
+    lines += [
+        "",
+        "grid (ranks x time; a forward takes 1 column, a backward 2 (~); '.' idle;",
+        "     F3c1 = forward of micro-batch 3 on chunk 1):",
+        format_timeline(timeline, schedule.chunks),
+        "",
+    ]
+    lines.append(
+        f"bubble: {timeline.bubble():.1%} of the iteration idle (this schedule, F=1, B=2, "
+        "communication free)"
+    )
     if plan.multimodule is None:
         formula = "(p-1)/(m+p-1)" + ("/v" if plan.vpp else "")
-        lines.append(f"        textbook {formula} = {textbook_bubble(plan.pp, plan.microbatches, plan.chunks):.1%}")
+        lines.append(
+            f"        textbook {formula} = {textbook_bubble(plan.pp, plan.microbatches, plan.chunks):.1%}"
+        )
     peaks = schedule.peak_in_flight()
     unit = f" (chunk micro-batches; /{plan.vpp} = stage micro-batches)" if plan.vpp else ""
-    lines.append(f"peak in-flight micro-batches (activations held) per rank{unit}: "
-                 + ", ".join(f"rank {r}: {p}" for r, p in enumerate(peaks)))
+    lines.append(
+        f"peak in-flight micro-batches (activations held) per rank{unit}: "
+        + ", ".join(f"rank {r}: {p}" for r, p in enumerate(peaks))
+    )
     lines.append("pipeline edges, per iteration:")
     for (src, dst), counts in schedule.messages_per_edge().items():
         text = f"  {src} -> {dst}: {counts['F']} activation(s), {counts['B']} gradient(s)"
@@ -94,18 +123,25 @@ def report(plan: SchedulePlan, size: Optional[MessageSize] = None, steps: bool =
     if size is not None:
         lines.append(f"  each message {size.describe()}")
     elif plan.multimodule is not None:
-        lines.append("  (multi-module: shapes vary per module and micro-batch and are exchanged with "
-                     "every message)")
+        lines.append(
+            "  (multi-module: shapes vary per module and micro-batch and are exchanged with "
+            "every message)"
+        )
     if steps:
         from megatron_ext.pipeline.schedule import format_steps
 
         for rank in range(ranks):
-            lines += ["", f"rank {rank}'s steps (P2P calls as megatron-core makes them; s=send r=receive):",
-                      format_steps(schedule, rank)]
+            lines += [
+                "",
+                f"rank {rank}'s steps (P2P calls as megatron-core makes them; s=send r=receive):",
+                format_steps(schedule, rank),
+            ]
     return lines, schedule
 
 
-def plan_from_recipe(path: str, overrides: list[str], platform: str = "cpu") -> tuple[SchedulePlan, Optional[MessageSize]]:
+def plan_from_recipe(
+    path: str, overrides: list[str], platform: str = "cpu"
+) -> tuple[SchedulePlan, Optional[MessageSize]]:
     """The schedule plan (and message size) a recipe trains with."""
     from megatron_ext.recipes import load
 
@@ -124,10 +160,16 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
         return SchedulePlan(microbatches=mm.num_microbatches(), multimodule=mm.plan), None
     p = r.parallelism
     microbatches = r.training.global_batch_size // (r.training.micro_batch_size * p.dp)
-    size = MessageSize(hidden=r.model.hidden_size, seq=r.model.seq_length,
-                       micro_batch_size=r.training.micro_batch_size,
-                       mhc_streams=r.model.mhc.num_residual_streams if r.model.mhc.enabled and p.pp > 1 else 1,
-                       dtype_bytes=DTYPE_BYTES[r.training.dtype], tp=p.tp, cp=p.cp, sequence_parallel=p.sp)
+    size = MessageSize(
+        hidden=r.model.hidden_size,
+        seq=r.model.seq_length,
+        micro_batch_size=r.training.micro_batch_size,
+        mhc_streams=r.model.mhc.num_residual_streams if r.model.mhc.enabled and p.pp > 1 else 1,
+        dtype_bytes=DTYPE_BYTES[r.training.dtype],
+        tp=p.tp,
+        cp=p.cp,
+        sequence_parallel=p.sp,
+    )
     return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches), size
 
 

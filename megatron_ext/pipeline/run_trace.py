@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_ext.pipeline.schedule import build_schedule, compare, simulate, textbook_bubble
-from megatron_ext.pipeline.timeline import chrome_trace, iterations, measured_timeline, plot_timeline
+from megatron_ext.pipeline.timeline import (
+    chrome_trace,
+    iterations,
+    measured_timeline,
+    plot_timeline,
+)
 from megatron_ext.pipeline.trace import TRACE_ENV, Event
 
 TRACE_SUBDIR = "trace"
@@ -24,8 +29,9 @@ def environment(run_dir: Path) -> dict[str, str]:
 def read_ranks(trace_dir: Path) -> list[dict]:
     """Every rank's dump, in rank order, events as :class:`Event`."""
     ranks = []
-    for path in sorted(Path(trace_dir).glob("trace-rank-*.json"),
-                       key=lambda p: int(p.stem.rsplit("-", 1)[1])):
+    for path in sorted(
+        Path(trace_dir).glob("trace-rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])
+    ):
         data = json.loads(path.read_text())
         data["events"] = [Event.from_dict(e) for e in data["events"]]
         ranks.append(data)
@@ -39,9 +45,12 @@ def failing_step(trace_dir: Path) -> Optional[str]:
         if failed:
             e = failed[0]
             step = e.step()
-            return (f"rank {data['rank']}" + (f" ({data['module']})" if data.get("module") else "")
-                    + (f", chunk {e.chunk}" if e.call is None and e.chunk else "")
-                    + f", step {e.index}: {step.label(1)} (iteration {e.iteration + 1}): {e.error}")
+            return (
+                f"rank {data['rank']}"
+                + (f" ({data['module']})" if data.get("module") else "")
+                + (f", chunk {e.chunk}" if e.call is None and e.chunk else "")
+                + f", step {e.index}: {step.label(1)} (iteration {e.iteration + 1}): {e.error}"
+            )
     return None
 
 
@@ -59,10 +68,15 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Option
         return None
     plan, _ = plan_from_loaded(loaded)
     schedule = build_schedule(plan)
-    (Path(run_dir) / "trace.json").write_text(json.dumps(
-        chrome_trace(events, schedule.chunks, [r.get("module") for r in ranks])))
+    (Path(run_dir) / "trace.json").write_text(
+        json.dumps(chrome_trace(events, schedule.chunks, [r.get("module") for r in ranks]))
+    )
     # Training iterations only (an evaluation runs forward-only, with no backward).
-    trained = [i for i in iterations(events) if any(e.kind == "B" for ev in events for e in ev if e.iteration == i)]
+    trained = [
+        i
+        for i in iterations(events)
+        if any(e.kind == "B" for ev in events for e in ev if e.iteration == i)
+    ]
     measured = {i: measured_timeline(events, i).bubble() for i in trained}
     steady = trained[1:] or trained  # the first iteration also warms up allocators and caches
     entry = {
@@ -70,14 +84,20 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Option
         "timeline": "timeline.png",
         "iterations_traced": len(trained),
         "bubble_theoretical": round(simulate(schedule).bubble(), 4),
-        "bubble_measured": round(statistics.median(measured[i] for i in steady), 4) if steady else None,
+        "bubble_measured": round(statistics.median(measured[i] for i in steady), 4)
+        if steady
+        else None,
         "bubble_measured_per_iteration": {str(i + 1): round(b, 4) for i, b in measured.items()},
     }
     if plan.multimodule is None:
-        entry["bubble_textbook"] = round(textbook_bubble(plan.pp, plan.microbatches, plan.chunks), 4)
+        entry["bubble_textbook"] = round(
+            textbook_bubble(plan.pp, plan.microbatches, plan.chunks), 4
+        )
     mismatches = []
     for data in ranks:
-        theory = schedule.ranks[data["pipeline_rank"]] if data.get("pipeline_rank") is not None else None
+        theory = (
+            schedule.ranks[data["pipeline_rank"]] if data.get("pipeline_rank") is not None else None
+        )
         for i in trained:
             recorded = [e.step() for e in data["events"] if e.iteration == i]
             found = compare([theory], [recorded], schedule.chunks) if theory is not None else []
@@ -91,17 +111,35 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Option
         timeline = measured_timeline(events, shown)
         for slot in timeline.slots:  # seconds -> milliseconds
             slot.start, slot.end = slot.start * 1e3, slot.end * 1e3
-        labels = [f"rank {r['rank']}" + (f" ({r['module']})" if r.get("module") else
-                                         f" (stage {r['pipeline_rank']})") for r in ranks]
-        plot_timeline(timeline, Path(run_dir) / "timeline.png",
-                      f"{loaded.name}: measured iteration {shown + 1}", schedule.chunks, unit="ms",
-                      note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} in theory",
-                      row_labels=labels)
-    echo(f"  pipeline bubble: {entry['bubble_measured']:.1%} measured (median of {len(steady)} "
-         f"iteration(s); waiting in P2P counts as idle), {entry['bubble_theoretical']:.1%} in theory"
-         + (f" (textbook {entry['bubble_textbook']:.1%})" if "bubble_textbook" in entry else ""))
-    echo("  schedule order: " + ("every rank ran megatron-core's order exactly" if not mismatches
-                                 else f"{len(mismatches)} rank(s) differ: {mismatches[0]}"))
-    echo(f"  trace {Path(run_dir) / 'trace.json'} (Perfetto / chrome://tracing), timeline "
-         f"{Path(run_dir) / 'timeline.png'}")
+        labels = [
+            f"rank {r['rank']}"
+            + (f" ({r['module']})" if r.get("module") else f" (stage {r['pipeline_rank']})")
+            for r in ranks
+        ]
+        plot_timeline(
+            timeline,
+            Path(run_dir) / "timeline.png",
+            f"{loaded.name}: measured iteration {shown + 1}",
+            schedule.chunks,
+            unit="ms",
+            note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} in theory",
+            row_labels=labels,
+        )
+    echo(
+        f"  pipeline bubble: {entry['bubble_measured']:.1%} measured (median of {len(steady)} "
+        f"iteration(s); waiting in P2P counts as idle), {entry['bubble_theoretical']:.1%} in theory"
+        + (f" (textbook {entry['bubble_textbook']:.1%})" if "bubble_textbook" in entry else "")
+    )
+    echo(
+        "  schedule order: "
+        + (
+            "every rank ran megatron-core's order exactly"
+            if not mismatches
+            else f"{len(mismatches)} rank(s) differ: {mismatches[0]}"
+        )
+    )
+    echo(
+        f"  trace {Path(run_dir) / 'trace.json'} (Perfetto / chrome://tracing), timeline "
+        f"{Path(run_dir) / 'timeline.png'}"
+    )
     return entry

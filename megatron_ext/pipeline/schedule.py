@@ -159,7 +159,9 @@ class _RankBuilder:
     def compute(self, kind: str, microbatch: int, chunk: int) -> None:
         self.steps.append(Compute(kind, microbatch, chunk))
 
-    def exchange(self, call: str, sends: dict[str, tuple[int, int]], receives: dict[str, int]) -> None:
+    def exchange(
+        self, call: str, sends: dict[str, tuple[int, int]], receives: dict[str, int]
+    ) -> None:
         """``sends``: direction -> (micro-batch, chunk) sent; ``receives``: direction -> the
         chunk whose queue the tensor joins."""
         messages = []
@@ -175,9 +177,7 @@ class _RankBuilder:
         self.steps.append(Exchange(call, tuple(messages)))
 
 
-def one_f_one_b(
-    microbatches: int, warmup: int, first: bool, last: bool
-) -> list[Step]:
+def one_f_one_b(microbatches: int, warmup: int, first: bool, last: bool) -> list[Step]:
     """One rank of ``forward_backward_pipelining_without_interleaving`` (training)."""
     rank = _RankBuilder()
     warmup = min(warmup, microbatches)
@@ -195,14 +195,20 @@ def one_f_one_b(
     for i in range(remaining):
         f = warmup + i
         rank.compute("F", f, 0)
-        rank.exchange("send_forward_recv_backward",
-                      {} if last else {"send_next": (f, 0)}, {} if last else {"recv_next": 0})
+        rank.exchange(
+            "send_forward_recv_backward",
+            {} if last else {"send_next": (f, 0)},
+            {} if last else {"recv_next": 0},
+        )
         rank.compute("B", i, 0)
         if i == remaining - 1:
             rank.exchange("send_backward", {} if first else {"send_prev": (i, 0)}, {})
         else:
-            rank.exchange("send_backward_recv_forward",
-                          {} if first else {"send_prev": (i, 0)}, {} if first else {"recv_prev": 0})
+            rank.exchange(
+                "send_backward_recv_forward",
+                {} if first else {"send_prev": (i, 0)},
+                {} if first else {"recv_prev": 0},
+            )
     for i in range(warmup):
         b = remaining + i
         rank.exchange("recv_backward", {}, {} if last else {"recv_next": 0})
@@ -313,15 +319,18 @@ def interleaved(pp: int, rank: int, chunks: int, microbatches: int, group_size: 
             recvs["recv_next"] = next_b_chunk
         steps.exchange("send_forward_backward_recv_forward_backward", sends, recvs)
     if all_warmup:
-        steps.exchange("recv_backward", {}, {} if last_stage(chunks - 1) else {"recv_next": chunks - 1})
+        steps.exchange(
+            "recv_backward", {}, {} if last_stage(chunks - 1) else {"recv_next": chunks - 1}
+        )
     for k in range(remaining, total):
         mb, chunk = run_backward(k)
         recv_next, next_chunk = receives(k, False)
         if k == total - 1:
             recv_next = False
         sends = {} if first_stage(chunk) else {"send_prev": (mb, chunk)}
-        steps.exchange("send_backward_recv_backward", sends,
-                       {"recv_next": next_chunk} if recv_next else {})
+        steps.exchange(
+            "send_backward_recv_backward", sends, {"recv_next": next_chunk} if recv_next else {}
+        )
     return steps.steps
 
 
@@ -413,7 +422,9 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
         ranks = [one_f_one_b(m, p - r - 1, r == 0, r == p - 1) for r in range(p)]
     else:
         ranks = [interleaved(p, r, plan.vpp, m, plan.group_size) for r in range(p)]
-    return Schedule(plan, ranks, [[(r - 1) % p] for r in range(p)], [[(r + 1) % p] for r in range(p)])
+    return Schedule(
+        plan, ranks, [[(r - 1) % p] for r in range(p)], [[(r + 1) % p] for r in range(p)]
+    )
 
 
 def stage_links(mm: Any) -> list[tuple[list[int], list[int]]]:
@@ -423,13 +434,18 @@ def stage_links(mm: Any) -> list[tuple[list[int], list[int]]]:
     (the bridge's leaders gather, split and broadcast among them)."""
 
     def stage_ranks(name: str, pp_rank: int) -> list[int]:
-        return [r for r in mm.modules[name].ranks if mm.modules[name].coordinates(r)["pp"] == pp_rank]
+        return [
+            r for r in mm.modules[name].ranks if mm.modules[name].coordinates(r)["pp"] == pp_rank
+        ]
 
     def same_place(name: str, rank: int, pp_rank: int) -> list[int]:
         here = mm.modules[name].coordinates(rank)
-        return [r for r in stage_ranks(name, pp_rank)
-                if {k: v for k, v in mm.modules[name].coordinates(r).items() if k != "pp"}
-                == {k: v for k, v in here.items() if k != "pp"}]
+        return [
+            r
+            for r in stage_ranks(name, pp_rank)
+            if {k: v for k, v in mm.modules[name].coordinates(r).items() if k != "pp"}
+            == {k: v for k, v in here.items() if k != "pp"}
+        ]
 
     links = []
     for rank in range(mm.world_size):
@@ -471,7 +487,9 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        return max((s.end for s in self.slots), default=0.0) - min((s.start for s in self.slots), default=0.0)
+        return max((s.end for s in self.slots), default=0.0) - min(
+            (s.start for s in self.slots), default=0.0
+        )
 
     def busy(self, rank: int) -> float:
         return sum(s.end - s.start for s in self.slots if s.rank == rank)
@@ -508,7 +526,9 @@ def _dependencies(schedule: Schedule) -> dict[tuple[str, int, Any], list[tuple[s
     for stage in range(stages):
         for mb in range(schedule.plan.microbatches):
             deps[("F", mb, stage)] = [("F", mb, stage - 1)] if stage > 0 else []
-            deps[("B", mb, stage)] = [("B", mb, stage + 1)] if stage < stages - 1 else [("F", mb, stage)]
+            deps[("B", mb, stage)] = (
+                [("B", mb, stage + 1)] if stage < stages - 1 else [("F", mb, stage)]
+            )
     return deps
 
 
@@ -541,7 +561,8 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
         if not progressed:
             stuck = ", ".join(
                 f"rank {r} at {queues[r][position[r]].label(schedule.chunks)}"
-                for r in range(len(queues)) if position[r] < len(queues[r])
+                for r in range(len(queues))
+                if position[r] < len(queues[r])
             )
             raise ScheduleDeadlock(f"the schedule cannot proceed: {stuck}")
     return Timeline(slots, len(queues))
@@ -555,8 +576,16 @@ def textbook_bubble(pp: int, microbatches: int, chunks: int = 1) -> float:
 # ---------------------------------------------------------------------------------------------
 # Bytes per edge
 # ---------------------------------------------------------------------------------------------
-def message_bytes(hidden: int, seq: int, micro_batch_size: int, mhc_streams: int = 1,
-                  dtype_bytes: int = 4, tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> int:
+def message_bytes(
+    hidden: int,
+    seq: int,
+    micro_batch_size: int,
+    mhc_streams: int = 1,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+) -> int:
     """One exchanged tensor [s', b, n*h]: the sequence split by CP (and TP under sequence
     parallelism), n residual streams with mHC (megatron_ext.pipeline.shapes)."""
     s = seq // cp
@@ -568,8 +597,9 @@ def message_bytes(hidden: int, seq: int, micro_batch_size: int, mhc_streams: int
 # ---------------------------------------------------------------------------------------------
 # Text
 # ---------------------------------------------------------------------------------------------
-def format_timeline(timeline: Timeline, chunks: int = 1, unit: float = 1.0,
-                    mark: Optional[tuple[int, int]] = None) -> str:
+def format_timeline(
+    timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: Optional[tuple[int, int]] = None
+) -> str:
     """The ranks x time-slots grid: one column per ``unit`` of time, each compute step's label
     in its first column and ``~`` in the rest, ``.`` where the rank idles. ``mark``:
     (rank, index of its compute step) to flag with ``<-- HERE``."""
@@ -592,7 +622,9 @@ def format_timeline(timeline: Timeline, chunks: int = 1, unit: float = 1.0,
     return "\n".join(rows)
 
 
-def format_steps(schedule: Schedule, rank: int, mark: Optional[int] = None, detail: bool = True) -> str:
+def format_steps(
+    schedule: Schedule, rank: int, mark: Optional[int] = None, detail: bool = True
+) -> str:
     """One rank's steps, numbered; ``mark`` flags one of them (as PyTorch pipelining does)."""
     lines = []
     for index, step in enumerate(schedule.ranks[rank]):
@@ -628,12 +660,15 @@ class Mismatch:
         where = f"rank {self.rank}"
         if isinstance(step, Compute) and (self.chunks > 1 or step.chunk):
             where += f", chunk {step.chunk}"
-        return f"{where}, step {self.index}: expected {show(self.expected)}, got {show(self.actual)}"
+        return (
+            f"{where}, step {self.index}: expected {show(self.expected)}, got {show(self.actual)}"
+        )
 
 
-def describe_step(rank: int, index: int, step: Optional[Step], chunks: int = 1,
-                  module: Optional[str] = None) -> str:
-    """"rank 2, chunk 1, step 7: B3" -- where a step sits in the schedule."""
+def describe_step(
+    rank: int, index: int, step: Optional[Step], chunks: int = 1, module: Optional[str] = None
+) -> str:
+    """ "rank 2, chunk 1, step 7: B3" -- where a step sits in the schedule."""
     parts = [f"rank {rank}"]
     if module is not None:
         parts.append(f"module {module}")
@@ -646,7 +681,9 @@ def describe_step(rank: int, index: int, step: Optional[Step], chunks: int = 1,
     return ", ".join(parts) + f", step {index}"
 
 
-def compare(expected: Sequence[Sequence[Step]], actual: Sequence[Sequence[Step]], chunks: int = 1) -> list[Mismatch]:
+def compare(
+    expected: Sequence[Sequence[Step]], actual: Sequence[Sequence[Step]], chunks: int = 1
+) -> list[Mismatch]:
     """The first difference on each rank between two orders (empty: identical)."""
     mismatches = []
     for rank, (want, got) in enumerate(itertools.zip_longest(expected, actual, fillvalue=[])):

@@ -20,13 +20,22 @@ from megatron_ext.pipeline.schedule import Compute, Slot, Timeline
 
 def measured_timeline(events_per_rank: Sequence[Iterable], iteration: int) -> Timeline:
     """The passes of one iteration as recorded (times in seconds from the earliest start)."""
-    chosen = [[e for e in events if e.iteration == iteration and e.call is None]
-              for events in events_per_rank]
+    chosen = [
+        [e for e in events if e.iteration == iteration and e.call is None]
+        for events in events_per_rank
+    ]
     starts = [e.start_ns for events in chosen for e in events]
     origin = min(starts) if starts else 0
-    slots = [Slot(rank, Compute(e.kind, e.microbatch, e.chunk or 0),
-                  (e.start_ns - origin) / 1e9, (e.end_ns - origin) / 1e9)
-             for rank, events in enumerate(chosen) for e in events]
+    slots = [
+        Slot(
+            rank,
+            Compute(e.kind, e.microbatch, e.chunk or 0),
+            (e.start_ns - origin) / 1e9,
+            (e.end_ns - origin) / 1e9,
+        )
+        for rank, events in enumerate(chosen)
+        for e in events
+    ]
     return Timeline(slots, len(events_per_rank))
 
 
@@ -34,26 +43,42 @@ def iterations(events_per_rank: Sequence[Iterable]) -> list[int]:
     return sorted({e.iteration for events in events_per_rank for e in events})
 
 
-def chrome_trace(events_per_rank: Sequence[Iterable], chunks: int = 1,
-                 modules: Optional[Sequence[Optional[str]]] = None) -> dict:
+def chrome_trace(
+    events_per_rank: Sequence[Iterable],
+    chunks: int = 1,
+    modules: Optional[Sequence[Optional[str]]] = None,
+) -> dict:
     """Trace-event JSON ({"traceEvents": [...]}): complete ("X") events in microseconds."""
     trace = []
     for rank, events in enumerate(events_per_rank):
         name = f"rank {rank}" + (f" ({modules[rank]})" if modules and modules[rank] else "")
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": name}})
-        trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
-        trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "p2p"}})
+        trace.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}}
+        )
+        trace.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "p2p"}}
+        )
         for e in events:
             step = e.step()
             is_pass = e.call is None
-            trace.append({
-                "name": step.label(chunks) if is_pass else f"{e.call} {step.label(chunks)}",
-                "cat": "forward" if e.kind == "F" else "backward" if is_pass else "p2p",
-                "ph": "X", "pid": rank, "tid": 0 if is_pass else 1,
-                "ts": e.start_ns / 1e3, "dur": max(e.end_ns - e.start_ns, 0) / 1e3,
-                "args": {"iteration": e.iteration, "step": e.index, "microbatch": e.microbatch,
-                         "chunk": e.chunk},
-            })
+            trace.append(
+                {
+                    "name": step.label(chunks) if is_pass else f"{e.call} {step.label(chunks)}",
+                    "cat": "forward" if e.kind == "F" else "backward" if is_pass else "p2p",
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": 0 if is_pass else 1,
+                    "ts": e.start_ns / 1e3,
+                    "dur": max(e.end_ns - e.start_ns, 0) / 1e3,
+                    "args": {
+                        "iteration": e.iteration,
+                        "step": e.index,
+                        "microbatch": e.microbatch,
+                        "chunk": e.chunk,
+                    },
+                }
+            )
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
@@ -62,9 +87,15 @@ _FORWARD = ["#9ecae1", "#4292c6", "#2171b5", "#08519c"]
 _BACKWARD = ["#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"]
 
 
-def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
-                  unit: str = "time units", note: Optional[str] = None,
-                  row_labels: Optional[Sequence[str]] = None) -> Path:
+def plot_timeline(
+    timeline: Timeline,
+    path: Path,
+    title: str,
+    chunks: int = 1,
+    unit: str = "time units",
+    note: Optional[str] = None,
+    row_labels: Optional[Sequence[str]] = None,
+) -> Path:
     """One horizontal bar per pass, one row per rank (rank 0 on top); ``note`` goes under
     the title."""
     import matplotlib
@@ -74,17 +105,35 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
     from matplotlib.patches import Patch
 
     ranks = timeline.ranks
-    fig, ax = plt.subplots(figsize=(max(8.0, min(16.0, 0.35 * len(timeline.slots) / max(ranks, 1) + 4)),
-                                    0.55 * ranks + 1.6))
+    fig, ax = plt.subplots(
+        figsize=(
+            max(8.0, min(16.0, 0.35 * len(timeline.slots) / max(ranks, 1) + 4)),
+            0.55 * ranks + 1.6,
+        )
+    )
     span = timeline.makespan or 1.0
     for slot in timeline.slots:
         palette = _FORWARD if slot.step.kind == "F" else _BACKWARD
         colour = palette[min(slot.step.chunk, len(palette) - 1)]
         width = slot.end - slot.start
-        ax.barh(slot.rank, width, left=slot.start, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
+        ax.barh(
+            slot.rank,
+            width,
+            left=slot.start,
+            height=0.8,
+            color=colour,
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if width / span > 0.014:
-            ax.text(slot.start + width / 2, slot.rank, f"{slot.step.kind}{slot.step.microbatch}",
-                    ha="center", va="center", fontsize=7)
+            ax.text(
+                slot.start + width / 2,
+                slot.rank,
+                f"{slot.step.kind}{slot.step.microbatch}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
     ax.set_yticks(range(ranks), list(row_labels or [f"rank {r}" for r in range(ranks)]))
     ax.invert_yaxis()
     ax.set_xlim(0, span)
@@ -95,8 +144,14 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, chunks: int = 1,
         suffix = f" (chunk {chunk})" if chunks > 1 else ""
         handles.append(Patch(color=_FORWARD[min(chunk, 3)], label=f"forward{suffix}"))
         handles.append(Patch(color=_BACKWARD[min(chunk, 3)], label=f"backward{suffix}"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 - 0.05 * (ranks < 3)),
-              ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22 - 0.05 * (ranks < 3)),
+        ncol=min(len(handles), 4),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

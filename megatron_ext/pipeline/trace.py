@@ -78,16 +78,23 @@ class Event:
     def step(self) -> Step:
         if self.call is None:
             return Compute(self.kind, self.microbatch, self.chunk or 0)
-        return Exchange(self.call, tuple(Message(m.direction, m.microbatch, m.chunk)
-                                         for m in self.messages))
+        return Exchange(
+            self.call, tuple(Message(m.direction, m.microbatch, m.chunk) for m in self.messages)
+        )
 
     def to_dict(self) -> dict:
-        return {"iteration": self.iteration, "index": self.index, "start_ns": self.start_ns,
-                "end_ns": self.end_ns, "kind": self.kind, "microbatch": self.microbatch,
-                "chunk": self.chunk, "call": self.call,
-                "messages": [[m.direction, m.microbatch, m.chunk, m.nbytes]
-                             for m in self.messages],
-                "error": self.error}
+        return {
+            "iteration": self.iteration,
+            "index": self.index,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "kind": self.kind,
+            "microbatch": self.microbatch,
+            "chunk": self.chunk,
+            "call": self.call,
+            "messages": [[m.direction, m.microbatch, m.chunk, m.nbytes] for m in self.messages],
+            "error": self.error,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Event":
@@ -145,8 +152,11 @@ class Tracer:
 
     # ------------------------------------------------------------------ errors
     def where(self, event: Event) -> str:
-        chunks = self.schedule.chunks if self.schedule is not None else max(
-            (e.chunk or 0 for e in self.events), default=0) + 1
+        chunks = (
+            self.schedule.chunks
+            if self.schedule is not None
+            else max((e.chunk or 0 for e in self.events), default=0) + 1
+        )
         text = describe_step(self._rank(), event.index, event.step(), chunks, self.module)
         return text + f" (iteration {event.iteration})"
 
@@ -169,9 +179,16 @@ class Tracer:
 
     # ------------------------------------------------------------------ output
     def dump(self, path: Path) -> None:
-        Path(path).write_text(json.dumps({"rank": self._rank(), "module": self.module,
-                                          "pipeline_rank": self.pipeline_rank,
-                                          "events": [e.to_dict() for e in self.events]}))
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "rank": self._rank(),
+                    "module": self.module,
+                    "pipeline_rank": self.pipeline_rank,
+                    "events": [e.to_dict() for e in self.events],
+                }
+            )
+        )
 
 
 def _flatten(obj: Any) -> list:
@@ -186,8 +203,11 @@ def _flatten(obj: Any) -> list:
 
 def _nbytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (a tensor or nested lists/dicts of them)."""
-    return sum(item.numel() * item.element_size() for item in _flatten(obj)
-               if hasattr(item, "element_size"))
+    return sum(
+        item.numel() * item.element_size()
+        for item in _flatten(obj)
+        if hasattr(item, "element_size")
+    )
 
 
 _ACTIVE: Optional[Tracer] = None
@@ -251,18 +271,37 @@ def _run(tracer: Tracer, event: Event, call: Callable[[], Any]) -> Any:
 
 
 def traced_forward_step(original: Callable) -> Callable:
-    def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                     *args, **kwargs):
+    def forward_step(
+        forward_step_func, data_iterator, model, num_microbatches, input_tensor, *args, **kwargs
+    ):
         tracer = _ACTIVE
         if tracer is None:
-            return original(forward_step_func, data_iterator, model, num_microbatches,
-                            input_tensor, *args, **kwargs)
+            return original(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                input_tensor,
+                *args,
+                **kwargs,
+            )
         mb = kwargs.get("current_microbatch")
         chunk = kwargs.get("vp_stage") or 0
         tracer._consume(input_tensor, mb, chunk)
         event = tracer._event(kind="F", microbatch=mb, chunk=chunk)
-        output, num_tokens = _run(tracer, event, lambda: original(
-            forward_step_func, data_iterator, model, num_microbatches, input_tensor, *args, **kwargs))
+        output, num_tokens = _run(
+            tracer,
+            event,
+            lambda: original(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                input_tensor,
+                *args,
+                **kwargs,
+            ),
+        )
         tracer._remember(output, mb, chunk)
         return output, num_tokens
 
@@ -273,12 +312,19 @@ def traced_backward_step(original: Callable) -> Callable:
     def backward_step(input_tensor, output_tensor, output_tensor_grad, config, *args, **kwargs):
         tracer = _ACTIVE
         if tracer is None:
-            return original(input_tensor, output_tensor, output_tensor_grad, config, *args, **kwargs)
+            return original(
+                input_tensor, output_tensor, output_tensor_grad, config, *args, **kwargs
+            )
         mb, chunk = tracer._origin(output_tensor)
         tracer._consume(output_tensor_grad, mb, chunk)
         event = tracer._event(kind="B", microbatch=mb, chunk=chunk)
-        grad = _run(tracer, event, lambda: original(
-            input_tensor, output_tensor, output_tensor_grad, config, *args, **kwargs))
+        grad = _run(
+            tracer,
+            event,
+            lambda: original(
+                input_tensor, output_tensor, output_tensor_grad, config, *args, **kwargs
+            ),
+        )
         tracer._remember(grad, mb, chunk)
         return grad
 
@@ -293,15 +339,20 @@ _CALLS = {
     "recv_backward": dict(last=(1, "is_last_stage"), recv=("recv_next",)),
     "send_forward": dict(out=(0, "output_tensors"), last=(1, "is_last_stage")),
     "send_backward": dict(grad=(0, "input_tensor_grads"), first=(1, "is_first_stage")),
-    "send_forward_recv_backward": dict(out=(0, "output_tensors"), last=(2, "is_last_stage"),
-                                       recv=("recv_next",)),
-    "send_backward_recv_forward": dict(grad=(0, "input_tensor_grads"), first=(2, "is_first_stage"),
-                                       recv=("recv_prev",)),
+    "send_forward_recv_backward": dict(
+        out=(0, "output_tensors"), last=(2, "is_last_stage"), recv=("recv_next",)
+    ),
+    "send_backward_recv_forward": dict(
+        grad=(0, "input_tensor_grads"), first=(2, "is_first_stage"), recv=("recv_prev",)
+    ),
     "send_forward_recv_forward": dict(out=(0, "output_tensor"), recv_prev=(1, "recv_prev")),
     "send_backward_recv_backward": dict(grad=(0, "input_tensor_grad"), recv_next=(1, "recv_next")),
     "send_forward_backward_recv_forward_backward": dict(
-        out=(0, "output_tensor"), grad=(1, "input_tensor_grad"),
-        recv_prev=(2, "recv_prev"), recv_next=(3, "recv_next")),
+        out=(0, "output_tensor"),
+        grad=(1, "input_tensor_grad"),
+        recv_prev=(2, "recv_prev"),
+        recv_next=(3, "recv_next"),
+    ),
 }
 _MISSING = object()
 
@@ -389,26 +440,28 @@ def traced_schedule(original: Callable) -> Callable:
     def schedule(*, p2p_communicator=None, pg_collection=None, **kwargs):
         tracer = _ACTIVE
         if tracer is None:
-            return original(p2p_communicator=p2p_communicator, pg_collection=pg_collection, **kwargs)
+            return original(
+                p2p_communicator=p2p_communicator, pg_collection=pg_collection, **kwargs
+            )
         if p2p_communicator is None and pg_collection is None:
             p2p_communicator, pg_collection = _default_communicator(kwargs["model"])
         tracer.begin_iteration()
         _describe_multimodule(tracer, p2p_communicator)
-        return original(p2p_communicator=RecordingCommunicator(p2p_communicator, tracer),
-                        pg_collection=pg_collection, **kwargs)
+        return original(
+            p2p_communicator=RecordingCommunicator(p2p_communicator, tracer),
+            pg_collection=pg_collection,
+            **kwargs,
+        )
 
     return schedule
 
 
 def _default_communicator(model: Any) -> tuple[Any, Any]:
     """What the schedule builds when it is given neither (``parallel_state``'s groups)."""
-    import importlib
-
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_config
 
-    schedules = importlib.import_module(SCHEDULES)
     first = model[0] if isinstance(model, list) else model
     communicator = P2PCommunicator(
         pp_group=parallel_state.get_pipeline_model_parallel_group(), config=get_model_config(first)

@@ -96,7 +96,9 @@ def default_rule(metric: str, device: str) -> Rule:
     return table.get(_rule_key(metric), Rule())
 
 
-def rules_for(metrics: list[str], device: str, overrides: dict[str, dict[str, Any]]) -> dict[str, Rule]:
+def rules_for(
+    metrics: list[str], device: str, overrides: dict[str, dict[str, Any]]
+) -> dict[str, Rule]:
     """The rule of each metric: the device's default with the recipe's fields on top."""
     rules = {}
     for metric in metrics:
@@ -146,8 +148,10 @@ class CheckResult:
             text += f" ({self.allowed} may fail)"
         if self.worst is not None:
             w = self.worst
-            text += (f"; worst step {w.step}: {w.actual:.7g} vs {self.reference} {w.golden:.7g} "
-                     f"(abs {w.abs_diff:.3g}, rel {w.rel_diff:.3g})")
+            text += (
+                f"; worst step {w.step}: {w.actual:.7g} vs {self.reference} {w.golden:.7g} "
+                f"(abs {w.abs_diff:.3g}, rel {w.rel_diff:.3g})"
+            )
         if self.failing and self.check == "exact":
             text += f"; first difference at step {self.failing[0]}"
         if self.detail:
@@ -173,9 +177,12 @@ class Report:
             "title": self.title,
             "passed": self.passed,
             "results": [
-                {**{k: v for k, v in dataclasses.asdict(r).items() if k != "worst"},
-                 "worst": None if r.worst is None else {**dataclasses.asdict(r.worst),
-                                                        "rel_diff": r.worst.rel_diff}}
+                {
+                    **{k: v for k, v in dataclasses.asdict(r).items() if k != "worst"},
+                    "worst": None
+                    if r.worst is None
+                    else {**dataclasses.asdict(r.worst), "rel_diff": r.worst.rel_diff},
+                }
                 for r in self.results
             ],
         }
@@ -192,8 +199,13 @@ def _steady_median(series: dict[int, float], steps: list[int]) -> tuple[float, l
     return (statistics.median(values) if values else math.inf), chosen
 
 
-def check_metric(metric: str, actual: dict[int, float], golden: dict[int, float], rule: Rule,
-                 approximate_only: bool = False) -> list[CheckResult]:
+def check_metric(
+    metric: str,
+    actual: dict[int, float],
+    golden: dict[int, float],
+    rule: Rule,
+    approximate_only: bool = False,
+) -> list[CheckResult]:
     steps = sorted(golden)
     results = []
     if rule.deterministic and not approximate_only:
@@ -207,19 +219,44 @@ def check_metric(metric: str, actual: dict[int, float], golden: dict[int, float]
             g, _ = _steady_median(golden, steps)
             # numpy.isclose: asymmetric, the tolerance scales with the golden value; NaN fails.
             ok = bool(numpy.isclose(a, g, rtol=rule.rtol, atol=rule.atol))
-            results.append(CheckResult(metric, check + " median", ok, 1, [] if ok else [chosen[0]], 0,
-                                       Worst(chosen[0] if chosen else 0, a, g),
-                                       f"median of steps {chosen[0]}-{chosen[-1]}" if chosen else ""))
+            results.append(
+                CheckResult(
+                    metric,
+                    check + " median",
+                    ok,
+                    1,
+                    [] if ok else [chosen[0]],
+                    0,
+                    Worst(chosen[0] if chosen else 0, a, g),
+                    f"median of steps {chosen[0]}-{chosen[-1]}" if chosen else "",
+                )
+            )
         else:
-            close = numpy.isclose([_value(actual, s) for s in steps], [golden[s] for s in steps],
-                                  rtol=rule.rtol, atol=rule.atol)
+            close = numpy.isclose(
+                [_value(actual, s) for s in steps],
+                [golden[s] for s in steps],
+                rtol=rule.rtol,
+                atol=rule.atol,
+            )
             failing = [s for s, ok in zip(steps, close) if not ok]
-            allowed = (rule.max_failing_steps if rule.max_failing_steps is not None
-                       else min(max(len(steps) // 100, 1), 50))
+            allowed = (
+                rule.max_failing_steps
+                if rule.max_failing_steps is not None
+                else min(max(len(steps) // 100, 1), 50)
+            )
             if len(steps) == 1:
                 allowed = 0
-            results.append(CheckResult(metric, check, len(failing) <= allowed, len(steps), failing,
-                                       allowed, _worst(actual, golden, steps)))
+            results.append(
+                CheckResult(
+                    metric,
+                    check,
+                    len(failing) <= allowed,
+                    len(steps),
+                    failing,
+                    allowed,
+                    _worst(actual, golden, steps),
+                )
+            )
     return results
 
 
@@ -227,25 +264,39 @@ def _worst(actual: dict[int, float], golden: dict[int, float], steps: list[int])
     candidates = [Worst(s, _value(actual, s), golden[s]) for s in steps]
     if not candidates:
         return None
-    return max(candidates, key=lambda w: (w.rel_diff if not math.isnan(w.rel_diff) else math.inf, w.abs_diff))
+    return max(
+        candidates,
+        key=lambda w: (w.rel_diff if not math.isnan(w.rel_diff) else math.inf, w.abs_diff),
+    )
 
 
-def compare(actual: Metrics, golden: Metrics, rules: dict[str, Rule], title: str = "golden values",
-            approximate_only: bool = False) -> Report:
+def compare(
+    actual: Metrics,
+    golden: Metrics,
+    rules: dict[str, Rule],
+    title: str = "golden values",
+    approximate_only: bool = False,
+) -> Report:
     """Check every metric that has a rule that checks something (Megatron's ``pipeline``)."""
     report = Report(title)
     for metric, rule in rules.items():
         if not rule.checked:
             continue
         if metric not in golden:
-            report.results.append(CheckResult(metric, "missing", False, 0,
-                                              detail="not in the golden values (regenerate them)"))
+            report.results.append(
+                CheckResult(
+                    metric, "missing", False, 0, detail="not in the golden values (regenerate them)"
+                )
+            )
             continue
         if metric not in actual:
-            report.results.append(CheckResult(metric, "missing", False, 0,
-                                              detail="not logged by this run"))
+            report.results.append(
+                CheckResult(metric, "missing", False, 0, detail="not logged by this run")
+            )
             continue
-        report.results += check_metric(metric, actual[metric], golden[metric], rule, approximate_only)
+        report.results += check_metric(
+            metric, actual[metric], golden[metric], rule, approximate_only
+        )
     return report
 
 
@@ -255,8 +306,9 @@ PRINT_RTOL = 1e-6
 agrees with the printed mean to this relative tolerance."""
 
 
-def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: list[str],
-                   logged_means: bool = True) -> Report:
+def compare_resume(
+    continuous: Metrics, resumed: Metrics, half: int, metrics: list[str], logged_means: bool = True
+) -> Report:
     """The resumed run's steps after ``half`` against the uninterrupted run's: identical.
 
     Megatron's second logged line of a process averages its first two iterations; when the
@@ -272,8 +324,9 @@ def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: li
         cont, res = continuous.get(metric, {}), resumed.get(metric, {})
         steps = sorted(s for s in cont if s > half)
         if not steps or not res:
-            report.results.append(CheckResult(metric, "missing", False, 0,
-                                              detail="not logged after the checkpoint"))
+            report.results.append(
+                CheckResult(metric, "missing", False, 0, detail="not logged after the checkpoint")
+            )
             continue
         expected = dict(cont)
         quirk = logged_means and metric.endswith("loss") and half + 2 in cont and half + 1 in cont
@@ -287,7 +340,20 @@ def compare_resume(continuous: Metrics, resumed: Metrics, half: int, metrics: li
             elif _value(res, s) != cont[s]:
                 failing.append(s)
         worst = _worst(res, {s: expected[s] for s in steps}, steps)
-        detail = f"step {half + 2} is Megatron's 2-iteration mean (print precision)" if quirk else ""
-        report.results.append(CheckResult(metric, "exact", not failing, len(steps), failing, 0, worst,
-                                          detail, reference="uninterrupted"))
+        detail = (
+            f"step {half + 2} is Megatron's 2-iteration mean (print precision)" if quirk else ""
+        )
+        report.results.append(
+            CheckResult(
+                metric,
+                "exact",
+                not failing,
+                len(steps),
+                failing,
+                0,
+                worst,
+                detail,
+                reference="uninterrupted",
+            )
+        )
     return report

@@ -42,8 +42,12 @@ def entry_problem(entry: Optional[str]) -> Optional[Problem]:
         return None  # plan_problems reports a missing entry
     if entry in known_entries():
         return None
-    return Problem("model.entry", (
-        f"{entry!r} is not a known training entry; megatron-ext runs its own "
-        f"({', '.join(OUR_ENTRIES)}) and modules registered in the {ENTRY_POINT_GROUP!r} "
-        "entry-point group of an installed package, and never imports a module named only by a "
-        "recipe"))
+    return Problem(
+        "model.entry",
+        (
+            f"{entry!r} is not a known training entry; megatron-ext runs its own "
+            f"({', '.join(OUR_ENTRIES)}) and modules registered in the {ENTRY_POINT_GROUP!r} "
+            "entry-point group of an installed package, and never imports a module named only by a "
+            "recipe"
+        ),
+    )

@@ -93,9 +93,18 @@ def conflicts(extra_args: dict[str, Any]) -> list[Problem]:
     problems = []
     for flag in extra_args:
         if flag in FIELD_FLAGS:
-            problems.append(Problem(f"extra_args.{flag}", f"is set by {FIELD_FLAGS[flag]}; set that "
-                                                          "field instead (the flag would override it)"))
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"is set by {FIELD_FLAGS[flag]}; set that "
+                    "field instead (the flag would override it)",
+                )
+            )
         elif flag in RUNNER_FLAGS:
-            problems.append(Problem(f"extra_args.{flag}", f"is managed by megatron-ext: "
-                                                          f"{RUNNER_FLAGS[flag]}; remove it"))
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"is managed by megatron-ext: {RUNNER_FLAGS[flag]}; remove it",
+                )
+            )
     return problems

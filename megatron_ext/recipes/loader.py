@@ -52,14 +52,18 @@ class _Loader(yaml.SafeLoader):
             if self._aliases > MAX_ALIASES:
                 event = self.peek_event()
                 raise yaml.composer.ComposerError(
-                    None, None, f"more than {MAX_ALIASES} aliases (*name): refused as an alias bomb",
-                    event.start_mark)
+                    None,
+                    None,
+                    f"more than {MAX_ALIASES} aliases (*name): refused as an alias bomb",
+                    event.start_mark,
+                )
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
                 event = self.peek_event()
                 raise yaml.composer.ComposerError(
-                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -77,9 +81,11 @@ class _Loader(yaml.SafeLoader):
                     duplicate = False  # unhashable: construct_mapping reports it
                 if duplicate:
                     raise yaml.constructor.ConstructorError(
-                        "while reading a mapping", node.start_mark,
+                        "while reading a mapping",
+                        node.start_mark,
                         f"duplicate key {key!r} (the first value would be silently replaced)",
-                        key_node.start_mark)
+                        key_node.start_mark,
+                    )
                 if not isinstance(key, (list, dict)):
                     seen[key] = True
         return super().construct_mapping(node, deep=deep)
@@ -128,7 +134,16 @@ class LoadedRecipe:
     def numerics_overridden(self) -> bool:
         """True when an override may change the loss curve (anything outside test/launch
         bookkeeping), so the recipe's golden values no longer describe this run."""
-        harmless = ("test.", "launch.timeout_s", "launch.stall_timeout_s", "launch.startup_timeout_s", "launch.slurm.", "launch.nodes", "description", "name")
+        harmless = (
+            "test.",
+            "launch.timeout_s",
+            "launch.stall_timeout_s",
+            "launch.startup_timeout_s",
+            "launch.slurm.",
+            "launch.nodes",
+            "description",
+            "name",
+        )
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)
 
@@ -204,7 +219,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
         if delete:
             key_text, value_text = text, None
         elif "=" not in text:
-            problems.append(Problem(f"override {override!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY"))
+            problems.append(
+                Problem(f"override {override!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY")
+            )
             continue
         else:
             key_text, value_text = (s.strip() for s in text.split("=", 1))
@@ -214,8 +231,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
             problems.append(Problem(f"override {override!r}", str(exc.args[0])))
             continue
         if parts[0] == "platforms":
-            problems.append(Problem(f"override {override!r}",
-                                    "platforms are chosen with --platform; override the fields directly"))
+            problems.append(
+                Problem(
+                    f"override {override!r}",
+                    "platforms are chosen with --platform; override the fields directly",
+                )
+            )
             continue
         why = _check_key(parts)
         if why:
@@ -244,10 +265,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
 # (DeepSeek-V4 configs) and the TransformerConfig field names of both.
 MHC_EXTRA_ARG_ALIASES = {
-    "enabled": ("--enable-mhc-connections", "--enable-hyper-connections",
-                "enable_mhc_connections", "enable_hyper_connections"),
-    "num_residual_streams": ("--mhc-num-residual-streams", "--num-residual-streams",
-                             "mhc_num_residual_streams", "num_residual_streams"),
+    "enabled": (
+        "--enable-mhc-connections",
+        "--enable-hyper-connections",
+        "enable_mhc_connections",
+        "enable_hyper_connections",
+    ),
+    "num_residual_streams": (
+        "--mhc-num-residual-streams",
+        "--num-residual-streams",
+        "mhc_num_residual_streams",
+        "num_residual_streams",
+    ),
 }
 
 
@@ -255,7 +284,9 @@ def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
     """Move mHC keys of ``extra_args`` (any spelling above) into ``model.mhc``, so that the
     plan checks and guards see them and the command line carries one spelling."""
     extra = data.get("extra_args")
-    if not isinstance(extra, dict) or not any(k in extra for keys in MHC_EXTRA_ARG_ALIASES.values() for k in keys):
+    if not isinstance(extra, dict) or not any(
+        k in extra for keys in MHC_EXTRA_ARG_ALIASES.values() for k in keys
+    ):
         return data, []
     problems: list[Problem] = []
     extra = dict(extra)
@@ -267,31 +298,49 @@ def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
             continue
         values = set(map(repr, given.values()))
         if len(values) > 1:
-            problems.append(Problem("extra_args", f"{', '.join(given)} disagree ({', '.join(values)}); "
-                                                  f"set model.mhc.{field_name} once"))
+            problems.append(
+                Problem(
+                    "extra_args",
+                    f"{', '.join(given)} disagree ({', '.join(values)}); "
+                    f"set model.mhc.{field_name} once",
+                )
+            )
             continue
         value = next(iter(given.values()))
         if field_name in mhc and mhc[field_name] != value:
-            problems.append(Problem(f"extra_args.{next(iter(given))}",
-                                    f"{value!r} contradicts model.mhc.{field_name}: {mhc[field_name]!r}; "
-                                    "keep one of them"))
+            problems.append(
+                Problem(
+                    f"extra_args.{next(iter(given))}",
+                    f"{value!r} contradicts model.mhc.{field_name}: {mhc[field_name]!r}; "
+                    "keep one of them",
+                )
+            )
             continue
         mhc[field_name] = value
     model["mhc"] = mhc
     return {**data, "model": model, "extra_args": extra}, problems
 
 
-def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()) -> tuple[Recipe, list[Problem]]:
+def resolve(
+    raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()
+) -> tuple[Recipe, list[Problem]]:
     """Platform overlay, overrides and schema over a parsed recipe mapping."""
     if not isinstance(raw, dict):
         return Recipe(), [Problem("", f"a recipe is a YAML mapping, got {type(raw).__name__}")]
     problems: list[Problem] = []
     version = raw.get("version")
     if version is None:
-        problems.append(Problem("version", f"missing; this megatron-ext reads version: {schema.SCHEMA_VERSION}"))
+        problems.append(
+            Problem("version", f"missing; this megatron-ext reads version: {schema.SCHEMA_VERSION}")
+        )
     elif version != schema.SCHEMA_VERSION:
-        problems.append(Problem("version", f"{version!r} is not supported; this megatron-ext reads "
-                                           f"version: {schema.SCHEMA_VERSION}"))
+        problems.append(
+            Problem(
+                "version",
+                f"{version!r} is not supported; this megatron-ext reads "
+                f"version: {schema.SCHEMA_VERSION}",
+            )
+        )
     platforms = raw.get("platforms") or {}
     if not isinstance(platforms, dict):
         problems.append(Problem("platforms", "must be a mapping of platform name to overlay"))
@@ -303,12 +352,19 @@ def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = (
             problems.append(Problem(f"platforms.{platform}", "must be a mapping"))
         else:
             if "platforms" in overlay or "version" in overlay:
-                problems.append(Problem(f"platforms.{platform}", "may not set version or platforms"))
+                problems.append(
+                    Problem(f"platforms.{platform}", "may not set version or platforms")
+                )
             data = deep_merge(data, overlay)
     elif platform != DEFAULT_PLATFORM:
         known = [DEFAULT_PLATFORM, *platforms]
-        problems.append(Problem("", f"platform {platform!r} is not defined by this recipe "
-                                    f"(its platforms: {', '.join(known)})"))
+        problems.append(
+            Problem(
+                "",
+                f"platform {platform!r} is not defined by this recipe "
+                f"(its platforms: {', '.join(known)})",
+            )
+        )
     data, override_problems = apply_overrides(data, list(overrides))
     problems += override_problems
     data, alias_problems = fold_mhc_flag_aliases(data)
@@ -318,13 +374,20 @@ def resolve(raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = (
     # Check each other platform's overlay as well, so `validate` sees them all at once.
     for name, overlay in platforms.items():
         if name != platform and isinstance(overlay, dict):
-            _, overlay_problems = schema.build(deep_merge({k: v for k, v in raw.items() if k != "platforms"}, overlay))
-            problems += [Problem(f"platforms.{name}.{p.where}" if p.where else f"platforms.{name}", p.what)
-                         for p in overlay_problems if p not in schema_problems]
+            _, overlay_problems = schema.build(
+                deep_merge({k: v for k, v in raw.items() if k != "platforms"}, overlay)
+            )
+            problems += [
+                Problem(f"platforms.{name}.{p.where}" if p.where else f"platforms.{name}", p.what)
+                for p in overlay_problems
+                if p not in schema_problems
+            ]
     return recipe, problems
 
 
-def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()) -> LoadedRecipe:
+def load(
+    path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()
+) -> LoadedRecipe:
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)
     try:
@@ -332,10 +395,18 @@ def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str
     except OSError as exc:
         raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:
-        raise RecipeError(str(path), [Problem("", f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} "
-                                                  f"at offset {exc.start}")]) from None
+        raise RecipeError(
+            str(path),
+            [
+                Problem(
+                    "", f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+                )
+            ],
+        ) from None
     except yaml.YAMLError as exc:
-        raise RecipeError(str(path), [Problem("", f"not valid YAML: {yaml_error_line(exc)}")]) from None
+        raise RecipeError(
+            str(path), [Problem("", f"not valid YAML: {yaml_error_line(exc)}")]
+        ) from None
     except RecursionError:
         raise RecipeError(str(path), [Problem("", "not valid YAML: nested too deeply")]) from None
     notes: list[str] = []
@@ -349,7 +420,9 @@ def load(path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str
     problems += recipe_problems
     if problems:
         raise RecipeError(str(path), problems)
-    return LoadedRecipe(recipe=recipe, source=path, platform=platform, overrides=list(overrides), notes=notes)
+    return LoadedRecipe(
+        recipe=recipe, source=path, platform=platform, overrides=list(overrides), notes=notes
+    )
 
 
 def platforms_of(path: str | Path) -> list[str]:
@@ -362,8 +435,10 @@ def platforms_of(path: str | Path) -> list[str]:
     if upstream.is_test_case(raw):
         return [DEFAULT_PLATFORM, *upstream.convert(raw, path.resolve().parent).gpu_platforms]
     platforms = raw.get("platforms") if isinstance(raw, dict) else None
-    return [DEFAULT_PLATFORM, *[p for p in (platforms if isinstance(platforms, dict) else {})
-                                if p != DEFAULT_PLATFORM]]
+    return [
+        DEFAULT_PLATFORM,
+        *[p for p in (platforms if isinstance(platforms, dict) else {}) if p != DEFAULT_PLATFORM],
+    ]
 
 
 def dump(loaded: LoadedRecipe) -> str:

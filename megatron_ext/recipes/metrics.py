@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
-VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)\s*\|\s*lm loss value: ([0-9.eE+-]+)")
+VALIDATION_LINE = re.compile(
+    r"validation loss at iteration (\d+)\s*\|\s*lm loss value: ([0-9.eE+-]+)"
+)
 
 # Megatron's label in the log line -> (metric name in golden values, scale)
 LOG_FIELDS = {
@@ -137,12 +139,19 @@ def from_golden(data: dict) -> Metrics:
     metrics: Metrics = {}
     for name, block in data.items():
         if not isinstance(block, dict) or "values" not in block:
-            raise ValueError(f"metric {name!r}: expected {{start_step, end_step, step_interval, values}}")
-        metrics[name] = {int(k): (math.nan if isinstance(v, str) else float(v)) for k, v in block["values"].items()}
+            raise ValueError(
+                f"metric {name!r}: expected {{start_step, end_step, step_interval, values}}"
+            )
+        metrics[name] = {
+            int(k): (math.nan if isinstance(v, str) else float(v))
+            for k, v in block["values"].items()
+        }
     return metrics
 
 
-def write_golden(path: Union[str, Path], metrics: Metrics, names: Optional[Iterable[str]] = None) -> Path:
+def write_golden(
+    path: Union[str, Path], metrics: Metrics, names: Optional[Iterable[str]] = None
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(to_golden(metrics, names), indent=2) + "\n")

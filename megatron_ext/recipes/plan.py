@@ -29,12 +29,26 @@ from megatron_ext.recipes.schema import Problem, Recipe
 RECIPE_PLACEHOLDER = "@RECIPE@"
 """Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
 
-KNOWN_METRICS = ("lm loss", "num-zeros", "iteration-time", "grad-norm", "learning-rate",
-                 "mem-allocated-bytes", "mem-max-allocated-bytes")
+KNOWN_METRICS = (
+    "lm loss",
+    "num-zeros",
+    "iteration-time",
+    "grad-norm",
+    "learning-rate",
+    "mem-allocated-bytes",
+    "mem-max-allocated-bytes",
+)
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 
-HYBRID_SYMBOLS = {"M": "Mamba", "G": "GDN", "*": "attention", "D": "DS attention", "+": "MLA",
-                  "-": "MLP", "E": "MoE"}
+HYBRID_SYMBOLS = {
+    "M": "Mamba",
+    "G": "GDN",
+    "*": "attention",
+    "D": "DS attention",
+    "+": "MLA",
+    "-": "MLP",
+    "E": "MoE",
+}
 LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "transformer layer", "m": "MTP layer"}
 
 
@@ -47,8 +61,11 @@ def layout_stages(layout: str) -> list[str]:
     text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     bad = sorted({ch for ch in text if ch not in LAYOUT_SYMBOLS and ch != "|"})
     if bad:
-        raise ValueError(f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
-                         + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items()) + " and '|'")
+        raise ValueError(
+            f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
+            + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items())
+            + " and '|'"
+        )
     return text.split("|")
 
 
@@ -203,8 +220,16 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
 def save_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
     """ckpt-resume, first run: save at iterations/2 (and at the end), as Megatron's CI does."""
     t = loaded.recipe.training
-    return ["--save", checkpoint_dir, "--save-interval", str(t.iterations // 2),
-            "--ckpt-format", loaded.recipe.test.ckpt_format, "--exit-interval", str(t.iterations)]
+    return [
+        "--save",
+        checkpoint_dir,
+        "--save-interval",
+        str(t.iterations // 2),
+        "--ckpt-format",
+        loaded.recipe.test.ckpt_format,
+        "--exit-interval",
+        str(t.iterations),
+    ]
 
 
 def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
@@ -236,7 +261,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     r = loaded.recipe
     problems: list[Problem] = []
     add = lambda where, what: problems.append(Problem(where, what))  # noqa: E731
-    m, p, t, d = r.model, r.parallelism, r.training, r.data
+    m = r.model
 
     for problem in parallel_plan(r).size_problems():
         add(f"parallelism.{problem.field}", problem.message)
@@ -245,11 +270,17 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
 
     if m.type == "multimodule":
         if not m.entry:
-            add("model.entry", "a multimodule recipe names its training module, e.g. "
-                               "entry: megatron_ext.multimodule.train")
+            add(
+                "model.entry",
+                "a multimodule recipe names its training module, e.g. "
+                "entry: megatron_ext.multimodule.train",
+            )
         if r.launch.nproc is None:
-            add("launch.nproc", "a multimodule recipe states its number of ranks (the modules' "
-                                "grids decide it, not tp * pp * cp * dp)")
+            add(
+                "launch.nproc",
+                "a multimodule recipe states its number of ranks (the modules' "
+                "grids decide it, not tp * pp * cp * dp)",
+            )
     else:
         _check_model(r, add)
         _check_parallel_plan(r, add)
@@ -263,7 +294,10 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
             add(f"launch.env.{name}", f"must be a string or number, got {value!r}")
     for name in r.extra_args:
         if not str(name).startswith("--"):
-            add(f"extra_args.{name}", "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'")
+            add(
+                f"extra_args.{name}",
+                "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'",
+            )
     from megatron_ext.recipes.flags import conflicts
 
     problems += conflicts(r.extra_args)
@@ -274,52 +308,85 @@ def _check_model(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
     if m.type == "gpt":
         if m.hybrid_layer_pattern:
-            add("model.hybrid_layer_pattern", "is for model.type: hybrid; a GPT uses num_layers "
-                                              "(and pipeline_layout)")
+            add(
+                "model.hybrid_layer_pattern",
+                "is for model.type: hybrid; a GPT uses num_layers (and pipeline_layout)",
+            )
         if m.num_layers is None:
             add("model.num_layers", "a GPT recipe sets num_layers")
         elif m.num_layers < 1:
             add("model.num_layers", f"must be >= 1, got {m.num_layers}")
     else:
         if m.pipeline_layout:
-            add("model.pipeline_layout", "is for GPT; a hybrid pattern places its pipeline "
-                                         "segments with '|' (megatron rejects both together)")
+            add(
+                "model.pipeline_layout",
+                "is for GPT; a hybrid pattern places its pipeline "
+                "segments with '|' (megatron rejects both together)",
+            )
         if not m.hybrid_layer_pattern:
-            add("model.hybrid_layer_pattern", "a hybrid recipe sets its layer pattern, e.g. '*-*-|*-*-/*-'")
+            add(
+                "model.hybrid_layer_pattern",
+                "a hybrid recipe sets its layer pattern, e.g. '*-*-|*-*-/*-'",
+            )
         else:
             _check_hybrid_pattern(r, add)
         if m.mtp_num_layers is not None:
-            add("model.mtp_num_layers", "a hybrid model's MTP depths are the '/' parts of "
-                                        "hybrid_layer_pattern; leave mtp_num_layers null")
+            add(
+                "model.mtp_num_layers",
+                "a hybrid model's MTP depths are the '/' parts of "
+                "hybrid_layer_pattern; leave mtp_num_layers null",
+            )
     if m.hidden_size % m.num_attention_heads:
-        add("model.hidden_size", f"{m.hidden_size} is not divisible by num_attention_heads "
-                                 f"({m.num_attention_heads})")
+        add(
+            "model.hidden_size",
+            f"{m.hidden_size} is not divisible by num_attention_heads ({m.num_attention_heads})",
+        )
     if m.num_attention_heads % p.tp:
-        add("model.num_attention_heads", f"{m.num_attention_heads} heads do not split over tp={p.tp}")
-    if m.num_query_groups is not None and (m.num_attention_heads % m.num_query_groups
-                                           or m.num_query_groups % p.tp):
-        add("model.num_query_groups", f"{m.num_query_groups} must divide num_attention_heads "
-                                      f"({m.num_attention_heads}) and be divisible by tp={p.tp}")
+        add(
+            "model.num_attention_heads",
+            f"{m.num_attention_heads} heads do not split over tp={p.tp}",
+        )
+    if m.num_query_groups is not None and (
+        m.num_attention_heads % m.num_query_groups or m.num_query_groups % p.tp
+    ):
+        add(
+            "model.num_query_groups",
+            f"{m.num_query_groups} must divide num_attention_heads "
+            f"({m.num_attention_heads}) and be divisible by tp={p.tp}",
+        )
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
-        add("model.max_position_embeddings", f"{m.max_position_embeddings} < seq_length {m.seq_length}")
+        add(
+            "model.max_position_embeddings",
+            f"{m.max_position_embeddings} < seq_length {m.seq_length}",
+        )
     if mtp_depths(r) and m.position_embedding == "learned_absolute":
-        add("model.position_embedding", "multi-token prediction needs rope or none (megatron "
-                                        "rejects learned_absolute with MTP)")
+        add(
+            "model.position_embedding",
+            "multi-token prediction needs rope or none (megatron "
+            "rejects learned_absolute with MTP)",
+        )
     if m.num_experts is None and p.ep > 1:
         add("parallelism.ep", f"ep={p.ep} needs model.num_experts")
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value < 1.0:
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not 0.0 <= value < 1.0
+        ):
             add(f"model.{name}", f"is a probability in [0, 1), got {value}")
     mhc = m.mhc
     if m.type == "gpt" and mhc.enabled and m.num_experts:
         # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
         # one residual stream; the model refuses it only once every rank has started.
-        add("model.num_experts", "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-                                 "megatron-core's block spec, which has no mHC residual streams; "
-                                 "disable model.mhc.enabled or MoE")
+        add(
+            "model.num_experts",
+            "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
+            "megatron-core's block spec, which has no mHC residual streams; "
+            "disable model.mhc.enabled or MoE",
+        )
     if mhc.recompute_layer_num is not None and not mhc.recompute:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:
@@ -330,48 +397,72 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
     pattern = m.hybrid_layer_pattern
     segments, mtp = hybrid_segments(pattern)
-    bad = sorted({ch for ch in pattern.replace("|", "").replace("/", "") if ch not in HYBRID_SYMBOLS})
+    bad = sorted(
+        {ch for ch in pattern.replace("|", "").replace("/", "") if ch not in HYBRID_SYMBOLS}
+    )
     if bad:
-        add("model.hybrid_layer_pattern", f"unknown symbol(s) {', '.join(map(repr, bad))}; known: "
-            + ", ".join(f"{k}={v}" for k, v in HYBRID_SYMBOLS.items()) + ", '|' segment, '/' MTP depth")
+        add(
+            "model.hybrid_layer_pattern",
+            f"unknown symbol(s) {', '.join(map(repr, bad))}; known: "
+            + ", ".join(f"{k}={v}" for k, v in HYBRID_SYMBOLS.items())
+            + ", '|' segment, '/' MTP depth",
+        )
         return
     if any("|" in depth for depth in mtp):
         add("model.hybrid_layer_pattern", "MTP depths (after '/') cannot contain '|'")
     if len(set(mtp)) > 1:
-        add("model.hybrid_layer_pattern", f"every MTP depth must repeat the same pattern, got {mtp}")
+        add(
+            "model.hybrid_layer_pattern", f"every MTP depth must repeat the same pattern, got {mtp}"
+        )
     if m.num_layers is not None and m.num_layers != hybrid_layer_count(pattern):
-        add("model.num_layers", f"{m.num_layers} disagrees with the pattern's "
-                                f"{hybrid_layer_count(pattern)} layers; leave it null")
+        add(
+            "model.num_layers",
+            f"{m.num_layers} disagrees with the pattern's "
+            f"{hybrid_layer_count(pattern)} layers; leave it null",
+        )
     if len(segments) > 1:
         if len(segments) % p.pp:
-            add("model.hybrid_layer_pattern", f"{len(segments)} pipeline segments do not split over "
-                                              f"pp={p.pp}")
+            add(
+                "model.hybrid_layer_pattern",
+                f"{len(segments)} pipeline segments do not split over pp={p.pp}",
+            )
         elif p.vpp is not None and p.vpp != len(segments) // p.pp:
-            add("parallelism.vpp", f"{p.vpp} disagrees with the pattern: {len(segments)} segments "
-                                   f"over pp={p.pp} give vpp={len(segments) // p.pp}")
+            add(
+                "parallelism.vpp",
+                f"{p.vpp} disagrees with the pattern: {len(segments)} segments "
+                f"over pp={p.pp} give vpp={len(segments) // p.pp}",
+            )
     elif p.vpp and p.vpp > 1:
-        add("parallelism.vpp", "virtual stages of a hybrid model come from '|' segments in "
-                               "hybrid_layer_pattern")
+        add(
+            "parallelism.vpp",
+            "virtual stages of a hybrid model come from '|' segments in hybrid_layer_pattern",
+        )
     if r.launch.device == "cpu":
         for symbol, what in (("M", "Mamba"), ("G", "GDN")):
             if symbol in pattern and importlib.util.find_spec("mamba_ssm") is None:
-                add("model.hybrid_layer_pattern", f"{what} layers ('{symbol}') need mamba_ssm's "
-                                                  "CUDA kernels; on CPU use '*', '-' and 'E'")
+                add(
+                    "model.hybrid_layer_pattern",
+                    f"{what} layers ('{symbol}') need mamba_ssm's "
+                    "CUDA kernels; on CPU use '*', '-' and 'E'",
+                )
 
 
 def parallel_plan(r: Recipe) -> ParallelPlan:
     """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
     p = r.parallelism
-    return ParallelPlan(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, sp=p.sp, dp_size=p.dp,
-                        world=r.launch.nproc)
+    return ParallelPlan(
+        tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, sp=p.sp, dp_size=p.dp, world=r.launch.nproc
+    )
 
 
 def _check_parallel_plan(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
     plan = parallel_plan(r)
     for problem in plan.problems():
-        add("launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
-            problem.message)
+        add(
+            "launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
+            problem.message,
+        )
     if p.cp > 1:
         _check_context_parallel(r, add)
     elif seq_problem := plan.seq_length_problem(m.seq_length):
@@ -385,16 +476,24 @@ def _check_parallel_plan(r: Recipe, add) -> None:
                 return
             layers = sum(s.count("t") for s in stages)
             if layers != m.num_layers:
-                add("model.pipeline_layout", f"places {layers} transformer layers ('t'), but "
-                                             f"num_layers is {m.num_layers}")
+                add(
+                    "model.pipeline_layout",
+                    f"places {layers} transformer layers ('t'), but num_layers is {m.num_layers}",
+                )
             if len(stages) % p.pp:
                 add("model.pipeline_layout", f"{len(stages)} stages do not split over pp={p.pp}")
             elif p.vpp is not None and p.vpp != len(stages) // p.pp:
-                add("parallelism.vpp", f"{p.vpp} disagrees with the layout: {len(stages)} stages "
-                                       f"over pp={p.pp} give vpp={len(stages) // p.pp}")
+                add(
+                    "parallelism.vpp",
+                    f"{p.vpp} disagrees with the layout: {len(stages)} stages "
+                    f"over pp={p.pp} give vpp={len(stages) // p.pp}",
+                )
             if sum(s.count("m") for s in stages) != (m.mtp_num_layers or 0):
-                add("model.pipeline_layout", f"places {sum(s.count('m') for s in stages)} MTP "
-                                             f"layers ('m'), but mtp_num_layers is {m.mtp_num_layers}")
+                add(
+                    "model.pipeline_layout",
+                    f"places {sum(s.count('m') for s in stages)} MTP "
+                    f"layers ('m'), but mtp_num_layers is {m.mtp_num_layers}",
+                )
         else:
             if layers_problem := plan.layers_problem(m.num_layers):
                 add("model.num_layers", layers_problem)
@@ -420,10 +519,13 @@ def _check_context_parallel(r: Recipe, add) -> None:
         return  # Transformer Engine's own CP attention handles its masks
     for flag, what in NON_CAUSAL_MASK_FLAGS.items():
         if r.extra_args.get(flag) not in (None, False):
-            add(f"extra_args.{flag}", f"{what} with cp={p.cp}: megatron-ext's local context-"
-                                      "parallel attention supports causal masks only; remove "
-                                      f"{flag}, set cp=1, or use transformer_impl: "
-                                      "transformer_engine")
+            add(
+                f"extra_args.{flag}",
+                f"{what} with cp={p.cp}: megatron-ext's local context-"
+                "parallel attention supports causal masks only; remove "
+                f"{flag}, set cp=1, or use transformer_impl: "
+                "transformer_engine",
+            )
 
 
 def _check_training(r: Recipe, add) -> None:
@@ -441,15 +543,23 @@ def _check_training(r: Recipe, add) -> None:
         add("training.eval_interval", f"must be >= 1 or null, got {t.eval_interval}")
     if t.lr_warmup_fraction is not None:
         if not 0.0 <= t.lr_warmup_fraction <= 1.0:
-            add("training.lr_warmup_fraction", f"must be between 0 and 1, got {t.lr_warmup_fraction}")
+            add(
+                "training.lr_warmup_fraction",
+                f"must be between 0 and 1, got {t.lr_warmup_fraction}",
+            )
         if t.lr_warmup_iters:
-            add("training.lr_warmup_fraction", f"and lr_warmup_iters ({t.lr_warmup_iters}) are both "
-                                               "set; Megatron takes one of them")
+            add(
+                "training.lr_warmup_fraction",
+                f"and lr_warmup_iters ({t.lr_warmup_iters}) are both "
+                "set; Megatron takes one of them",
+            )
     if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:
         add("training.lr_decay_iters", f"{t.lr_decay_iters} < lr_warmup_iters {t.lr_warmup_iters}")
     if r.test.type == "ckpt-resume" and (t.iterations < 2 or t.iterations % 2):
-        add("training.iterations", f"ckpt-resume saves at iterations/2; use an even number >= 2, "
-                                   f"got {t.iterations}")
+        add(
+            "training.iterations",
+            f"ckpt-resume saves at iterations/2; use an even number >= 2, got {t.iterations}",
+        )
 
 
 def _check_data(loaded: LoadedRecipe, add) -> None:
@@ -472,8 +582,11 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
             add(f"data.paths[{i}]", f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
         if missing:
-            add(f"data.paths[{i}]", f"{prefix}{'/'.join(missing)} not found (paths are relative to "
-                                    "the directory megatron-ext runs in)")
+            add(
+                f"data.paths[{i}]",
+                f"{prefix}{'/'.join(missing)} not found (paths are relative to "
+                "the directory megatron-ext runs in)",
+            )
 
 
 def _check_test(r: Recipe, add) -> None:
@@ -481,19 +594,27 @@ def _check_test(r: Recipe, add) -> None:
 
     for metric in r.test.metrics:
         if metric not in KNOWN_METRICS and not MTP_METRIC.match(metric):
-            add("test.metrics", f"unknown metric {metric!r}; known: {', '.join(KNOWN_METRICS)}, "
-                                "mtp_N loss")
+            add(
+                "test.metrics",
+                f"unknown metric {metric!r}; known: {', '.join(KNOWN_METRICS)}, mtp_N loss",
+            )
     for metric, fields in r.test.tolerances.items():
         if metric not in r.test.metrics:
             add(f"test.tolerances.{metric}", "is not one of test.metrics")
         if not isinstance(fields, dict):
-            add(f"test.tolerances.{metric}", f"is a map of {', '.join(TOLERANCE_FIELDS)}, got {fields!r}")
+            add(
+                f"test.tolerances.{metric}",
+                f"is a map of {', '.join(TOLERANCE_FIELDS)}, got {fields!r}",
+            )
             continue
         for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
                 from megatron_ext.recipes.schema import suggestion
 
-                add(f"test.tolerances.{metric}.{key}", "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)))
+                add(
+                    f"test.tolerances.{metric}.{key}",
+                    "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)),
+                )
             else:
                 problem = _tolerance_problem(key, value)
                 if problem:
@@ -533,8 +654,11 @@ def _check_golden_pattern(r: Recipe, add) -> None:
         return
     unknown = [f for f in fields if f not in GOLDEN_FIELDS]
     if unknown:
-        add("test.golden_values", f"{pattern!r}: unknown placeholder {{{unknown[0]}}}; only "
-                                  "{name} and {platform} are filled in")
+        add(
+            "test.golden_values",
+            f"{pattern!r}: unknown placeholder {{{unknown[0]}}}; only "
+            "{name} and {platform} are filled in",
+        )
 
 
 def describe(loaded: LoadedRecipe) -> str:
@@ -557,7 +681,9 @@ def describe(loaded: LoadedRecipe) -> str:
         if m.pipeline_layout:
             parts.append(f"layout {m.pipeline_layout!r}")
         if m.mhc.enabled:
-            parts.append(f"mHC n={m.mhc.num_residual_streams}" + (" +recompute" if m.mhc.recompute else ""))
+            parts.append(
+                f"mHC n={m.mhc.num_residual_streams}" + (" +recompute" if m.mhc.recompute else "")
+            )
         if mtp_depths(r):
             parts.append(f"MTP {mtp_depths(r)}")
     parts.append(f"{r.world_size} ranks on {r.launch.device}")

@@ -46,33 +46,70 @@ def _draw(ax, series: Series, **style) -> None:
         ax.plot(steps, [series[s] for s in steps], **style)
 
 
-def write_run_plot(path: Union[str, Path], run: Metrics, golden: Optional[Metrics] = None,
-                   resumed: Optional[Metrics] = None, resume_step: Optional[int] = None,
-                   title: str = "") -> Path:
+def write_run_plot(
+    path: Union[str, Path],
+    run: Metrics,
+    golden: Optional[Metrics] = None,
+    resumed: Optional[Metrics] = None,
+    resume_step: Optional[int] = None,
+    title: str = "",
+) -> Path:
     """Losses, gradient norm and learning rate of a run (see the module docstring)."""
     plt = _pyplot()
     golden, resumed = golden or {}, resumed or {}
-    metrics = sorted({m for source in (run, golden, resumed) for m, s in source.items()
-                      if s and _panel_of(m)}, key=lambda m: (m != "lm loss", m))
-    panels = [p for p in ("loss", "gradient norm", "learning rate")
-              if any(_panel_of(m) == p for m in metrics)]
+    metrics = sorted(
+        {m for source in (run, golden, resumed) for m, s in source.items() if s and _panel_of(m)},
+        key=lambda m: (m != "lm loss", m),
+    )
+    panels = [
+        p
+        for p in ("loss", "gradient norm", "learning rate")
+        if any(_panel_of(m) == p for m in metrics)
+    ]
     if not panels:
         panels = ["loss"]
-    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
-                             figsize=(8, 2.2 + 2.0 * len(panels)))
+    fig, axes = plt.subplots(
+        len(panels), 1, sharex=True, squeeze=False, figsize=(8, 2.2 + 2.0 * len(panels))
+    )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes[:, 0], panels):
         for i, metric in enumerate(m for m in metrics if _panel_of(m) == panel):
             colour = colours[i % len(colours)]
-            _draw(ax, run.get(metric, {}), color=colour, linewidth=1.8, marker="o", markersize=3,
-                  label=metric)
-            _draw(ax, golden.get(metric, {}), color=colour, linewidth=1.2, linestyle="--",
-                  label=f"{metric} (golden)")
-            _draw(ax, resumed.get(metric, {}), color=colour, linewidth=1.2, linestyle=":",
-                  marker="x", markersize=4, label=f"{metric} (resumed)")
+            _draw(
+                ax,
+                run.get(metric, {}),
+                color=colour,
+                linewidth=1.8,
+                marker="o",
+                markersize=3,
+                label=metric,
+            )
+            _draw(
+                ax,
+                golden.get(metric, {}),
+                color=colour,
+                linewidth=1.2,
+                linestyle="--",
+                label=f"{metric} (golden)",
+            )
+            _draw(
+                ax,
+                resumed.get(metric, {}),
+                color=colour,
+                linewidth=1.2,
+                linestyle=":",
+                marker="x",
+                markersize=4,
+                label=f"{metric} (resumed)",
+            )
         if resume_step is not None:
-            ax.axvline(resume_step, color="grey", linewidth=1, linestyle="-.",
-                       label=f"resumed from step {resume_step}")
+            ax.axvline(
+                resume_step,
+                color="grey",
+                linewidth=1,
+                linestyle="-.",
+                label=f"resumed from step {resume_step}",
+            )
         ax.set_ylabel(panel)
         ax.grid(True, alpha=0.3)
         if ax.has_data():
@@ -96,7 +133,14 @@ def write_png_plot(path: Union[str, Path], series: dict[str, Series], title: str
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.4))
     for name, data in series.items():
-        _draw(ax, data, linestyle="--" if name == "golden" else "-", marker="o", markersize=3, label=name)
+        _draw(
+            ax,
+            data,
+            linestyle="--" if name == "golden" else "-",
+            marker="o",
+            markersize=3,
+            label=name,
+        )
     if ax.has_data():
         ax.legend(fontsize=8)
     else:

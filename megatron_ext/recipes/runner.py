@@ -79,7 +79,12 @@ def _placed(arg: str, run_dir: Path) -> str:
 def metrics_args(loaded: LoadedRecipe, tensorboard_dir: Path) -> list[str]:
     """Where the last rank writes its TensorBoard scalars, and which: iteration time and
     throughput always, the memory counters on GPUs (Megatron-LM's functional-test flags)."""
-    args = ["--tensorboard-dir", str(tensorboard_dir), "--log-timers-to-tensorboard", "--log-throughput"]
+    args = [
+        "--tensorboard-dir",
+        str(tensorboard_dir),
+        "--log-timers-to-tensorboard",
+        "--log-throughput",
+    ]
     if loaded.recipe.launch.device == "gpu":
         args.append("--log-memory-to-tensorboard")
     return args
@@ -92,9 +97,16 @@ def phases(loaded: LoadedRecipe, run_dir: Path) -> list[Phase]:
     if loaded.recipe.test.type != "ckpt-resume":
         return [Phase("train", args + metrics_args(loaded, tensorboard), logs)]
     ckpt = str(run_dir / "checkpoints")
-    return [Phase("train", args + metrics_args(loaded, tensorboard) + plan.save_args(loaded, ckpt), logs),
-            Phase("resume", args + metrics_args(loaded, tensorboard / "resume") + plan.load_args(loaded, ckpt),
-                  logs / "resume")]
+    return [
+        Phase(
+            "train", args + metrics_args(loaded, tensorboard) + plan.save_args(loaded, ckpt), logs
+        ),
+        Phase(
+            "resume",
+            args + metrics_args(loaded, tensorboard / "resume") + plan.load_args(loaded, ckpt),
+            logs / "resume",
+        ),
+    ]
 
 
 def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
@@ -104,7 +116,9 @@ def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
     ckpt = run_dir / "checkpoints"
     half = ckpt / f"iter_{iterations // 2:07d}"
     if not half.is_dir():
-        raise FileNotFoundError(f"the first run saved no checkpoint at iteration {iterations // 2} ({half})")
+        raise FileNotFoundError(
+            f"the first run saved no checkpoint at iteration {iterations // 2} ({half})"
+        )
     shutil.rmtree(ckpt / f"iter_{iterations:07d}", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(iterations // 2))
 
@@ -123,9 +137,11 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        safety.comment(f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
-                       + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
-                       + ")"),
+        safety.comment(
+            f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
+            + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
+            + ")"
+        ),
         safety.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
@@ -142,8 +158,16 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(recipe.world_size), "-m", recipe.entry]
+        head = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(recipe.world_size),
+            "-m",
+            recipe.entry,
+        ]
         lines.append(format_command(head, phase.args))
     return "\n".join(lines) + "\n"
 
@@ -152,8 +176,13 @@ def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
     return [safety.redact_override(o) for o in loaded.overrides]
 
 
-def dry_run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
-            megatron_checks: bool = True, echo: Echo = _default_echo) -> Outcome:
+def dry_run(
+    loaded: LoadedRecipe,
+    run_dir: Optional[Path] = None,
+    runs_root: Path = Path("runs"),
+    megatron_checks: bool = True,
+    echo: Echo = _default_echo,
+) -> Outcome:
     """``run --dry-run``: every check, then the plan and the exact commands; no rank starts
     and nothing is written."""
     echo(f"megatron-ext run --dry-run {loaded.source} (platform {loaded.platform})")
@@ -206,8 +235,10 @@ class Progress:
             step, total, values = parsed
             if not self.training_seen:
                 self.training_seen = True
-                self.echo(f"  first iteration after {time.monotonic() - self.start:.1f} s "
-                          "(imports, process groups, model, data)")
+                self.echo(
+                    f"  first iteration after {time.monotonic() - self.start:.1f} s "
+                    "(imports, process groups, model, data)"
+                )
             parts = [f"  iteration {step:>4}/{total}"]
             for name in sorted(values):
                 if name.endswith("loss"):
@@ -266,8 +297,10 @@ def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) ->
             echo(f"{loaded.source}: {problem}")
         return f"{len(validation.problems)} problem(s) in the recipe"
     if not entry_importable(loaded.recipe.entry):
-        return (f"the entry module {loaded.recipe.entry} is not importable (model.type "
-                f"{loaded.recipe.model.type}); install it or set model.entry")
+        return (
+            f"the entry module {loaded.recipe.entry} is not importable (model.type "
+            f"{loaded.recipe.model.type}); install it or set model.entry"
+        )
     return None
 
 
@@ -290,9 +323,17 @@ def _stall_environment_problem() -> Optional[str]:
     return None
 
 
-def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = Path("runs"),
-        compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-        megatron_checks: bool = True, echo: Echo = _default_echo, trace: bool = False) -> Outcome:
+def run(
+    loaded: LoadedRecipe,
+    run_dir: Optional[Path] = None,
+    runs_root: Path = Path("runs"),
+    compare_golden: bool = True,
+    force_compare: bool = False,
+    write_golden: bool = False,
+    megatron_checks: bool = True,
+    echo: Echo = _default_echo,
+    trace: bool = False,
+) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
     rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
     started = time.monotonic()
@@ -313,7 +354,9 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
     if write_golden and loaded.numerics_overridden:
-        why = "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
+        why = (
+            "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
+        )
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
 
@@ -322,19 +365,40 @@ def run(loaded: LoadedRecipe, run_dir: Optional[Path] = None, runs_root: Path = 
     echo(f"  run directory {run_dir}")
     results: list[dict] = []
     try:
-        return _run_phases(loaded, run_dir, results, started, compare_golden, force_compare,
-                           write_golden, echo, trace)
+        return _run_phases(
+            loaded,
+            run_dir,
+            results,
+            started,
+            compare_golden,
+            force_compare,
+            write_golden,
+            echo,
+            trace,
+        )
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the launcher stopped the ranks
         _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
         raise
 
 
-def _write_interrupted_summary(loaded: LoadedRecipe, run_dir: Path, results: list[dict],
-                               started: float, exc: BaseException, echo: Echo) -> None:
+def _write_interrupted_summary(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    results: list[dict],
+    started: float,
+    exc: BaseException,
+    echo: Echo,
+) -> None:
     signum = getattr(exc, "signum", None)
     how = f"stopped by {signal.Signals(signum).name}" if signum else "interrupted (Ctrl-C)"
-    results.append({"phase": "interrupted", "returncode": 128 + (signum or signal.SIGINT),
-                    "seconds": round(time.monotonic() - started, 2), "reason": how})
+    results.append(
+        {
+            "phase": "interrupted",
+            "returncode": 128 + (signum or signal.SIGINT),
+            "seconds": round(time.monotonic() - started, 2),
+            "reason": how,
+        }
+    )
     _write_summary(loaded, run_dir, "interrupted", results, [], time.monotonic() - started)
     echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
 
@@ -347,38 +411,64 @@ def _echo_first_failure(job, result, echo: Echo) -> None:
         echo(f"  first failure: {summary}")
 
 
-def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], started: float,
-                compare_golden: bool, force_compare: bool, write_golden: bool, echo: Echo,
-                trace: bool = False) -> Outcome:
+def _run_phases(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    results: list[dict],
+    started: float,
+    compare_golden: bool,
+    force_compare: bool,
+    write_golden: bool,
+    echo: Echo,
+    trace: bool = False,
+) -> Outcome:
     from megatron_ext.launch import local
 
     recipe = loaded.recipe
     for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             prepare_resume(loaded, run_dir)
-        echo(f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
-             f"(logs: {phase.log_dir}/rank-*.log)")
+        echo(
+            f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
+            f"(logs: {phase.log_dir}/rank-*.log)"
+        )
         env = plan.run_environment(loaded)
         if trace:
             from megatron_ext.pipeline import run_trace
 
             env.update(run_trace.environment(run_dir))
-        job = local.LocalJob(module=recipe.entry, args=phase.args, nproc=recipe.world_size,
-                             log_dir=phase.log_dir, env=env,
-                             timeout_s=recipe.launch.timeout_s,
-                             stall_timeout_s=recipe.launch.stall_timeout_s,
-                             startup_timeout_s=recipe.launch.startup_timeout_s)
+        job = local.LocalJob(
+            module=recipe.entry,
+            args=phase.args,
+            nproc=recipe.world_size,
+            log_dir=phase.log_dir,
+            env=env,
+            timeout_s=recipe.launch.timeout_s,
+            stall_timeout_s=recipe.launch.stall_timeout_s,
+            startup_timeout_s=recipe.launch.startup_timeout_s,
+        )
         result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
-        results.append({"phase": phase.name, "returncode": result.returncode,
-                        "seconds": round(result.seconds, 2), "timed_out": result.timed_out,
-                        "peak_rss_mib": {str(r): round(kib / 1024, 1)
-                                         for r, kib in sorted(result.peak_rss_kib.items())}})
+        results.append(
+            {
+                "phase": phase.name,
+                "returncode": result.returncode,
+                "seconds": round(result.seconds, 2),
+                "timed_out": result.timed_out,
+                "peak_rss_mib": {
+                    str(r): round(kib / 1024, 1) for r, kib in sorted(result.peak_rss_kib.items())
+                },
+            }
+        )
         echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
         if not result.ok:
             rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
-            what = f"timed out after {recipe.launch.timeout_s} s" if result.timed_out else \
-                f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)" if result.stall else \
-                f"rank {rank} exited with {result.returncode}"
+            what = (
+                f"timed out after {recipe.launch.timeout_s} s"
+                if result.timed_out
+                else f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)"
+                if result.stall
+                else f"rank {rank} exited with {result.returncode}"
+            )
             _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
@@ -392,15 +482,36 @@ def _run_phases(loaded: LoadedRecipe, run_dir: Path, results: list[dict], starte
                     what += f"; failed at pipeline step: {where}"
             elif recipe.parallelism.pp > 1 or recipe.model.type == "multimodule":
                 echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
-            _write_summary(loaded, run_dir, "training-failed", results, [], time.monotonic() - started)
-            return Outcome(EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what)
-    return finalize(loaded, run_dir, results, started, compare_golden=compare_golden,
-                    force_compare=force_compare, write_golden=write_golden, echo=echo, trace=trace)
+            _write_summary(
+                loaded, run_dir, "training-failed", results, [], time.monotonic() - started
+            )
+            return Outcome(
+                EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what
+            )
+    return finalize(
+        loaded,
+        run_dir,
+        results,
+        started,
+        compare_golden=compare_golden,
+        force_compare=force_compare,
+        write_golden=write_golden,
+        echo=echo,
+        trace=trace,
+    )
 
 
-def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], started: float,
-             compare_golden: bool = True, force_compare: bool = False, write_golden: bool = False,
-             echo: Echo = _default_echo, trace: bool = False) -> Outcome:
+def finalize(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    phase_results: list[dict],
+    started: float,
+    compare_golden: bool = True,
+    force_compare: bool = False,
+    write_golden: bool = False,
+    echo: Echo = _default_echo,
+    trace: bool = False,
+) -> Outcome:
     """Metrics, plot and comparisons of a finished run directory (local or Slurm)."""
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
@@ -408,11 +519,15 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     run_metrics, source = met.read_run_metrics(run_dir)
     reports: list[cmp.Report] = []
     if not run_metrics.get("lm loss") and "lm loss" in names:
-        echo(f"no metrics found: no TensorBoard scalars in {run_dir / met.TENSORBOARD_SUBDIR} and no "
-             f"iteration lines in {logs}/rank-*.log")
+        echo(
+            f"no metrics found: no TensorBoard scalars in {run_dir / met.TENSORBOARD_SUBDIR} and no "
+            f"iteration lines in {logs}/rank-*.log"
+        )
         _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
-    echo(f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}")
+    echo(
+        f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
+    )
     met.write_golden(run_dir / "metrics.json", run_metrics, names)
     resumed, resume_step = None, None
 
@@ -421,8 +536,15 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
         resumed, resumed_source = met.read_run_metrics(run_dir, "resume")
         met.write_golden(run_dir / "metrics_resume.json", resumed, names)
         # Log lines carry Megatron's 2-iteration mean at a process's second step; TensorBoard does not.
-        reports.append(cmp.compare_resume(run_metrics, resumed, recipe.training.iterations // 2, names,
-                                          logged_means=resumed_source == "logs"))
+        reports.append(
+            cmp.compare_resume(
+                run_metrics,
+                resumed,
+                recipe.training.iterations // 2,
+                names,
+                logged_means=resumed_source == "logs",
+            )
+        )
 
     golden_path = loaded.golden_path()
     golden = None
@@ -437,21 +559,38 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     elif golden_path is None:
         echo("  golden values: none configured (test.golden_values is null)")
     elif golden_path.exists() and not _readable_golden(golden_path, echo):
-        reports.insert(0, cmp.Report(f"golden values {golden_path}", [cmp.CheckResult(
-            "(file)", "missing", False, 0, detail="not golden-value JSON")]))
+        reports.insert(
+            0,
+            cmp.Report(
+                f"golden values {golden_path}",
+                [cmp.CheckResult("(file)", "missing", False, 0, detail="not golden-value JSON")],
+            ),
+        )
     elif not golden_path.exists():
-        echo(f"  golden values: none at {golden_path}; create them with "
-             f"`megatron-ext run {loaded.source} --platform {loaded.platform} --write-golden`")
+        echo(
+            f"  golden values: none at {golden_path}; create them with "
+            f"`megatron-ext run {loaded.source} --platform {loaded.platform} --write-golden`"
+        )
     elif loaded.numerics_overridden and not force_compare:
-        echo(f"  golden values: not compared, the overrides change the recipe "
-             f"({' '.join(loaded.overrides)}); --compare forces it")
+        echo(
+            f"  golden values: not compared, the overrides change the recipe "
+            f"({' '.join(loaded.overrides)}); --compare forces it"
+        )
     else:
         golden = met.read_golden(golden_path)
         rules = cmp.rules_for(names, recipe.launch.device, recipe.test.tolerances)
-        reports.insert(0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}"))
+        reports.insert(
+            0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}")
+        )
 
-    write_run_plot(run_dir / "loss.png", run_metrics, golden=golden, resumed=resumed,
-                   resume_step=resume_step, title=f"{loaded.name} ({loaded.platform})")
+    write_run_plot(
+        run_dir / "loss.png",
+        run_metrics,
+        golden=golden,
+        resumed=resumed,
+        resume_step=resume_step,
+        title=f"{loaded.name} ({loaded.platform})",
+    )
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
@@ -466,8 +605,17 @@ def finalize(loaded: LoadedRecipe, run_dir: Path, phase_results: list[dict], sta
     performance = _performance(recipe, run_metrics, phase_results)
     for line in _performance_lines(performance):
         echo(f"  {line}")
-    _write_summary(loaded, run_dir, "passed" if passed else "mismatch", phase_results, reports, seconds,
-                   pipeline=pipeline, performance=performance, metrics_source=source)
+    _write_summary(
+        loaded,
+        run_dir,
+        "passed" if passed else "mismatch",
+        phase_results,
+        reports,
+        seconds,
+        pipeline=pipeline,
+        performance=performance,
+        metrics_source=source,
+    )
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
@@ -502,8 +650,12 @@ def _performance(recipe, run_metrics: met.Metrics, phase_results: list[dict]) ->
     throughput = run_metrics.get("throughput")
     if throughput:
         out["megatron_throughput_tflops_per_gpu_last"] = round(throughput[max(throughput)], 4)
-    rss = {rank: mib for phase in phase_results for rank, mib in (phase.get("peak_rss_mib") or {}).items()
-           if phase.get("phase") == "train"}
+    rss = {
+        rank: mib
+        for phase in phase_results
+        for rank, mib in (phase.get("peak_rss_mib") or {}).items()
+        if phase.get("phase") == "train"
+    }
     if rss:
         out["peak_rss_mib_per_rank"] = rss
     for tag in ("mem-max-allocated-bytes", "mem-allocated-bytes"):
@@ -517,15 +669,21 @@ def _performance_lines(performance: dict) -> list[str]:
     lines = []
     if "tokens_per_s" in performance:
         steps = performance["iteration_time_steps"]
-        lines.append(f"throughput: {performance['tokens_per_s']:.0f} tokens/s, "
-                     f"{performance['iteration_time_s'] * 1000:.0f} ms/iteration "
-                     f"(median of steps {steps[0]}-{steps[-1]})")
+        lines.append(
+            f"throughput: {performance['tokens_per_s']:.0f} tokens/s, "
+            f"{performance['iteration_time_s'] * 1000:.0f} ms/iteration "
+            f"(median of steps {steps[0]}-{steps[-1]})"
+        )
     if "peak_rss_mib_per_rank" in performance:
         rss = performance["peak_rss_mib_per_rank"]
-        lines.append("peak RSS per rank (MiB): " + ", ".join(f"{r}: {v:.0f}" for r, v in rss.items()))
+        lines.append(
+            "peak RSS per rank (MiB): " + ", ".join(f"{r}: {v:.0f}" for r, v in rss.items())
+        )
     if "mem_max_allocated_bytes" in performance:
-        lines.append(f"GPU memory: max allocated {performance['mem_max_allocated_bytes'] / 2**20:.0f} MiB "
-                     "(last rank, Megatron's mem-max-allocated-bytes)")
+        lines.append(
+            f"GPU memory: max allocated {performance['mem_max_allocated_bytes'] / 2**20:.0f} MiB "
+            "(last rank, Megatron's mem-max-allocated-bytes)"
+        )
     return lines
 
 
@@ -546,17 +704,29 @@ def versions() -> dict:
     commit = None
     here = Path(megatron_ext.__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if head.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             commit = head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"megatron-core": version("megatron-core"), "torch": version("torch"),
-            "megatron-ext": megatron_ext.__version__, "megatron-ext-git-commit": commit,
-            "python": sys.version.split()[0]}
+    return {
+        "megatron-core": version("megatron-core"),
+        "torch": version("torch"),
+        "megatron-ext": megatron_ext.__version__,
+        "megatron-ext-git-commit": commit,
+        "python": sys.version.split()[0],
+    }
 
 
 def resolved_plan(loaded: LoadedRecipe) -> dict:
@@ -564,16 +734,34 @@ def resolved_plan(loaded: LoadedRecipe) -> dict:
     r = loaded.recipe
     p, t = r.parallelism, r.training
     dp = p.dp if r.model.type != "multimodule" else 1
-    return {"describe": plan.describe(loaded), "world_size": r.world_size, "tp": p.tp, "pp": p.pp,
-            "vpp": plan.virtual_stages(r), "cp": p.cp, "ep": p.ep, "dp": p.dp, "sp": p.sp,
-            "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-            "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),
-            "modules": r.to_dict()["model"]["modules"] if r.model.type == "multimodule" else None}
+    return {
+        "describe": plan.describe(loaded),
+        "world_size": r.world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": plan.virtual_stages(r),
+        "cp": p.cp,
+        "ep": p.ep,
+        "dp": p.dp,
+        "sp": p.sp,
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),
+        "modules": r.to_dict()["model"]["modules"] if r.model.type == "multimodule" else None,
+    }
 
 
-def _write_summary(loaded: LoadedRecipe, run_dir: Path, status: str, phase_results: list[dict],
-                   reports: list[cmp.Report], seconds: float, pipeline: Optional[dict] = None,
-                   performance: Optional[dict] = None, metrics_source: Optional[str] = None) -> None:
+def _write_summary(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    status: str,
+    phase_results: list[dict],
+    reports: list[cmp.Report],
+    seconds: float,
+    pipeline: Optional[dict] = None,
+    performance: Optional[dict] = None,
+    metrics_source: Optional[str] = None,
+) -> None:
     golden = loaded.golden_path()
     summary = {
         "recipe": str(loaded.source),

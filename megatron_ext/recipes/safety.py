@@ -70,8 +70,11 @@ def directive_problem(where: str, value: object) -> Optional[Problem]:
     """A value for an ``#SBATCH`` line: anything but a line break (sbatch reads the line
     itself; bash must keep seeing one comment)."""
     if value is not None and LINE_BREAKING.search(str(value)):
-        return Problem(where, f"{str(value)!r} holds a line break or NUL, which would end the "
-                              "#SBATCH line and run the rest as shell; remove it")
+        return Problem(
+            where,
+            f"{str(value)!r} holds a line break or NUL, which would end the "
+            "#SBATCH line and run the rest as shell; remove it",
+        )
     return None
 
 
@@ -84,8 +87,13 @@ def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
     ]
     for key in recipe.launch.env:
         if not ENV_KEY.match(str(key)):
-            problems.append(Problem(f"launch.env.{key}", f"{str(key)!r} is not an environment "
-                                    "variable name: use letters, digits and _, not starting with a digit"))
+            problems.append(
+                Problem(
+                    f"launch.env.{key}",
+                    f"{str(key)!r} is not an environment "
+                    "variable name: use letters, digits and _, not starting with a digit",
+                )
+            )
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name)))
@@ -112,5 +120,6 @@ def inside(root: Path, path: Path) -> bool:
 
 def comment(text: str) -> str:
     """Text for a ``#`` comment line of a script: line breaks and controls escaped."""
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )

@@ -41,7 +41,9 @@ class Problem:
     def __str__(self) -> str:
         text = f"{self.where}: {self.what}" if self.where else self.what
         # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
-        return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+        return "".join(
+            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+        )
 
 
 class RecipeError(ValueError):
@@ -66,8 +68,12 @@ class MHC:
     num_residual_streams: int = _doc("--mhc-num-residual-streams (n)", default=4)
     sinkhorn_iterations: int = _doc("--mhc-sinkhorn-iterations", default=20)
     init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
-    recompute: bool = _doc("--recompute-granularity selective --recompute-modules mhc", default=False)
-    recompute_layer_num: Optional[int] = _doc("--mhc-recompute-layer-num (None: one group per stage)", default=None)
+    recompute: bool = _doc(
+        "--recompute-granularity selective --recompute-modules mhc", default=False
+    )
+    recompute_layer_num: Optional[int] = _doc(
+        "--mhc-recompute-layer-num (None: one group per stage)", default=None
+    )
     fused: bool = _doc("--use-fused-mhc (Triton kernels; CUDA only)", default=False)
 
 
@@ -76,61 +82,85 @@ class Module:
     """One module of a multimodule recipe: its kind, its grid and its size."""
 
     kind: Optional[Literal["vision_encoder", "projector", "language_model"]] = _doc(
-        "what the module is (required; exactly one language_model)", default=None)
+        "what the module is (required; exactly one language_model)", default=None
+    )
     tp: int = _doc("tensor-parallel size of the module's grid", default=1)
     pp: int = _doc("pipeline stages of the module", default=1)
     dp: int = _doc("data-parallel replicas of the module", default=1)
     cp: int = _doc("context-parallel size of the module's grid", default=1)
     first_rank: int = _doc("the module's first rank (its ranks are contiguous)", default=0)
     output_ndim: Optional[int] = _doc(
-        "ndim of what its last stage sends on (None: the built module's, else 3)", default=None)
+        "ndim of what its last stage sends on (None: the built module's, else 3)", default=None
+    )
     num_layers: int = _doc("transformer layers", default=2)
     hidden_size: int = _doc("hidden size", default=64)
     num_attention_heads: int = _doc("attention heads", default=4)
     mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams of this module"})
     patch_dim: int = _doc("vision_encoder: features per image token", default=48)
-    image_lengths: list[int] = _doc("vision_encoder: image tokens per micro-batch, cycled",
-                                    default_factory=lambda: [8])
-    flatten_output: bool = _doc("vision_encoder: hand on [N, h] instead of [s, b, h]", default=False)
+    image_lengths: list[int] = _doc(
+        "vision_encoder: image tokens per micro-batch, cycled", default_factory=lambda: [8]
+    )
+    flatten_output: bool = _doc(
+        "vision_encoder: hand on [N, h] instead of [s, b, h]", default=False
+    )
     text_pattern: Literal["random", "arithmetic"] = _doc(
-        "language_model: synthetic text; arithmetic is learnable", default="random")
+        "language_model: synthetic text; arithmetic is learnable", default="random"
+    )
 
 
 @dataclass
 class Model:
-    type: Literal["gpt", "hybrid", "multimodule"] = _doc("which model family (and default entry)", default="gpt")
+    type: Literal["gpt", "hybrid", "multimodule"] = _doc(
+        "which model family (and default entry)", default="gpt"
+    )
     entry: Optional[str] = _doc("python module run with -m; None: the type's default", default=None)
-    num_layers: Optional[int] = _doc("--num-layers (hybrid: derived from the pattern)", default=None)
+    num_layers: Optional[int] = _doc(
+        "--num-layers (hybrid: derived from the pattern)", default=None
+    )
     hidden_size: int = _doc("--hidden-size", default=64)
     ffn_hidden_size: Optional[int] = _doc("--ffn-hidden-size (None: 4 * hidden_size)", default=None)
     num_attention_heads: int = _doc("--num-attention-heads", default=4)
-    num_query_groups: Optional[int] = _doc("--num-query-groups (sets --group-query-attention)", default=None)
+    num_query_groups: Optional[int] = _doc(
+        "--num-query-groups (sets --group-query-attention)", default=None
+    )
     seq_length: int = _doc("--seq-length", default=32)
-    max_position_embeddings: Optional[int] = _doc("--max-position-embeddings (None: seq_length)", default=None)
+    max_position_embeddings: Optional[int] = _doc(
+        "--max-position-embeddings (None: seq_length)", default=None
+    )
     position_embedding: Literal["learned_absolute", "rope", "none"] = _doc(
-        "--position-embedding-type (MTP needs rope or none)", default="learned_absolute")
+        "--position-embedding-type (MTP needs rope or none)", default="learned_absolute"
+    )
     normalization: Literal["LayerNorm", "RMSNorm"] = _doc("--normalization", default="LayerNorm")
     hidden_dropout: float = _doc("--hidden-dropout", default=0.1)
     attention_dropout: float = _doc("--attention-dropout", default=0.1)
     untie_embeddings: bool = _doc("--untie-embeddings-and-output-weights", default=False)
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _doc(
-        "--transformer-impl; auto: the entry's machine default (TE when importable)", default="auto")
+        "--transformer-impl; auto: the entry's machine default (TE when importable)", default="auto"
+    )
     pipeline_layout: Optional[str] = _doc(
-        "gpt: --pipeline-model-parallel-layout, e.g. 'E|tt|tt|L' (sets the virtual stages)", default=None)
+        "gpt: --pipeline-model-parallel-layout, e.g. 'E|tt|tt|L' (sets the virtual stages)",
+        default=None,
+    )
     hybrid_layer_pattern: Optional[str] = _doc(
         "hybrid: --hybrid-layer-pattern; '|' separates pipeline segments, '/' starts MTP depths",
-        default=None)
-    mtp_num_layers: Optional[int] = _doc("gpt: --mtp-num-layers (hybrid: the pattern's '/' depths)", default=None)
+        default=None,
+    )
+    mtp_num_layers: Optional[int] = _doc(
+        "gpt: --mtp-num-layers (hybrid: the pattern's '/' depths)", default=None
+    )
     num_experts: Optional[int] = _doc("--num-experts (MoE)", default=None)
     moe_router_topk: int = _doc("--moe-router-topk", default=2)
     mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams"})
     modules: Optional[dict[str, Module]] = _doc(
-        "multimodule: the modules by name (fields: model.modules.NAME.*)", default=None)
+        "multimodule: the modules by name (fields: model.modules.NAME.*)", default=None
+    )
     topology: Optional[dict[str, list[str]]] = _doc(
-        "multimodule: module graph, {module: [modules it feeds]}", default=None)
+        "multimodule: module graph, {module: [modules it feeds]}", default=None
+    )
     recipe_flag: Optional[str] = _doc(
         "multimodule: flag that hands the resolved recipe file to the entry (None: not passed)",
-        default="--recipe")
+        default="--recipe",
+    )
 
 
 @dataclass
@@ -139,7 +169,9 @@ class Parallelism:
     pp: int = _doc("--pipeline-model-parallel-size", default=1)
     vpp: Optional[int] = _doc(
         "virtual stages per pipeline rank (--num-virtual-stages-per-pipeline-rank); with a "
-        "pipeline layout or hybrid '|' segments it is derived and only checked", default=None)
+        "pipeline layout or hybrid '|' segments it is derived and only checked",
+        default=None,
+    )
     cp: int = _doc("--context-parallel-size", default=1)
     ep: int = _doc("--expert-model-parallel-size", default=1)
     sp: bool = _doc("--sequence-parallel (needs tp > 1)", default=False)
@@ -154,18 +186,24 @@ class Training:
     lr: float = _doc("--lr", default=1.0e-3)
     min_lr: float = _doc("--min-lr", default=0.0)
     lr_schedule: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = _doc(
-        "--lr-decay-style", default="constant")
+        "--lr-decay-style", default="constant"
+    )
     lr_warmup_iters: int = _doc("--lr-warmup-iters", default=0)
     lr_warmup_fraction: Optional[float] = _doc(
-        "--lr-warmup-fraction (of lr_decay_iters; instead of lr_warmup_iters)", default=None)
+        "--lr-warmup-fraction (of lr_decay_iters; instead of lr_warmup_iters)", default=None
+    )
     lr_decay_iters: Optional[int] = _doc("--lr-decay-iters (None: iterations)", default=None)
     weight_decay: float = _doc("--weight-decay", default=0.01)
     clip_grad: float = _doc("--clip-grad", default=1.0)
     seed: int = _doc("--seed", default=1234)
     dtype: Literal["fp32", "bf16", "fp16"] = _doc("--bf16 / --fp16 (fp32: neither)", default="fp32")
-    eval_interval: Optional[int] = _doc("--eval-interval; None: no evaluation (--eval-iters 0)", default=None)
+    eval_interval: Optional[int] = _doc(
+        "--eval-interval; None: no evaluation (--eval-iters 0)", default=None
+    )
     eval_iters: int = _doc("--eval-iters when eval_interval is set", default=1)
-    deterministic: bool = _doc("--deterministic-mode (GPU: bitwise-reproducible kernels)", default=False)
+    deterministic: bool = _doc(
+        "--deterministic-mode (GPU: bitwise-reproducible kernels)", default=False
+    )
 
 
 @dataclass
@@ -179,10 +217,13 @@ class Tokenizer:
 
 @dataclass
 class Data:
-    type: Literal["mock", "indexed"] = _doc("mock: --mock-data; indexed: --data-path", default="mock")
+    type: Literal["mock", "indexed"] = _doc(
+        "mock: --mock-data; indexed: --data-path", default="mock"
+    )
     paths: list[str] = _doc(
         "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx)",
-        default_factory=list)
+        default_factory=list,
+    )
     split: str = _doc("--split", default="949,50,1")
     tokenizer: Tokenizer = field(default_factory=Tokenizer, metadata={"doc": "the tokenizer"})
 
@@ -191,17 +232,23 @@ class Data:
 class Test:
     type: Literal["regular", "ckpt-resume"] = _doc(
         "regular: one run; ckpt-resume: save at iterations/2 (torch_dist), resume, and the second "
-        "half must equal the uninterrupted run", default="regular")
+        "half must equal the uninterrupted run",
+        default="regular",
+    )
     metrics: list[str] = _doc(
         "metrics recorded in metrics.json and compared (Megatron-LM's default list)",
-        default_factory=lambda: ["lm loss", "num-zeros"])
+        default_factory=lambda: ["lm loss", "num-zeros"],
+    )
     golden_values: Optional[str] = _doc(
         "golden-value JSON, relative to the recipe file; {name} and {platform} are filled in",
-        default="golden/{name}/golden_values_{platform}.json")
+        default="golden/{name}/golden_values_{platform}.json",
+    )
     tolerances: dict[str, dict[str, Any]] = _doc(
         "per-metric rule fields (deterministic, rtol, atol, max_failing_steps) over the platform's "
         "defaults (compare.py), e.g. "
-        "{'lm loss': {rtol: 1.0e-3}}", default_factory=dict)
+        "{'lm loss': {rtol: 1.0e-3}}",
+        default_factory=dict,
+    )
     ckpt_format: str = _doc("--ckpt-format for ckpt-resume", default="torch_dist")
 
 
@@ -210,26 +257,40 @@ class Slurm:
     partition: Optional[str] = _doc("#SBATCH --partition", default=None)
     account: Optional[str] = _doc("#SBATCH --account", default=None)
     time: str = _doc("#SBATCH --time", default="00:30:00")
-    gpus_per_node: Optional[int] = _doc("GPUs (= tasks) per node; None: world size / nodes", default=None)
+    gpus_per_node: Optional[int] = _doc(
+        "GPUs (= tasks) per node; None: world size / nodes", default=None
+    )
     container_image: Optional[str] = _doc("srun --container-image (pyxis/enroot)", default=None)
-    container_mounts: list[str] = _doc("srun --container-mounts entries (the run dir is added)", default_factory=list)
+    container_mounts: list[str] = _doc(
+        "srun --container-mounts entries (the run dir is added)", default_factory=list
+    )
     sbatch_args: list[str] = _doc("extra #SBATCH options, e.g. '--exclusive'", default_factory=list)
 
 
 @dataclass
 class Launch:
-    device: Literal["cpu", "gpu"] = _doc("cpu: gloo + the CPU runtime (GPUs hidden); gpu: NCCL", default="cpu")
+    device: Literal["cpu", "gpu"] = _doc(
+        "cpu: gloo + the CPU runtime (GPUs hidden); gpu: NCCL", default="cpu"
+    )
     nodes: int = _doc("nodes (Slurm); local runs use one", default=1)
-    nproc: Optional[int] = _doc("ranks; None: tp * pp * cp * dp (required for multimodule)", default=None)
-    timeout_s: int = _doc("wall-clock limit of one training run; the ranks are stopped after it", default=900)
+    nproc: Optional[int] = _doc(
+        "ranks; None: tp * pp * cp * dp (required for multimodule)", default=None
+    )
+    timeout_s: int = _doc(
+        "wall-clock limit of one training run; the ranks are stopped after it", default=900
+    )
     stall_timeout_s: Optional[int] = _doc(
         "no progress on any rank for this long stops the run and names the stalled rank (0: off); "
-        "None: max(30 s, 10 x the slowest step)", default=None)
-    startup_timeout_s: int = _doc("the stall limit during start-up, the first step and checkpoint I/O",
-                                  default=300)
+        "None: max(30 s, 10 x the slowest step)",
+        default=None,
+    )
+    startup_timeout_s: int = _doc(
+        "the stall limit during start-up, the first step and checkpoint I/O", default=300
+    )
     env: dict[str, Any] = _doc(
         "environment of every rank, scalar values (cpu adds OMP_NUM_THREADS=1, CUDA_VISIBLE_DEVICES='')",
-        default_factory=dict)
+        default_factory=dict,
+    )
     slurm: Slurm = field(default_factory=Slurm, metadata={"doc": "submit --slurm defaults"})
 
 
@@ -246,10 +307,13 @@ class Recipe:
     launch: Launch = field(default_factory=Launch, metadata={"doc": "how ranks start"})
     extra_args: dict[str, Any] = _doc(
         "more Megatron flags: {'--flag': value}; true: bare flag, false/None: left out, list: "
-        "several values", default_factory=dict)
+        "several values",
+        default_factory=dict,
+    )
     platforms: dict[str, Any] = _doc(
         "overlays by platform name (e.g. gpu-cluster), merged over the top-level sections",
-        default_factory=dict)
+        default_factory=dict,
+    )
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -359,7 +423,9 @@ def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            problems.append(Problem(where, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"))
+            problems.append(
+                Problem(where, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+            )
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -452,5 +518,7 @@ def markdown_table() -> str:
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for path, type_name, default, doc in documented_fields():
         type_name = type_name.replace(" | ", " / ")
-        rows.append(f"| `{path}` | {cell(type_name)} | {cell(default_text(default))} | {cell(doc)} |")
+        rows.append(
+            f"| `{path}` | {cell(type_name)} | {cell(default_text(default))} | {cell(doc)} |"
+        )
     return "\n".join(rows)

@@ -34,7 +34,9 @@ class SlurmOptions:
     python: Optional[str] = None
 
 
-def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tuple[Optional[slurm.SlurmJob], list[str]]:
+def build_job(
+    loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions
+) -> tuple[Optional[slurm.SlurmJob], list[str]]:
     """The job for this recipe, or None and the reasons it cannot be laid out."""
     recipe = loaded.recipe
     cfg = recipe.launch.slurm
@@ -47,8 +49,10 @@ def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tup
     per_node = world // nodes
     gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
     if recipe.launch.device == "gpu" and gpus is not None and gpus != per_node:
-        problems.append(f"one task per GPU: {world} ranks over {nodes} node(s) need {per_node} "
-                        f"GPUs per node, not {gpus} (change --nodes or the recipe's parallelism)")
+        problems.append(
+            f"one task per GPU: {world} ranks over {nodes} node(s) need {per_node} "
+            f"GPUs per node, not {gpus} (change --nodes or the recipe's parallelism)"
+        )
     image = options.container_image or cfg.container_image
     python = options.python or ("python" if image else sys.executable)
     steps = []
@@ -58,12 +62,23 @@ def build_job(loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions) -> tup
             before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
         steps.append(slurm.Step(phase.name, recipe.entry, phase.args, phase.log_dir, before))
     job = slurm.SlurmJob(
-        name=loaded.name, run_dir=run_dir, steps=steps, nodes=nodes, tasks_per_node=per_node,
-        device=recipe.launch.device, workdir=Path.cwd(), python=python,
-        env=plan.run_environment(loaded), gpus_per_node=gpus,
-        partition=options.partition or cfg.partition, account=options.account or cfg.account,
-        time=options.time or cfg.time, container_image=image,
-        container_mounts=options.container_mounts if options.container_mounts is not None else cfg.container_mounts,
+        name=loaded.name,
+        run_dir=run_dir,
+        steps=steps,
+        nodes=nodes,
+        tasks_per_node=per_node,
+        device=recipe.launch.device,
+        workdir=Path.cwd(),
+        python=python,
+        env=plan.run_environment(loaded),
+        gpus_per_node=gpus,
+        partition=options.partition or cfg.partition,
+        account=options.account or cfg.account,
+        time=options.time or cfg.time,
+        container_image=image,
+        container_mounts=options.container_mounts
+        if options.container_mounts is not None
+        else cfg.container_mounts,
         sbatch_args=cfg.sbatch_args,
     )
     return (None if problems else job), problems
@@ -79,14 +94,24 @@ def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
         echo(f"  first failure: {failure}")
 
 
-def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] = None,
-           runs_root: Path = Path("runs"), dry_run: bool = False, wait: bool = True,
-           compare_golden: bool = True, force_compare: bool = False,
-           megatron_checks: bool = True, echo=runner._default_echo) -> Outcome:
+def submit(
+    loaded: LoadedRecipe,
+    options: SlurmOptions,
+    run_dir: Optional[Path] = None,
+    runs_root: Path = Path("runs"),
+    dry_run: bool = False,
+    wait: bool = True,
+    compare_golden: bool = True,
+    force_compare: bool = False,
+    megatron_checks: bool = True,
+    echo=runner._default_echo,
+) -> Outcome:
     started = time.monotonic()
     if dry_run:  # stdout is the script alone; everything else goes to stderr
+
         def echo(text: str) -> None:
             print(text, file=sys.stderr)
+
     why = runner.preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot submit: {why}")
@@ -113,7 +138,9 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
     echo(f"  {plan.describe(loaded)}")
     echo(f"  run directory {run_dir}")
     try:
-        job_id = slurm.submit(script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)})
+        job_id = slurm.submit(
+            script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)}
+        )
     except (slurm.SlurmError, FileNotFoundError) as exc:
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, run_dir, message=str(exc))
@@ -122,26 +149,47 @@ def submit(loaded: LoadedRecipe, options: SlurmOptions, run_dir: Optional[Path] 
         echo(f"  not waiting; afterwards: megatron-ext compare {run_dir} <golden.json>")
         return Outcome(0, run_dir)
 
-    followers = [LogFollower(step.log_dir / f"rank-{job.world_size - 1}.log", Progress(echo, step.name))
-                 for step in job.steps]
+    followers = [
+        LogFollower(step.log_dir / f"rank-{job.world_size - 1}.log", Progress(echo, step.name))
+        for step in job.steps
+    ]
 
     def poll() -> None:
         for follower in followers:
             follower.poll()
 
     timeout = slurm.time_limit_seconds(job.time) + 300
-    result = slurm.wait(job_id, run_dir, timeout, on_poll=poll,
-                        on_state=lambda s: echo(f"  job {job_id}: {s}"))
+    result = slurm.wait(
+        job_id, run_dir, timeout, on_poll=poll, on_state=lambda s: echo(f"  job {job_id}: {s}")
+    )
     for follower in followers:
         follower.poll(final=True)
-    echo(f"  job {job_id} ended: state {result.state}, exit code {result.exit_code} "
-         f"({result.seconds:.1f} s)")
-    phase_results = [{"phase": "slurm-job", "job_id": job_id, "state": result.state,
-                      "returncode": result.exit_code, "seconds": round(result.seconds, 2)}]
+    echo(
+        f"  job {job_id} ended: state {result.state}, exit code {result.exit_code} "
+        f"({result.seconds:.1f} s)"
+    )
+    phase_results = [
+        {
+            "phase": "slurm-job",
+            "job_id": job_id,
+            "state": result.state,
+            "returncode": result.exit_code,
+            "seconds": round(result.seconds, 2),
+        }
+    ]
     if not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
         _echo_first_failure(job, echo)
-        runner._write_summary(loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started)
+        runner._write_summary(
+            loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started
+        )
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
-    return runner.finalize(loaded, run_dir, phase_results, started, compare_golden=compare_golden,
-                           force_compare=force_compare, echo=echo)
+    return runner.finalize(
+        loaded,
+        run_dir,
+        phase_results,
+        started,
+        compare_golden=compare_golden,
+        force_compare=force_compare,
+        echo=echo,
+    )

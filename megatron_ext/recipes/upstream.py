@@ -41,19 +41,21 @@ UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS")
 TEST_CASE_FILE = "model_config.yaml"
 DEFAULT_METRICS = ["lm loss", "num-zeros"]
 DEFAULT_GPU_PLATFORM = "dgx_h100"
-GOLDEN_FILE = re.compile(r"^golden_values_(?P<env>[A-Za-z0-9]+)_(?P<platform>[A-Za-z0-9_.-]+)\.json$")
+GOLDEN_FILE = re.compile(
+    r"^golden_values_(?P<env>[A-Za-z0-9]+)_(?P<platform>[A-Za-z0-9_.-]+)\.json$"
+)
 PREFERRED_ENVIRONMENTS = ("dev", "lts")
 
 SUPPORTED_TEST_TYPES = ("regular", "ckpt-resume")
 REFUSED_TEST_TYPES = {
     "frozen-start": "trains from a frozen checkpoint that only Megatron-LM's CI stores; "
-                    "run it as TEST_TYPE: regular",
+    "run it as TEST_TYPE: regular",
     "frozen-resume": "resumes a frozen checkpoint that only Megatron-LM's CI stores; "
-                     "use TEST_TYPE: ckpt-resume to test save and resume",
+    "use TEST_TYPE: ckpt-resume to test save and resume",
     "release": "a full-size release run (many nodes, days) judged by release golden values, "
-               "not a functional test",
+    "not a functional test",
     "checkpoint-consistency": "compares checkpoints of two configurations, which the runner "
-                              "does not do",
+    "does not do",
 }
 
 RUN_DIR_PLACEHOLDERS = {
@@ -66,19 +68,39 @@ RUN_DIR_PLACEHOLDERS = {
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 MHC_FLAGS = {
-    "--enable-hyper-connections": "enabled", "--enable-mhc-connections": "enabled",
-    "--num-residual-streams": "num_residual_streams", "--mhc-num-residual-streams": "num_residual_streams",
+    "--enable-hyper-connections": "enabled",
+    "--enable-mhc-connections": "enabled",
+    "--num-residual-streams": "num_residual_streams",
+    "--mhc-num-residual-streams": "num_residual_streams",
 }
 
 # Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory
 # counters of the CUDA allocator): the cpu overlay leaves them out.
-GPU_ONLY_FLAGS = ("--cuda-graph-", "--te-rng-tracker", "--moe-grouped-gemm", "--attention-backend",
-                  "--log-memory-to-tensorboard", "--data-cache-path", "--overlap-moe-expert-parallel-comm",
-                  "--use-flash-attn", "--fp8", "--tp-comm-overlap", "--enable-cuda-graph",
-                  "--external-cuda-graph")
+GPU_ONLY_FLAGS = (
+    "--cuda-graph-",
+    "--te-rng-tracker",
+    "--moe-grouped-gemm",
+    "--attention-backend",
+    "--log-memory-to-tensorboard",
+    "--data-cache-path",
+    "--overlap-moe-expert-parallel-comm",
+    "--use-flash-attn",
+    "--fp8",
+    "--tp-comm-overlap",
+    "--enable-cuda-graph",
+    "--external-cuda-graph",
+)
 
-CPU = {"hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "iterations": 8,
-       "micro_batch_size": 2, "micro_batches": 4, "vocab_size": 128, "moe_ffn_hidden_size": 256}
+CPU = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 32,
+    "iterations": 8,
+    "micro_batch_size": 2,
+    "micro_batches": 4,
+    "vocab_size": 128,
+    "moe_ffn_hidden_size": 256,
+}
 """The cpu overlay's sizes: those of the shipped CPU recipes (recipes/*.yaml)."""
 
 
@@ -112,7 +134,11 @@ def golden_files(case_dir: Path) -> dict[str, list[str]]:
 
     def rank(name: str) -> int:
         env = GOLDEN_FILE.match(name)["env"]
-        return PREFERRED_ENVIRONMENTS.index(env) if env in PREFERRED_ENVIRONMENTS else len(PREFERRED_ENVIRONMENTS)
+        return (
+            PREFERRED_ENVIRONMENTS.index(env)
+            if env in PREFERRED_ENVIRONMENTS
+            else len(PREFERRED_ENVIRONMENTS)
+        )
 
     return {platform: sorted(names, key=rank) for platform, names in found.items()}
 
@@ -162,8 +188,13 @@ def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[
 
 def _listed(value: Any) -> Any:
     """Upstream writes several values of one flag as "[a b]" (its launcher splits them)."""
-    if isinstance(value, str) and len(value) > 2 and value[0] == "[" and value[-1] == "]" \
-            and not any(ch in value[1:-1] for ch in "[](){}"):
+    if (
+        isinstance(value, str)
+        and len(value) > 2
+        and value[0] == "["
+        and value[-1] == "]"
+        and not any(ch in value[1:-1] for ch in "[](){}")
+    ):
         return value[1:-1].replace(",", " ").split()
     return value
 
@@ -198,11 +229,19 @@ def _field_value(flag: str, value: Any) -> tuple[str, Any]:
     return path, value
 
 
-def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
-                           conversion: Conversion) -> dict:
+def model_args_to_sections(
+    args: dict, case: str, env: Mapping[str, str], conversion: Conversion
+) -> dict:
     """The recipe sections (the case's own sizes) of ``MODEL_ARGS``."""
-    data: dict = {"model": {"type": "gpt"}, "parallelism": {}, "training": {}, "data": {},
-                  "test": {}, "launch": {"device": "gpu"}, "extra_args": {}}
+    data: dict = {
+        "model": {"type": "gpt"},
+        "parallelism": {},
+        "training": {},
+        "data": {},
+        "test": {},
+        "launch": {"device": "gpu"},
+        "extra_args": {},
+    }
     notes = conversion.notes.setdefault("mapping", [])
     runner_owned, layers_per_virtual_stage = [], None
     recompute_modules: Optional[list[str]] = None
@@ -210,8 +249,11 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
     for flag, raw_value in args.items():
         where = f"MODEL_ARGS.{flag}"
         if not isinstance(flag, str) or not flag.startswith("--"):
-            conversion.problems.append(Problem(where, "MODEL_ARGS keys are Megatron flags with their "
-                                                      "dashes, e.g. --num-layers"))
+            conversion.problems.append(
+                Problem(
+                    where, "MODEL_ARGS keys are Megatron flags with their dashes, e.g. --num-layers"
+                )
+            )
             continue
         value = _listed(_substitute(raw_value, flag, env, conversion.unresolved))
         if value is None or value is False:
@@ -231,7 +273,9 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
         elif flag == "--hybrid-layer-pattern":
             _set(data, "model.type", "hybrid")
             _set(data, "model.hybrid_layer_pattern", value)
-        elif flag == "--num-layers" and (args.get("--hybrid-layer-pattern") or case.startswith("hybrid")):
+        elif flag == "--num-layers" and (
+            args.get("--hybrid-layer-pattern") or case.startswith("hybrid")
+        ):
             continue  # a hybrid model's layers come from its pattern
         elif flag in FIELD_FLAGS:
             path, field_value = _field_value(flag, value)
@@ -247,12 +291,20 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
             _set(data, "model.mhc.recompute", True)
             rest = [m for m in recompute_modules if m != "mhc"]
             if rest:
-                conversion.problems.append(Problem("MODEL_ARGS.--recompute-modules",
-                                                   f"{recompute_modules}: model.mhc.recompute covers mhc "
-                                                   f"alone; recomputing {rest} too is not mapped"))
+                conversion.problems.append(
+                    Problem(
+                        "MODEL_ARGS.--recompute-modules",
+                        f"{recompute_modules}: model.mhc.recompute covers mhc "
+                        f"alone; recomputing {rest} too is not mapped",
+                    )
+                )
             if granularity not in (None, "selective"):
-                conversion.problems.append(Problem("MODEL_ARGS.--recompute-granularity",
-                                                   f"{granularity!r} with mhc recompute; mHC recompute is selective"))
+                conversion.problems.append(
+                    Problem(
+                        "MODEL_ARGS.--recompute-granularity",
+                        f"{granularity!r} with mhc recompute; mHC recompute is selective",
+                    )
+                )
         else:
             data["extra_args"]["--recompute-modules"] = recompute_modules
             if granularity is not None:
@@ -260,10 +312,14 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
     elif granularity is not None:
         data["extra_args"]["--recompute-granularity"] = granularity
     if data["model"]["type"] == "hybrid" and _get(data, "model.mtp_num_layers") is not None:
-        depths = len([p for p in str(_get(data, "model.hybrid_layer_pattern", "")).split("/")[1:] if p])
+        depths = len(
+            [p for p in str(_get(data, "model.hybrid_layer_pattern", "")).split("/")[1:] if p]
+        )
         if depths == _get(data, "model.mtp_num_layers"):
             del data["model"]["mtp_num_layers"]
-            notes.append(f"--mtp-num-layers {depths}: the hybrid pattern's '/' depths say it already")
+            notes.append(
+                f"--mtp-num-layers {depths}: the hybrid pattern's '/' depths say it already"
+            )
     if _get(data, "parallelism.sp") and _get(data, "parallelism.tp", 1) == 1:
         del data["parallelism"]["sp"]
         notes.append("--sequence-parallel left out: tp is 1 (Megatron turns it off there)")
@@ -271,15 +327,22 @@ def model_args_to_sections(args: dict, case: str, env: Mapping[str, str],
         layers = _get(data, "model.num_layers") or 0
         pp = _get(data, "parallelism.pp", 1)
         if layers % (pp * layers_per_virtual_stage):
-            conversion.problems.append(Problem("MODEL_ARGS.--num-layers-per-virtual-pipeline-stage",
-                                               f"{layers_per_virtual_stage} does not split {layers} layers "
-                                               f"over pp={pp}"))
+            conversion.problems.append(
+                Problem(
+                    "MODEL_ARGS.--num-layers-per-virtual-pipeline-stage",
+                    f"{layers_per_virtual_stage} does not split {layers} layers over pp={pp}",
+                )
+            )
         else:
             _set(data, "parallelism.vpp", layers // (pp * layers_per_virtual_stage))
-            notes.append(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} -> "
-                         f"parallelism.vpp {layers // (pp * layers_per_virtual_stage)}")
+            notes.append(
+                f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} -> "
+                f"parallelism.vpp {layers // (pp * layers_per_virtual_stage)}"
+            )
     if runner_owned:
-        notes.append(f"left to the runner: {', '.join(runner_owned)} (run directory, test type, logging)")
+        notes.append(
+            f"left to the runner: {', '.join(runner_owned)} (run directory, test type, logging)"
+        )
     return data
 
 
@@ -333,8 +396,11 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     gbs = _get(cpu, "training.global_batch_size")
     mbs = _get(cpu, "training.micro_batch_size", 2)
     if gbs and gbs > mbs * dp * CPU["micro_batches"]:
-        change("training.global_batch_size", mbs * dp * CPU["micro_batches"],
-               f"{CPU['micro_batches']} micro-batches per iteration")
+        change(
+            "training.global_batch_size",
+            mbs * dp * CPU["micro_batches"],
+            f"{CPU['micro_batches']} micro-batches per iteration",
+        )
     if (_get(cpu, "training.iterations") or 0) > CPU["iterations"]:
         change("training.iterations", CPU["iterations"], "a short CPU run")
     eval_interval = _get(cpu, "training.eval_interval")
@@ -380,7 +446,9 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
             out[key] = copy.deepcopy(value)
     for key in cpu:
         if key not in full:
-            out[key] = None if prefix.startswith("extra_args") else _schema_default(f"{prefix}{key}")
+            out[key] = (
+                None if prefix.startswith("extra_args") else _schema_default(f"{prefix}{key}")
+            )
     return out
 
 
@@ -394,28 +462,44 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
         if key not in UPSTREAM_KEYS:
             from megatron_ext.recipes.schema import suggestion
 
-            conversion.problems.append(Problem(str(key), "not a Megatron-LM test-case key"
-                                               + suggestion(str(key), list(UPSTREAM_KEYS))))
+            conversion.problems.append(
+                Problem(
+                    str(key),
+                    "not a Megatron-LM test-case key" + suggestion(str(key), list(UPSTREAM_KEYS)),
+                )
+            )
     args = raw.get("MODEL_ARGS")
     if not isinstance(args, dict):
-        conversion.problems.append(Problem("MODEL_ARGS", "must be a mapping of Megatron flags to values"))
+        conversion.problems.append(
+            Problem("MODEL_ARGS", "must be a mapping of Megatron flags to values")
+        )
         args = {}
     case = case_dir.parent.name if case_dir.parent.name else ""
     full = model_args_to_sections(args, case, env, conversion)
 
     env_vars = raw.get("ENV_VARS") or {}
     if not isinstance(env_vars, dict):
-        conversion.problems.append(Problem("ENV_VARS", "must be a mapping of variable names to values"))
+        conversion.problems.append(
+            Problem("ENV_VARS", "must be a mapping of variable names to values")
+        )
         env_vars = {}
-    full["launch"]["env"] = {str(k): (str(v).lower() if isinstance(v, bool) else v) for k, v in env_vars.items()}
+    full["launch"]["env"] = {
+        str(k): (str(v).lower() if isinstance(v, bool) else v) for k, v in env_vars.items()
+    }
 
     test_type = str(raw.get("TEST_TYPE", "regular")).split("#")[0].strip()
     if test_type in REFUSED_TEST_TYPES:
-        conversion.problems.append(Problem("TEST_TYPE", f"{test_type!r} is not supported: "
-                                                        f"{REFUSED_TEST_TYPES[test_type]}"))
+        conversion.problems.append(
+            Problem("TEST_TYPE", f"{test_type!r} is not supported: {REFUSED_TEST_TYPES[test_type]}")
+        )
     elif test_type not in SUPPORTED_TEST_TYPES:
-        conversion.problems.append(Problem("TEST_TYPE", f"unknown test type {test_type!r}; megatron-ext "
-                                                        f"runs {', '.join(SUPPORTED_TEST_TYPES)}"))
+        conversion.problems.append(
+            Problem(
+                "TEST_TYPE",
+                f"unknown test type {test_type!r}; megatron-ext "
+                f"runs {', '.join(SUPPORTED_TEST_TYPES)}",
+            )
+        )
     else:
         full["test"]["type"] = test_type
     metrics = raw.get("METRICS", DEFAULT_METRICS)
@@ -425,7 +509,8 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
     full["test"]["metrics"] = [str(m) for m in metrics]
     if "num-zeros" in metrics and not args.get("--log-num-zeros-in-grad"):
         conversion.notes.setdefault("mapping", []).append(
-            "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad")
+            "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad"
+        )
 
     ep = _get(full, "parallelism.ep", 1)
     model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
@@ -433,22 +518,32 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
         _set(full, "parallelism.dp", ep // math.gcd(model_parallel, ep))
     cpu, changes = cpu_overlay(full)
     goldens = golden_files(case_dir)
-    conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [DEFAULT_GPU_PLATFORM]
+    conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [
+        DEFAULT_GPU_PLATFORM
+    ]
     cpu["test"]["golden_values"] = golden_file(case_dir, DEFAULT_PLATFORM)
     overlay = _overlay(full, cpu)
     platforms = {}
     for platform in conversion.gpu_platforms:
-        platforms[platform] = {**copy.deepcopy(overlay),
-                               "test": {**overlay.get("test", {}), "golden_values": golden_file(case_dir, platform)}}
-    conversion.recipe = {"version": 1, "name": case_dir.name or None,
-                         "description": f"Megatron-LM functional test case {case_dir.name} "
-                                        f"(imported from {TEST_CASE_FILE})",
-                         **cpu, "platforms": platforms}
+        platforms[platform] = {
+            **copy.deepcopy(overlay),
+            "test": {**overlay.get("test", {}), "golden_values": golden_file(case_dir, platform)},
+        }
+    conversion.recipe = {
+        "version": 1,
+        "name": case_dir.name or None,
+        "description": f"Megatron-LM functional test case {case_dir.name} "
+        f"(imported from {TEST_CASE_FILE})",
+        **cpu,
+        "platforms": platforms,
+    }
     mapping = conversion.notes.setdefault("mapping", [])
     tp, pp, cp = (_get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp"))
     dp = _get(full, "parallelism.dp", 1)
-    mapping.append(f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
-                   "expert parallelism admits; upstream takes the GPU count from its job)")
+    mapping.append(
+        f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
+        "expert parallelism admits; upstream takes the GPU count from its job)"
+    )
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
 
@@ -457,9 +552,13 @@ def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:
     """Problems of running ``platform``: placeholders that only the environment can fill."""
     if platform == DEFAULT_PLATFORM:
         return []  # the cpu overlay uses mock data and the run directory
-    return [Problem(f"MODEL_ARGS.{flag}", f"${{{name}}} is not set; export {name} (Megatron-LM's CI "
-                                          "sets it to its data mount)")
-            for name, flag in conversion.unresolved.items()]
+    return [
+        Problem(
+            f"MODEL_ARGS.{flag}",
+            f"${{{name}}} is not set; export {name} (Megatron-LM's CI sets it to its data mount)",
+        )
+        for name, flag in conversion.unresolved.items()
+    ]
 
 
 def notes_for(conversion: Conversion, platform: str) -> list[str]:

@@ -66,17 +66,42 @@ def entry_importable(module: Optional[str]) -> bool:
 # Sizes and counts that must be at least 1 (the plan checks divide by them), and those that
 # must not be negative; None (unset) is always fine.
 POSITIVE_FIELDS = (
-    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
-    "model.num_query_groups", "model.seq_length", "model.max_position_embeddings",
-    "model.mtp_num_layers", "model.num_experts", "model.moe_router_topk",
-    "model.mhc.num_residual_streams", "model.mhc.recompute_layer_num",
-    "parallelism.tp", "parallelism.pp", "parallelism.vpp", "parallelism.cp", "parallelism.ep",
-    "parallelism.dp", "training.iterations", "training.micro_batch_size", "training.global_batch_size",
-    "training.lr_decay_iters", "training.eval_interval", "data.tokenizer.vocab_size", "launch.nodes",
-    "launch.nproc", "launch.timeout_s", "launch.startup_timeout_s", "launch.slurm.gpus_per_node",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.ffn_hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.seq_length",
+    "model.max_position_embeddings",
+    "model.mtp_num_layers",
+    "model.num_experts",
+    "model.moe_router_topk",
+    "model.mhc.num_residual_streams",
+    "model.mhc.recompute_layer_num",
+    "parallelism.tp",
+    "parallelism.pp",
+    "parallelism.vpp",
+    "parallelism.cp",
+    "parallelism.ep",
+    "parallelism.dp",
+    "training.iterations",
+    "training.micro_batch_size",
+    "training.global_batch_size",
+    "training.lr_decay_iters",
+    "training.eval_interval",
+    "data.tokenizer.vocab_size",
+    "launch.nodes",
+    "launch.nproc",
+    "launch.timeout_s",
+    "launch.startup_timeout_s",
+    "launch.slurm.gpus_per_node",
 )
-NON_NEGATIVE_FIELDS = ("training.lr_warmup_iters", "training.seed", "training.eval_iters",
-                       "launch.stall_timeout_s")
+NON_NEGATIVE_FIELDS = (
+    "training.lr_warmup_iters",
+    "training.seed",
+    "training.eval_iters",
+    "launch.stall_timeout_s",
+)
 
 
 def size_problems(loaded: LoadedRecipe) -> list[Problem]:
@@ -96,8 +121,12 @@ def size_problems(loaded: LoadedRecipe) -> list[Problem]:
 
 # Megatron flags that log through an optional package: without it Megatron fails on the
 # last rank only, after every other rank has started.
-LOGGING_FLAG_PACKAGES = {"--wandb-project": "wandb", "--wandb-exp-name": "wandb",
-                         "--wandb-save-dir": "wandb", "--wandb-entity": "wandb"}
+LOGGING_FLAG_PACKAGES = {
+    "--wandb-project": "wandb",
+    "--wandb-exp-name": "wandb",
+    "--wandb-save-dir": "wandb",
+    "--wandb-entity": "wandb",
+}
 
 
 def _module_importable(name: str) -> bool:
@@ -111,10 +140,17 @@ def logging_problems(loaded: LoadedRecipe) -> list[Problem]:
     """A logging flag whose package is not importable here."""
     problems = []
     for flag, package in LOGGING_FLAG_PACKAGES.items():
-        if loaded.recipe.extra_args.get(flag) not in (None, False) and not _module_importable(package):
-            problems.append(Problem(f"extra_args.{flag}", f"needs the {package} package, which is not "
-                                                          f"importable here; pip install 'megatron-ext[{package}]' "
-                                                          "or remove the flag"))
+        if loaded.recipe.extra_args.get(flag) not in (None, False) and not _module_importable(
+            package
+        ):
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"needs the {package} package, which is not "
+                    f"importable here; pip install 'megatron-ext[{package}]' "
+                    "or remove the flag",
+                )
+            )
     return problems
 
 
@@ -123,8 +159,10 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
     if golden is None:
         return ["no golden values configured (test.golden_values is null): runs are not compared"]
     if not golden.exists():
-        return [f"no golden values at {golden}: runs are not compared until `megatron-ext run "
-                f"{loaded.source} --platform {loaded.platform} --write-golden` creates them"]
+        return [
+            f"no golden values at {golden}: runs are not compared until `megatron-ext run "
+            f"{loaded.source} --platform {loaded.platform} --write-golden` creates them"
+        ]
     return []
 
 
@@ -133,13 +171,18 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     sizes = size_problems(loaded)
     if sizes:  # the plan checks would divide by them
         return Validation(problems=safety.recipe_problems(loaded) + sizes)
-    result = Validation(problems=safety.recipe_problems(loaded) + plan.plan_problems(loaded)
-                        + logging_problems(loaded))
+    result = Validation(
+        problems=safety.recipe_problems(loaded)
+        + plan.plan_problems(loaded)
+        + logging_problems(loaded)
+    )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)
     if not _module_importable("tensorboard"):
-        result.notes.append("tensorboard is not installed here: run metrics fall back to the log lines "
-                            "(pip install 'megatron-ext[tensorboard]')")
+        result.notes.append(
+            "tensorboard is not installed here: run metrics fall back to the log lines "
+            "(pip install 'megatron-ext[tensorboard]')"
+        )
     recipe = loaded.recipe
     entry = recipe.entry
     unknown = entries.entry_problem(entry)
@@ -166,14 +209,22 @@ def multimodule_problems(loaded: LoadedRecipe) -> list[Problem]:
     entry will read it, checked without a process."""
     from megatron_ext.multimodule.train import recipe_problems
 
-    return [Problem("model.modules", p) for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)]
+    return [
+        Problem("model.modules", p)
+        for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)
+    ]
 
 
 @contextlib.contextmanager
 def _as_rank_zero_of(world_size: int, argv: list[str]) -> Iterator[None]:
-    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    saved_env = {
+        k: os.environ.get(k)
+        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")
+    }
     saved_argv = sys.argv
-    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    os.environ.update(
+        WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1"
+    )
     sys.argv = ["megatron-ext-validate", *argv]
     try:
         yield
@@ -229,7 +280,9 @@ def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
 _MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu", re.IGNORECASE)
 
 
-def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None) -> list[Problem]:
+def megatron_problems(
+    loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None
+) -> list[Problem]:
     """Megatron's argument validation, the config's checks and the guards, for rank 0 of the
     recipe's world. At most one problem: Megatron stops at its first.
 
@@ -241,32 +294,55 @@ def megatron_problems(loaded: LoadedRecipe, module_name: str, notes: Optional[li
     argv = plan.megatron_args(loaded)
     if recipe.test.type == "ckpt-resume":
         argv += plan.save_args(loaded, "/nonexistent/megatron-ext-validate")
-    return argv_problems(argv, module_name, recipe.world_size, recipe.launch.device, recipe.model.type, notes)
+    return argv_problems(
+        argv, module_name, recipe.world_size, recipe.launch.device, recipe.model.type, notes
+    )
 
 
-def argv_problems(argv: list[str], module_name: str, world_size: int, device: str = "cpu",
-                  model_type: str = "gpt", notes: Optional[list[str]] = None) -> list[Problem]:
+def argv_problems(
+    argv: list[str],
+    module_name: str,
+    world_size: int,
+    device: str = "cpu",
+    model_type: str = "gpt",
+    notes: Optional[list[str]] = None,
+) -> list[Problem]:
     """:func:`megatron_problems` for a command line of Megatron flags (what the entry
     ``module_name`` would parse on rank 0 of ``world_size`` ranks), without a recipe."""
     import torch
 
-    recipe = types.SimpleNamespace(launch=types.SimpleNamespace(device=device),
-                                   model=types.SimpleNamespace(type=model_type), world_size=world_size)
+    recipe = types.SimpleNamespace(
+        launch=types.SimpleNamespace(device=device),
+        model=types.SimpleNamespace(type=model_type),
+        world_size=world_size,
+    )
     sink = io.StringIO()
     stage = "model.entry"
     try:
-        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), warnings.catch_warnings():
+        with (
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")
             provider, entry_defaults, config_class, build_config = _entry_hooks(module_name)
             from megatron.training import arguments as megatron_arguments
 
             from megatron_ext.launch import training as launch
 
-            parser_defaults = {**entry_defaults, **launch.machine_defaults(on_cpu=recipe.launch.device == "cpu")}
+            parser_defaults = {
+                **entry_defaults,
+                **launch.machine_defaults(on_cpu=recipe.launch.device == "cpu"),
+            }
             if recipe.launch.device == "gpu" and not torch.cuda.is_available():
                 # Fused kernels are the GPU machine's business; judge the plan with them off.
-                parser_defaults.update({k: v for k, v in launch.machine_defaults(on_cpu=True).items()
-                                        if k != "distributed_backend"})
+                parser_defaults.update(
+                    {
+                        k: v
+                        for k, v in launch.machine_defaults(on_cpu=True).items()
+                        if k != "distributed_backend"
+                    }
+                )
             stage = "megatron arguments"
             size_problem = launch.size_flag_problem(argv)
             if size_problem:
@@ -279,8 +355,14 @@ def argv_problems(argv: list[str], module_name: str, world_size: int, device: st
                     args = megatron_arguments.parse_args(extra)
                 except SystemExit:
                     message = [line for line in sink.getvalue().splitlines() if "error:" in line]
-                    return [Problem(stage, message[-1].split("error:", 1)[1].strip()
-                                    if message else "Megatron's parser rejected the command line")]
+                    return [
+                        Problem(
+                            stage,
+                            message[-1].split("error:", 1)[1].strip()
+                            if message
+                            else "Megatron's parser rejected the command line",
+                        )
+                    ]
                 stage = "megatron validate_args"
                 megatron_arguments.validate_args(args, {})
                 mhc_problem = launch.mhc_flags_without_mhc(argv, args)
@@ -292,13 +374,22 @@ def argv_problems(argv: list[str], module_name: str, world_size: int, device: st
             _model_guards(recipe.model.type, config)
     except ImportError as exc:
         return [Problem("model.entry", f"{module_name} cannot be imported: {_first_line(exc)}")]
-    except (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError) as exc:
+    except (
+        AssertionError,
+        ValueError,
+        TypeError,
+        NotImplementedError,
+        RuntimeError,
+        KeyError,
+    ) as exc:
         message = _first_line(exc)
         elsewhere = recipe.launch.device == "gpu" and not torch.cuda.is_available()
         if elsewhere and _MACHINE_DEPENDENT.search(message) and stage != "guard":
             if notes is not None:
-                notes.append(f"{stage} could not be checked on this machine (it lacks the GPU "
-                             f"platform's libraries): {message}")
+                notes.append(
+                    f"{stage} could not be checked on this machine (it lacks the GPU "
+                    f"platform's libraries): {message}"
+                )
             return []
         return [Problem(stage, message)]
     return []

@@ -204,7 +204,9 @@ class CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            return (
+                name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            )
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], CPU) + tuple(args[2:])
         if "device" in kwargs and _is_cuda(kwargs["device"]):

@@ -39,8 +39,11 @@ def init_distributed() -> None:
         return
     if "RANK" not in os.environ:
         os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
@@ -73,7 +76,9 @@ def releasing_new_process_groups() -> Iterator[None]:
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
 
 
 @contextlib.contextmanager
@@ -92,8 +97,9 @@ def model_parallel(
 
     init_distributed()
     parallel_state.destroy_model_parallel()
-    with releasing_new_process_groups(), _initialized_model_parallel(
-        tp, pp, vpp, cp, ep, etp, seed
+    with (
+        releasing_new_process_groups(),
+        _initialized_model_parallel(tp, pp, vpp, cp, ep, etp, seed),
     ):
         yield
 

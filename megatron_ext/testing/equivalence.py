@@ -18,8 +18,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -31,7 +29,13 @@ from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.testing.distributed import model_parallel, world_size
-from megatron_ext.testing.shards import Piece, full_tensors, load_full_weights, local_pieces, shard_index
+from megatron_ext.testing.shards import (
+    Piece,
+    full_tensors,
+    load_full_weights,
+    local_pieces,
+    shard_index,
+)
 
 ModelFactory = Callable[..., torch.nn.Module]  # (config, pre_process, post_process, vp_stage)
 
@@ -79,8 +83,13 @@ class TrainPlan:
     def parallel(self) -> ParallelPlan:
         """The plan in the current world (checked: every problem at once)."""
         return ParallelPlan(
-            tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
-            sp=self.sequence_parallel, world=world_size(),
+            tp=self.tp,
+            pp=self.pp,
+            vpp=self.vpp,
+            cp=self.cp,
+            ep=self.ep,
+            sp=self.sequence_parallel,
+            world=world_size(),
         ).check()
 
     @property
@@ -245,7 +254,9 @@ class Reference:
     final_weights: dict[str, torch.Tensor]
 
 
-def run_reference(plan: TrainPlan, factory: ModelFactory, forward_step, config_class=None) -> Reference:
+def run_reference(
+    plan: TrainPlan, factory: ModelFactory, forward_step, config_class=None
+) -> Reference:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     with model_parallel(seed=plan.seed):
@@ -254,7 +265,9 @@ def run_reference(plan: TrainPlan, factory: ModelFactory, forward_step, config_c
         index = shard_index([model])
         initial = full_tensors(index, lambda p: p)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            params, lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
         losses, grads = [], []
         for step in range(plan.steps):
             optimizer.zero_grad(set_to_none=False)
@@ -366,7 +379,8 @@ def run_sharded(
         n_local = plan.local_microbatches()
         dp_rank = ps.get_data_parallel_rank()
         reports_are_mine = (
-            ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_context_parallel_rank() == 0
         )
         records = []
@@ -449,23 +463,33 @@ def check_equivalence(
     for step in range(plan.steps):
         losses = [loss for rank_records, _ in everything for loss in rank_records[step].losses]
         if len(losses) != plan.microbatches_per_step:
-            problems.append(f"step {step}: {len(losses)} micro-batch losses reported, "
-                            f"expected {plan.microbatches_per_step}")
+            problems.append(
+                f"step {step}: {len(losses)} micro-batch losses reported, "
+                f"expected {plan.microbatches_per_step}"
+            )
         else:
             loss, expected = sum(losses) / len(losses), reference.losses[step]
             if abs(loss - expected) > plan.loss_rtol * abs(expected):
-                problems.append(f"step {step}: loss {loss:.8f} vs reference {expected:.8f} "
-                                f"(rtol {plan.loss_rtol:.0e})")
+                problems.append(
+                    f"step {step}: loss {loss:.8f} vs reference {expected:.8f} "
+                    f"(rtol {plan.loss_rtol:.0e})"
+                )
         problems += compare_pieces(
-            f"step {step} gradient", [r[step].grads for r, _ in everything],
-            reference.grads[step], plan.grad_atol,
+            f"step {step} gradient",
+            [r[step].grads for r, _ in everything],
+            reference.grads[step],
+            plan.grad_atol,
         )
     problems += compare_pieces(
-        f"weights after {plan.steps} steps", [final for _, final in everything],
-        reference.final_weights, plan.param_atol,
+        f"weights after {plan.steps} steps",
+        [final for _, final in everything],
+        reference.final_weights,
+        plan.param_atol,
     )
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise EquivalenceError(f"{len(problems)} differences from the single-rank reference:\n  {shown}{more}")
+        raise EquivalenceError(
+            f"{len(problems)} differences from the single-rank reference:\n  {shown}{more}"
+        )
     return reference

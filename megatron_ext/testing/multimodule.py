@@ -29,7 +29,13 @@ import torch.distributed as dist
 from megatron_ext.multimodule.builder import ModuleImpl, build, ensure_global_memory_buffer
 from megatron_ext.multimodule.model import StageContext
 from megatron_ext.multimodule.plan import MultiModulePipelineConfig, MultiModulePlan
-from megatron_ext.multimodule.vlm import VLMData, lm_input_count, local_batches, make_forward_step, masked_lm_loss
+from megatron_ext.multimodule.vlm import (
+    VLMData,
+    lm_input_count,
+    local_batches,
+    make_forward_step,
+    masked_lm_loss,
+)
 from megatron_ext.testing.equivalence import compare_pieces
 from megatron_ext.testing import shards
 from megatron_ext.testing.shards import ShardedParam, full_tensors, load_full_weights, local_pieces
@@ -95,7 +101,9 @@ def _sharded_state_dict(module: torch.nn.Module, metadata: dict) -> dict:
             if isinstance(child, MegatronModule) and not hasattr(child, "tp_group"):
                 child.tp_group = tp_group
     tied = getattr(module, "share_embeddings_and_output_weights", False)
-    if not (tied and getattr(module, "post_process", False) and not getattr(module, "pre_process", True)):
+    if not (
+        tied and getattr(module, "post_process", False) and not getattr(module, "pre_process", True)
+    ):
         return module.sharded_state_dict(metadata=metadata)
     entries = {}
     for name, child in module.named_children():
@@ -142,12 +150,22 @@ def _reference_modules(run: PipelineRun, seed: int) -> dict[str, torch.nn.Module
         config = None
         if impl.config is not None:
             config = dataclasses.replace(
-                impl.config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                context_parallel_size=1, calculate_per_token_loss=run.calculate_per_token_loss,
+                impl.config,
+                tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1,
+                context_parallel_size=1,
+                calculate_per_token_loss=run.calculate_per_token_loss,
             )
         stage = StageContext(
-            name=name, config=config, pg_collection=pgc, pp_rank=0, pp_size=1, tp_rank=0,
-            dp_rank=0, dp_size=1, predecessors=run.plan.predecessors(name),
+            name=name,
+            config=config,
+            pg_collection=pgc,
+            pp_rank=0,
+            pp_size=1,
+            tp_rank=0,
+            dp_rank=0,
+            dp_size=1,
+            predecessors=run.plan.predecessors(name),
             successors=run.plan.successors(name),
             is_language_model=name == run.plan.language_model,
         )
@@ -178,7 +196,10 @@ def _run_reference(run: PipelineRun, seed: int) -> Reference:
 
     plan = run.plan
     built = _reference_modules(run, seed)
-    indexes = {name: shard_index(module, stage.pg_collection.dp_cp) for name, (module, stage) in built.items()}
+    indexes = {
+        name: shard_index(module, stage.pg_collection.dp_cp)
+        for name, (module, stage) in built.items()
+    }
     initial = {}
     for name, index in indexes.items():
         initial.update(_prefixed(name, full_tensors(index, lambda p: p)))
@@ -247,23 +268,34 @@ def run_pipeline(
     pipeline = build(run.plan, run.impls, config, ddp_config=ddp_config)
     try:
         cores = pipeline.model.core_modules()
-        indexes = {name: shard_index(module, pipeline.module_pg_collections[name].dp_cp)
-                   for name, module in cores.items()}
+        indexes = {
+            name: shard_index(module, pipeline.module_pg_collections[name].dp_cp)
+            for name, module in cores.items()
+        }
         for name, index in indexes.items() if initial is not None else ():
-            load_full_weights(index, {k.split("/", 1)[1]: v for k, v in initial.items()
-                                      if k.startswith(f"{name}/")})
+            load_full_weights(
+                index,
+                {k.split("/", 1)[1]: v for k, v in initial.items() if k.startswith(f"{name}/")},
+            )
         forward_step = make_forward_step(run.plan.language_model)
         reports, grads = [], []
         for step in range(run.steps):
             pipeline.zero_grad_buffer()
-            batches = local_batches(pipeline, run.data, step, run.num_microbatches, run.micro_batch_size)
-            step_reports = pipeline.forward_backward(forward_step, iter(batches), run.num_microbatches)
+            batches = local_batches(
+                pipeline, run.data, step, run.num_microbatches, run.micro_batch_size
+            )
+            step_reports = pipeline.forward_backward(
+                forward_step, iter(batches), run.num_microbatches
+            )
             if on_gradients is not None:
                 on_gradients(step, pipeline)
             reports.append(list(step_reports) if pipeline.reports_loss else [])
             step_grads = []
             for name, index in indexes.items():
-                step_grads += [(f"{name}/{k}", *rest) for k, *rest in local_pieces(index, lambda p: p.main_grad)]
+                step_grads += [
+                    (f"{name}/{k}", *rest)
+                    for k, *rest in local_pieces(index, lambda p: p.main_grad)
+                ]
             grads.append(step_grads)
             with torch.no_grad():
                 for module in cores.values():
@@ -322,12 +354,16 @@ def check_pipeline_equivalence(
                     problems.append(f"step {step}: {what} {a:.8f} vs reference {b:.8f}")
         scaled = {k: v * run.grad_scale for k, v in reference.grads[step].items()}
         problems += compare_pieces(
-            f"step {step} gradient", [grads[step] for _, grads, _ in everything], scaled,
+            f"step {step} gradient",
+            [grads[step] for _, grads, _ in everything],
+            scaled,
             run.grad_atol * max(1.0, run.grad_scale),
         )
     problems += compare_pieces(
-        f"weights after {run.steps} steps", [final for _, _, final in everything],
-        reference.final, run.param_atol,
+        f"weights after {run.steps} steps",
+        [final for _, _, final in everything],
+        reference.final,
+        run.param_atol,
     )
     if problems:
         shown = "\n  ".join(problems[:20])

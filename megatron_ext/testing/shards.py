@@ -46,7 +46,9 @@ def _region(entry: ShardedTensor) -> Region:
 
 def shard_index(
     modules: Iterable[torch.nn.Module],
-    sharded_state_dict: Callable[[torch.nn.Module], dict] = lambda module: module.sharded_state_dict(),
+    sharded_state_dict: Callable[[torch.nn.Module], dict] = lambda module: (
+        module.sharded_state_dict()
+    ),
     first_entry_only: bool = False,
 ) -> list[ShardedParam]:
     """Every trainable parameter of ``modules`` (unwrapped model chunks) with its global

@@ -27,6 +27,7 @@ ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.]+
 
 
 def _run_pretrain_gpt(extra_args: list[str]) -> subprocess.CompletedProcess:
+    # fmt: off
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone",  # a free rendezvous port, so parallel test runs do not collide
@@ -35,6 +36,7 @@ def _run_pretrain_gpt(extra_args: list[str]) -> subprocess.CompletedProcess:
         *CPU_DEMO_ARGS,
         *extra_args,
     ]
+    # fmt: on
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",  # the CPU runtime, even on a machine with a GPU
@@ -55,6 +57,7 @@ def test_mhc_pp2_vpp2_with_recompute_trains_through_megatron_training_loop():
 
     The demo's flags (CPU_DEMO_ARGS) plus mHC: the plain PP=2 GPT path through this entry is what
     every GPT recipe runs (tests/functional_tests/test_recipes.py), against golden values."""
+    # fmt: off
     result = _run_pretrain_gpt(
         [
             "--train-iters", str(TRAIN_ITERS), "--eval-interval", "3",
@@ -64,9 +67,12 @@ def test_mhc_pp2_vpp2_with_recompute_trains_through_megatron_training_loop():
             "--mhc-recompute-layer-num", "1",
         ]
     )
+    # fmt: on
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{log[-6000:]}"
-    assert re.search(r"enable_mhc_connections \.+ True", log), "the mHC flag did not reach Megatron's args"
+    assert re.search(r"enable_mhc_connections \.+ True", log), (
+        "the mHC flag did not reach Megatron's args"
+    )
     losses = _lm_loss_by_iteration(log)
     assert sorted(losses) == list(range(1, TRAIN_ITERS + 1)), (
         f"expected an lm loss line for each of iterations 1..{TRAIN_ITERS}, got {sorted(losses)}"

@@ -30,7 +30,9 @@ import pytest
 from megatron_ext.recipes import metrics as met
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM_FORMAT_CASE = REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu/model_config.yaml"
+UPSTREAM_FORMAT_CASE = (
+    REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu/model_config.yaml"
+)
 # gpt_tp2_pp2's model trains once, from the upstream-format case (one run, not two).
 RECIPES = [r for r in sorted((REPO_ROOT / "recipes").glob("*.yaml")) if r.stem != "gpt_tp2_pp2"]
 RECIPES.append(UPSTREAM_FORMAT_CASE)
@@ -39,8 +41,14 @@ TIMEOUT_S = 600
 
 def megatron_ext(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "megatron_ext.cli", *map(str, args)], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_ext.cli", *map(str, args)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _summary(run_dir: Path) -> dict:
@@ -112,8 +120,15 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
 def test_a_change_of_numerics_fails_the_run(tmp_path):
     """Another seed changes every loss: forced against the golden values, the run exits 1."""
     run_dir = tmp_path / "run"
-    result = megatron_ext("run", "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml", "test.type=regular",
-                          "training.seed=4321", "--compare", "--run-dir", run_dir)
+    result = megatron_ext(
+        "run",
+        "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml",
+        "test.type=regular",
+        "training.seed=4321",
+        "--compare",
+        "--run-dir",
+        run_dir,
+    )
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
     assert "lm loss         approximate rtol=0.0001" in result.stdout and "FAILED" in result.stdout
     assert _summary(run_dir)["status"] == "mismatch"

@@ -29,9 +29,24 @@ def _gone(pid: int) -> bool:
 def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", "run", *SMALL_GPT_PP2, "--no-compare",
-                            "--skip-megatron-checks", "--run-dir", str(run_dir)],
-                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.cli",
+            "run",
+            *SMALL_GPT_PP2,
+            "--no-compare",
+            "--skip-megatron-checks",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = []
     try:
         for line in cli.stdout:  # wait until training runs: ranks, their helpers, gloo all up
@@ -53,7 +68,9 @@ def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     assert cli.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped by SIGTERM" in out
     assert seconds < 20, seconds
-    assert all(_gone(pid) for pid in descendants), [psutil.Process(p).cmdline() for p in descendants if not _gone(p)]
+    assert all(_gone(pid) for pid in descendants), [
+        psutil.Process(p).cmdline() for p in descendants if not _gone(p)
+    ]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert summary["phases"][-1]["reason"] == "stopped by SIGTERM"
@@ -62,8 +79,13 @@ def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
 # ---- MEGATRON_EXT_FAULT: a failing rank ends the run, and the CLI names it --------------------
 SMALL_GPT_TP2_PP2 = ["recipes/gpt_tp2_pp2.yaml", "training.iterations=3"]
 # The multi-module recipe on 3 ranks: encoder (rank 0) -> LLM PP=2 (ranks 1, 2).
-SMALL_MULTIMODULE = ["recipes/multimodule_encoder_llm_mhc_pp2.yaml", "model.modules.vision_encoder.dp=1",
-                     "model.modules.llm.first_rank=1", "launch.nproc=3", "training.iterations=3"]
+SMALL_MULTIMODULE = [
+    "recipes/multimodule_encoder_llm_mhc_pp2.yaml",
+    "model.modules.vision_encoder.dp=1",
+    "model.modules.llm.first_rank=1",
+    "launch.nproc=3",
+    "training.iterations=3",
+]
 FAULT_CASES = {
     "gpt-pp2-raise-last-stage": (SMALL_GPT_PP2[:2] + ["training.iterations=3"], "rank=1,step=1"),
     "gpt-tp2-pp2-kill-stage1": (SMALL_GPT_TP2_PP2, "rank=2,step=1,kind=kill"),
@@ -72,8 +94,10 @@ FAULT_CASES = {
     "multimodule-last-stage": (SMALL_MULTIMODULE, "rank=2,step=1"),
     # The last stage hangs in step 2 (after the start-up allowance); rank 0 waits on it in a P2P
     # receive. The stall watchdog must end the run and name rank 1, not rank 0.
-    "gpt-pp2-hang-last-stage": (SMALL_GPT_PP2[:2] + ["training.iterations=4", "launch.stall_timeout_s=5"],
-                                "rank=1,step=2,kind=hang"),
+    "gpt-pp2-hang-last-stage": (
+        SMALL_GPT_PP2[:2] + ["training.iterations=4", "launch.stall_timeout_s=5"],
+        "rank=1,step=2,kind=hang",
+    ),
 }
 
 
@@ -87,8 +111,14 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
     """``megatron-ext ARGS``; past ``timeout`` the CLI gets SIGTERM (it stops its ranks, as a
     scheduler's stop would), and whatever is still alive after 30 s is killed by id, so a
     test that times out leaves no ranks behind."""
-    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", *args], cwd=REPO_ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "megatron_ext.cli", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = cli.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
@@ -103,11 +133,14 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
         for proc in descendants:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
-        raise AssertionError(f"megatron-ext {' '.join(args)} ran past {timeout} s:\n{(out + err)[-4000:]}")
+        raise AssertionError(
+            f"megatron-ext {' '.join(args)} ran past {timeout} s:\n{(out + err)[-4000:]}"
+        )
 
 
 @pytest.mark.parametrize(
-    "case", FAULT_CASES if os.environ.get("MEGATRON_EXT_SOAK") == "1" else CI_FAULT_CASES)
+    "case", FAULT_CASES if os.environ.get("MEGATRON_EXT_SOAK") == "1" else CI_FAULT_CASES
+)
 def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     from megatron_ext.launch import faults
 
@@ -115,19 +148,28 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     spec = faults.parse_fault(fault)
     run_dir = tmp_path / "run"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", faults.FAULT_ENV: fault}
-    result = _run_cli(["run", *recipe_args, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
-                      env, timeout=300)
+    result = _run_cli(
+        ["run", *recipe_args, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
+        env,
+        timeout=300,
+    )
     ended = time.time()
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-4000:]
     failed_log = run_dir / "logs" / f"rank-{spec.rank}.log"
     if spec.kind == "raise":
-        assert (f"first failure: rank {spec.rank} failed at step {spec.step}, faults.py" in out
-                and f"InjectedFault: injected by {faults.FAULT_ENV} on rank {spec.rank}" in out), out[-4000:]
+        assert (
+            f"first failure: rank {spec.rank} failed at step {spec.step}, faults.py" in out
+            and f"InjectedFault: injected by {faults.FAULT_ENV} on rank {spec.rank}" in out
+        ), out[-4000:]
         failed_at = faults.failure_in_log(failed_log).time
     elif spec.kind == "hang":
-        assert (f"first failure: rank {spec.rank} stalled at step {spec.step}: no progress on any rank" in out
-                and "faults.py" in out and "rank(s) 0 waiting on a peer (in communication)" in out), out[-4000:]
+        assert (
+            f"first failure: rank {spec.rank} stalled at step {spec.step}: no progress on any rank"
+            in out
+            and "faults.py" in out
+            and "rank(s) 0 waiting on a peer (in communication)" in out
+        ), out[-4000:]
         beat = json.loads((run_dir / "logs" / "heartbeat" / f"rank-{spec.rank}.json").read_text())
         failed_at = beat["progress"]  # when the hung rank reached the step it hangs in
     else:
@@ -139,7 +181,9 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
 
 
 # ---- a rank killed while saving: the tracker never points at a broken checkpoint ---------------
-@pytest.mark.skipif(os.environ.get("MEGATRON_EXT_SOAK") != "1", reason="soak only (two runs, ~1-3 min)")
+@pytest.mark.skipif(
+    os.environ.get("MEGATRON_EXT_SOAK") != "1", reason="soak only (two runs, ~1-3 min)"
+)
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     """PP=2 saves (torch_dist) every iteration; once two saves are done, rank 1 is SIGKILLed as
     soon as the next iteration's directory appears (a save in progress). The tracker must name a
@@ -147,12 +191,31 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_
     ckpt = tmp_path / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    save = ("extra_args={--attention-backend: unfused, --attention-softmax-in-fp32: true, "
-            f"--save: {ckpt}, --save-interval: 1, --ckpt-format: torch_dist}}")
+    save = (
+        "extra_args={--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+        f"--save: {ckpt}, --save-interval: 1, --ckpt-format: torch_dist}}"
+    )
     base = SMALL_GPT_PP2[:2]
-    cli = subprocess.Popen([sys.executable, "-m", "megatron_ext.cli", "run", *base, "training.iterations=400", save,
-                            "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "run")],
-                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.cli",
+            "run",
+            *base,
+            "training.iterations=400",
+            save,
+            "--no-compare",
+            "--skip-megatron-checks",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed_during = None
     try:
         deadline = time.monotonic() + 240
@@ -161,8 +224,12 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_
             text = tracker.read_text().strip() if tracker.exists() else ""
             done = int(text) if text.isdigit() else 0
             if done >= 2 and (ckpt / f"iter_{done + 1:07d}").exists():
-                ranks = [p for p in psutil.Process(cli.pid).children() if "RANK=1" in " ".join(
-                    f"{k}={v}" for k, v in p.environ().items() if k == "RANK")]
+                ranks = [
+                    p
+                    for p in psutil.Process(cli.pid).children()
+                    if "RANK=1"
+                    in " ".join(f"{k}={v}" for k, v in p.environ().items() if k == "RANK")
+                ]
                 ranks[0].kill()
                 killed_during = done + 1
                 break
@@ -176,12 +243,27 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_
     assert cli.returncode == 3 and "rank 1 killed by SIGKILL" in out, out[-3000:]
     last = int(tracker.read_text())
     assert last in (killed_during - 1, killed_during), (last, killed_during)
-    assert (ckpt / f"iter_{last:07d}" / "metadata.json").exists(), "the tracker names a complete checkpoint"
+    assert (ckpt / f"iter_{last:07d}" / "metadata.json").exists(), (
+        "the tracker names a complete checkpoint"
+    )
     # the same schedule (megatron refuses another iteration count), one more step, then exit
-    resume = _run_cli(["run", *base, "training.iterations=400",
-                       f"extra_args={{--attention-backend: unfused, --attention-softmax-in-fp32: true, "
-                       f"--load: {ckpt}, --ckpt-format: torch_dist, --exit-interval: {last + 1}}}",
-                       "--no-compare", "--skip-megatron-checks", "--run-dir", str(tmp_path / "resume")], env, timeout=300)
+    resume = _run_cli(
+        [
+            "run",
+            *base,
+            "training.iterations=400",
+            f"extra_args={{--attention-backend: unfused, --attention-softmax-in-fp32: true, "
+            f"--load: {ckpt}, --ckpt-format: torch_dist, --exit-interval: {last + 1}}}",
+            "--no-compare",
+            "--skip-megatron-checks",
+            "--run-dir",
+            str(tmp_path / "resume"),
+        ],
+        env,
+        timeout=300,
+    )
     log = (tmp_path / "resume" / "logs" / "rank-0.log").read_text()
     assert resume.returncode == 0, (resume.stdout + resume.stderr)[-3000:]
-    assert f"successfully loaded checkpoint from {ckpt}" in log and f"at iteration {last}" in log, log[-3000:]
+    assert f"successfully loaded checkpoint from {ckpt}" in log and f"at iteration {last}" in log, (
+        log[-3000:]
+    )

@@ -36,10 +36,15 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
         "this test installs Slurm with apt-get and runs its daemons: run it as root (CI does)"
     )
     state = tmp_path / "slurm"
-    env = {**os.environ, "SLURM_CI_DIR": str(state), "SLURM_CONF": str(state / "slurm.conf"),
-           "CUDA_VISIBLE_DEVICES": ""}
-    start = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True,
-                           timeout=900)
+    env = {
+        **os.environ,
+        "SLURM_CI_DIR": str(state),
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    start = subprocess.run(
+        ["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=900
+    )
     pids = []
     try:
         assert start.returncode == 0, f"Slurm did not come up:\n{start.stdout}\n{start.stderr}"
@@ -50,9 +55,25 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
 
         run_dir = tmp_path / "run"
         result = subprocess.run(
-            [sys.executable, "-m", "megatron_ext.cli", "submit", RECIPE, "--slurm", "--platform", "cpu",
-             "--time", "00:15:00", "--run-dir", str(run_dir)],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200,
+            [
+                sys.executable,
+                "-m",
+                "megatron_ext.cli",
+                "submit",
+                RECIPE,
+                "--slurm",
+                "--platform",
+                "cpu",
+                "--time",
+                "00:15:00",
+                "--run-dir",
+                str(run_dir),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
         )
         out = result.stdout + result.stderr
         assert result.returncode == 0, f"submit exited {result.returncode}:\n{out[-6000:]}"
@@ -67,10 +88,14 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
         # Slurm's own traces of the job: the batch script, its output, one log per task and step.
         assert (run_dir / "sbatch.sh").is_file() and list(run_dir.glob("slurm-*.out"))
         for step in ("logs", "logs/resume"):
-            assert sorted(p.name for p in (run_dir / step).glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
+            assert sorted(p.name for p in (run_dir / step).glob("rank-*.log")) == [
+                "rank-0.log",
+                "rank-1.log",
+            ]
         assert (run_dir / "job_exit_code").read_text().strip() == "0"
     finally:
-        stop = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True,
-                              timeout=120)
+        stop = subprocess.run(
+            ["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert stop.returncode == 0, stop.stderr
         assert not [p for p in pids if _alive(p)], f"daemons still running: {stop.stdout}"

@@ -24,7 +24,9 @@ HIDDEN, HEADS, SEQ, BATCH, VOCAB, STREAMS = 256, 8, 128, 2, 512, 4
 
 
 def _te():
-    return pytest.importorskip("transformer_engine.pytorch", reason="TE layer specs need transformer_engine")
+    return pytest.importorskip(
+        "transformer_engine.pytorch", reason="TE layer specs need transformer_engine"
+    )
 
 
 @pytest.fixture
@@ -41,9 +43,18 @@ def one_gpu_model_parallel():
 def _config(dtype=torch.float32, **fields):
     from megatron_ext.config import MHCTransformerConfig
 
-    kwargs = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
-                  attention_dropout=0.0, enable_mhc_connections=True, mhc_num_residual_streams=STREAMS,
-                  params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype)
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        enable_mhc_connections=True,
+        mhc_num_residual_streams=STREAMS,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
     kwargs.update(fields)
     return MHCTransformerConfig(**kwargs)
 
@@ -75,15 +86,19 @@ def _gpt_te(config):
 
 
 def _hybrid_te(config, pattern):
-    from megatron_ext.models.hybrid import HybridModel, get_hybrid_stack_with_transformer_engine_spec
+    from megatron_ext.models.hybrid import (
+        HybridModel,
+        get_hybrid_stack_with_transformer_engine_spec,
+    )
 
     torch.manual_seed(1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1)
     spec = get_hybrid_stack_with_transformer_engine_spec(enable_mhc_connections=True)
-    return HybridModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                       hybrid_layer_pattern=pattern).cuda()
+    return HybridModel(
+        config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern=pattern
+    ).cuda()
 
 
 def _assert_trains(model):
@@ -132,15 +147,30 @@ def test_bf16_through_float16module_matches_fp32(one_gpu_model_parallel):
 def test_one_gpu_training_run_of_a_small_mhc_recipe_over_nccl(tmp_path):
     """`megatron-ext run` on one GPU: megatron.training.pretrain, NCCL, the mHC GPT recipe at
     TP=PP=1 (TE layers where installed), 6 iterations; the loss must go down."""
-    command = [sys.executable, "-m", "megatron_ext.cli", "run", str(REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml"),
-               "--device", "gpu", "--no-compare", "--run-dir", str(tmp_path / "run"),
-               "parallelism.tp=1", "parallelism.pp=1", "parallelism.sp=false", "training.iterations=6",
-               "test.type=regular"]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_ext.cli",
+        "run",
+        str(REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml"),
+        "--device",
+        "gpu",
+        "--no-compare",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.sp=false",
+        "training.iterations=6",
+        "test.type=regular",
+    ]
     # One GPU; none of the rendezvous variables an earlier test of this session may have set.
     rendezvous = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     from megatron_ext.recipes.metrics import read_golden
 

@@ -9,7 +9,10 @@ import megatron_ext
 def _run(*args):
     return subprocess.run(
         [sys.executable, "-m", "megatron_ext.cli", *args],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
 
 

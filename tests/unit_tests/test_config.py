@@ -200,7 +200,9 @@ def test_guard_raises_naming_the_field(fields, error, field_named):
 def test_guarded_settings_are_otherwise_valid_for_megatron_core(fields, error, field_named):
     """Each guard case differs from a valid config only in its mHC part, so it is our guard,
     not megatron-core's validation, that fires above."""
-    core_fields = {k: v for k, v in fields.items() if not k.startswith(("enable_mhc", "mhc_", "use_fused_mhc"))}
+    core_fields = {
+        k: v for k, v in fields.items() if not k.startswith(("enable_mhc", "mhc_", "use_fused_mhc"))
+    }
     if "recompute_modules" in core_fields:
         core_fields["recompute_modules"] = [
             m for m in core_fields["recompute_modules"] if m != "mhc"

@@ -12,8 +12,25 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet  # noqa: F401  (annotation)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-INSTRUCTIONS = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "ADD", "RUN", "CMD", "ENTRYPOINT", "LABEL",
-                "EXPOSE", "USER", "VOLUME", "SHELL", "HEALTHCHECK", "STOPSIGNAL", "ONBUILD"}
+INSTRUCTIONS = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "WORKDIR",
+    "COPY",
+    "ADD",
+    "RUN",
+    "CMD",
+    "ENTRYPOINT",
+    "LABEL",
+    "EXPOSE",
+    "USER",
+    "VOLUME",
+    "SHELL",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+    "ONBUILD",
+}
 
 
 def parse_dockerfile(text: str) -> list[tuple[str, str]]:
@@ -48,8 +65,11 @@ def _setup_py_requirement(name: str) -> "SpecifierSet":
     from packaging.requirements import Requirement
 
     text = (REPO_ROOT / "setup.py").read_text()
-    found = [Requirement(r) for r in re.findall(r'"((?:%s)[^"]*)"' % re.escape(name), text)
-             if Requirement(r).name == name]
+    found = [
+        Requirement(r)
+        for r in re.findall(r'"((?:%s)[^"]*)"' % re.escape(name), text)
+        if Requirement(r).name == name
+    ]
     assert len(found) == 1, f"setup.py declares {name} once, got {found}"
     return found[0].specifier
 
@@ -75,18 +95,31 @@ def test_dockerfile_parses_and_pins_a_megatron_core_that_setup_py_admits():
     )
 
     pin = _megatron_core_pin(runs)
-    assert pin in _setup_py_requirement("megatron-core"), "setup.py's range must admit the image's pin"
+    assert pin in _setup_py_requirement("megatron-core"), (
+        "setup.py's range must admit the image's pin"
+    )
     assert pin == _megatron_core_pin((REPO_ROOT / "requirements.txt").read_text())
-    assert pin == VERIFIED_MEGATRON_CORE[-1], "the image carries the release the registry is verified on"
+    assert pin == VERIFIED_MEGATRON_CORE[-1], (
+        "the image carries the release the registry is verified on"
+    )
     # The image's torch is the base image's; setup.py's range must not force another one.
     assert "torch" not in " ".join(re.findall(r"pip install[^&]*", runs))
 
     installs = [shlex.split(cmd) for cmd in re.split(r"&&", runs)]
-    assert any(c[:2] == ["pip", "install"] and c[-1] == "." and "--no-deps" in c for c in installs), (
-        "megatron-ext itself, without re-resolving the image's torch"
-    )
+    assert any(
+        c[:2] == ["pip", "install"] and c[-1] == "." and "--no-deps" in c for c in installs
+    ), "megatron-ext itself, without re-resolving the image's torch"
     copied = " ".join(a for k, a in instructions if k == "COPY")
-    for path in ("setup.py", "megatron_ext", "recipes", "tests", "Makefile", "pytest.ini", "scripts", "bench"):
+    for path in (
+        "setup.py",
+        "megatron_ext",
+        "recipes",
+        "tests",
+        "Makefile",
+        "pytest.ini",
+        "scripts",
+        "bench",
+    ):
         assert path in copied, f"{path} must be in the image (make test-gpu runs the tests there)"
 
     cmd = [a for k, a in instructions if k == "CMD"][-1]
@@ -123,20 +156,27 @@ def test_every_gpu_cluster_recipe_has_its_layer_modules_in_the_image():
     env = " ".join(a for k, a in instructions if k == "ENV")
     declared = set(re.search(r'MEGATRON_EXT_GPU_MODULES="([^"]*)"', env).group(1).split())
     assert "${MEGATRON_EXT_GPU_MODULES}" in runs and "import ${module}" in runs, (
-        "the build imports every declared module")
+        "the build imports every declared module"
+    )
     for module in declared:
         source = MODULE_SOURCES[module]
         if source.startswith("pip:"):
-            assert re.search(rf'"{re.escape(source[4:])}( @|==)', runs), f"{source[4:]} is installed by a RUN"
+            assert re.search(rf'"{re.escape(source[4:])}( @|==)', runs), (
+                f"{source[4:]} is installed by a RUN"
+            )
 
-    gpu_recipes = [p for p in sorted((REPO_ROOT / "recipes").glob("*.yaml")) if "gpu-cluster:" in p.read_text()]
+    gpu_recipes = [
+        p for p in sorted((REPO_ROOT / "recipes").glob("*.yaml")) if "gpu-cluster:" in p.read_text()
+    ]
     assert gpu_recipes, "the gpu-cluster recipes"
     for path in gpu_recipes:
         recipe = load(path, "gpu-cluster").recipe
         missing = modules_needed(recipe) - declared
         assert not missing, f"{path.name} [gpu-cluster] needs {sorted(missing)} in the image"
     hybrid_mamba = load(REPO_ROOT / "recipes/hybrid_mhc_tp2_pp2_mtp.yaml", "gpu-cluster").recipe
-    assert {"mamba_ssm", "causal_conv1d"} <= modules_needed(hybrid_mamba), "'M' layers are recognised"
+    assert {"mamba_ssm", "causal_conv1d"} <= modules_needed(hybrid_mamba), (
+        "'M' layers are recognised"
+    )
 
 
 def test_the_parser_rejects_what_docker_would():

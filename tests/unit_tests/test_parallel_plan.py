@@ -12,12 +12,15 @@ def test_derived_sizes():
     assert ParallelPlan().dp == 1 and ParallelPlan().world_size == 1
 
 
-@pytest.mark.parametrize("plan, divisor", [
-    (ParallelPlan(), 1),
-    (ParallelPlan(tp=4, sp=True), 4),  # SP splits the sequence over tp
-    (ParallelPlan(tp=4, cp=2), 4),  # load-balanced CP: 2 * cp chunks
-    (ParallelPlan(tp=4, cp=2, sp=True), 16),  # each CP chunk split again over tp
-])
+@pytest.mark.parametrize(
+    "plan, divisor",
+    [
+        (ParallelPlan(), 1),
+        (ParallelPlan(tp=4, sp=True), 4),  # SP splits the sequence over tp
+        (ParallelPlan(tp=4, cp=2), 4),  # load-balanced CP: 2 * cp chunks
+        (ParallelPlan(tp=4, cp=2, sp=True), 16),  # each CP chunk split again over tp
+    ],
+)
 def test_seq_len_divisor(plan, divisor):
     assert plan.seq_len_divisor == divisor
     assert plan.seq_length_problem(divisor * 3) is None
@@ -28,15 +31,24 @@ def test_seq_len_divisor(plan, divisor):
 def test_every_problem_at_once():
     problems = ParallelPlan(tp=1, sp=True, ep=3, dp_size=2, world=4).problems()
     assert [(p.field, p.message) for p in problems] == [
-        ("world_size", "4 ranks, but tp(1) * pp(1) * cp(1) * dp(2) = 2; leave nproc null or change dp"),
+        (
+            "world_size",
+            "4 ranks, but tp(1) * pp(1) * cp(1) * dp(2) = 2; leave nproc null or change dp",
+        ),
         ("sp", "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)"),
         ("ep", "ep=3 must divide tp * dp * cp = 2"),
     ]
-    assert [p.field for p in ParallelPlan(tp=0, vpp=0, dp_size=-1).problems()] == ["tp", "dp", "vpp"]
+    assert [p.field for p in ParallelPlan(tp=0, vpp=0, dp_size=-1).problems()] == [
+        "tp",
+        "dp",
+        "vpp",
+    ]
 
 
 def test_world_not_divisible_and_check_raises():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\(4\)\*pp\(1\)\*cp\(1\)=4"):
+    with pytest.raises(
+        ValueError, match=r"world size 6 is not divisible by tp\(4\)\*pp\(1\)\*cp\(1\)=4"
+    ):
         ParallelPlan(tp=4, world=6).check()
 
 

@@ -50,12 +50,17 @@ def test_cpu_runtime_is_undone_by_uninstall(clean_registry):
 def test_unverified_megatron_core_is_refused(clean_registry, monkeypatch):
     monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
     monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
-    with pytest.raises(registry.UnverifiedMegatronCoreError, match=r"megatron-core 0\.99\.0.*MEGATRON_EXT_ALLOW_UNVERIFIED=1"):
+    with pytest.raises(
+        registry.UnverifiedMegatronCoreError,
+        match=r"megatron-core 0\.99\.0.*MEGATRON_EXT_ALLOW_UNVERIFIED=1",
+    ):
         megatron_ext.install()
     assert not megatron_ext.installed()
 
 
-def test_unverified_megatron_core_allowed_by_environment_with_a_warning(clean_registry, monkeypatch):
+def test_unverified_megatron_core_allowed_by_environment_with_a_warning(
+    clean_registry, monkeypatch
+):
     monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
     monkeypatch.setenv(registry.ALLOW_UNVERIFIED_ENV, "1")
     with pytest.warns(UserWarning, match="0.99.0"):

@@ -91,7 +91,11 @@ def violations(path: str, source: str, defined: set[str]) -> tuple[list[str], li
     overrides: list[tuple] = []
     for node in ast.walk(tree):
         where = f"{path}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FOREIGN:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in FOREIGN
+        ):
             for alias in node.names:
                 if _is_private(alias.name):
                     found.append(f"{where}: imports private {node.module}.{alias.name}")
@@ -114,24 +118,34 @@ def violations(path: str, source: str, defined: set[str]) -> tuple[list[str], li
             root = _root(node.args[0])
             if isinstance(root, ast.Name) and root.id in foreign:
                 found.append(f"{where}: {node.func.id} on {foreign[root.id]}")
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _is_private(node.attr):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and _is_private(node.attr)
+        ):
             value = node.value
             ours = isinstance(value, ast.Name) and value.id in ("self", "cls")
-            ours = ours or (isinstance(value, ast.Call) and getattr(value.func, "id", "") == "super")
+            ours = ours or (
+                isinstance(value, ast.Call) and getattr(value.func, "id", "") == "super"
+            )
             if not ours and node.attr not in defined | declared | PUBLIC_UNDERSCORE:
                 found.append(f"{where}: reads undeclared private {ast.unparse(node)}")
         if isinstance(node, ast.ClassDef):
             bases = [
-                foreign[_root(b).id] + ("." + ast.unparse(b).split(".", 1)[1] if isinstance(b, ast.Attribute) else "")
+                foreign[_root(b).id]
+                + ("." + ast.unparse(b).split(".", 1)[1] if isinstance(b, ast.Attribute) else "")
                 for b in node.bases
                 if isinstance(_root(b), ast.Name) and _root(b).id in foreign
             ]
             methods = [
                 item.name
                 for item in node.body
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(item.name)
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and _is_private(item.name)
             ]
-            overrides += [(f"{path}:{node.lineno} {node.name}", base, m) for base in bases for m in methods]
+            overrides += [
+                (f"{path}:{node.lineno} {node.name}", base, m) for base in bases for m in methods
+            ]
     return found, overrides
 
 
@@ -229,13 +243,17 @@ def test_a_changed_seam_fails_loudly_naming_target_and_version(monkeypatch):
     )
     monkeypatch.setitem(registry._SEAMS, seam.target, seam)
     monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
-    with pytest.raises(registry.SeamMismatchError, match=r"_fork_rng takes \(\), written for \(device\)") as info:
+    with pytest.raises(
+        registry.SeamMismatchError, match=r"_fork_rng takes \(\), written for \(device\)"
+    ) as info:
         registry.verify_seams(force=True)
     assert f"found {registry.megatron_core_version()}" in str(info.value)
     monkeypatch.setenv(registry.ALLOW_UNVERIFIED_ENV, "1")
     with pytest.warns(UserWarning, match="_fork_rng"):
         registry.verify_seams(force=True)
-    monkeypatch.setitem(registry._SEAMS, seam.target, registry.Seam(seam.target, seam.kind, "t", ()))
+    monkeypatch.setitem(
+        registry._SEAMS, seam.target, registry.Seam(seam.target, seam.kind, "t", ())
+    )
     registry.verify_seams(force=True)  # the real signature passes
 
 
@@ -251,5 +269,7 @@ def test_adopt_takes_only_exact_declared_classes():
         registry.adopt(Plain(), type("Sub", (Plain,), {}))
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    with pytest.raises(TypeError, match="only a plain megatron-core TransformerBlock can be adopted"):
+    with pytest.raises(
+        TypeError, match="only a plain megatron-core TransformerBlock can be adopted"
+    ):
         registry.adopt(Plain(), type("Adopter", (TransformerBlock,), {}))

@@ -27,7 +27,9 @@ from megatron_ext.models.norms import LocalNorm
 def _decoder_block_spec(config, layer_spec, vp_stage, pg_collection) -> Any:
     """Expand a layer spec into this stage's block spec, as megatron-core does, but with the
     final norm from the same builder as the layers' norms when those are local."""
-    if not (isinstance(layer_spec, ModuleSpec) and issubclass(layer_spec.module, BaseTransformerLayer)):
+    if not (
+        isinstance(layer_spec, ModuleSpec) and issubclass(layer_spec.module, BaseTransformerLayer)
+    ):
         return layer_spec
     layer_norm_spec = layer_spec.submodules.input_layernorm
     if layer_norm_spec not in (LocalNorm, WrappedTorchNorm):
@@ -45,8 +47,10 @@ def _layer_specs(spec: Any) -> list:
     """The layer specs a decoder spec (layer spec, block submodules or block spec) builds."""
     if isinstance(spec, TransformerBlockSubmodules):
         return list(spec.layer_specs or [])
-    if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(
-        spec.module, TransformerBlock
+    if (
+        isinstance(spec, ModuleSpec)
+        and isinstance(spec.module, type)
+        and issubclass(spec.module, TransformerBlock)
     ):
         return _layer_specs(spec.submodules)
     return [spec]

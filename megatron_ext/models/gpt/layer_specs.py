@@ -43,7 +43,9 @@ def _with_local_modules(value: Any) -> Any:
             submodules=_with_local_modules(value.submodules),
         )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _with_local_modules(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        changes = {
+            f.name: _with_local_modules(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
         return dataclasses.replace(value, **changes)
     return value
 

@@ -188,8 +188,10 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
 
     def _hands_streams_to_mtp(self) -> bool:
         # Exactly when HybridModel.forward runs its MTP block (never in inference).
-        return self.contracts_streams and self.returns_streams_for_mtp and (
-            not InferenceMode.is_active()
+        return (
+            self.contracts_streams
+            and self.returns_streams_for_mtp
+            and (not InferenceMode.is_active())
         )
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):

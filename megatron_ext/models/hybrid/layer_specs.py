@@ -188,9 +188,7 @@ def _mhc_stack_submodules(submodules: HybridStackSubmodules) -> HybridStackSubmo
     return dataclasses.replace(submodules, **changes)
 
 
-def _mtp_block_spec(
-    *, norm: Any, linear: type, enable_mhc_connections: bool
-) -> ModuleSpec:
+def _mtp_block_spec(*, norm: Any, linear: type, enable_mhc_connections: bool) -> ModuleSpec:
     """Per-depth MTP norms and projections (the depth's layers come from the pattern)."""
     if enable_mhc_connections:
         layer = ModuleSpec(

@@ -252,12 +252,22 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
         the main output followed by every depth's contracted output."""
         if not isinstance(hidden_states, tuple):
             return super().forward(
-                input_ids, position_ids, hidden_states, attention_mask, padding_mask=padding_mask,
-                context=context, context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
-                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                attention_bias=attention_bias, inference_params=inference_params,
-                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-                extra_block_kwargs=extra_block_kwargs, embedding=embedding,
+                input_ids,
+                position_ids,
+                hidden_states,
+                attention_mask,
+                padding_mask=padding_mask,
+                context=context,
+                context_mask=context_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                attention_bias=attention_bias,
+                inference_params=inference_params,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                extra_block_kwargs=extra_block_kwargs,
+                embedding=embedding,
             )
         main, streams = hidden_states
         if get_mtp_layer_offset(self.config, self.vp_stage) != 0:

@@ -44,11 +44,14 @@ def test_the_guard_reads_the_imported_code_and_names_a_checkout(tmp_path):
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
     env.pop(registry.ALLOW_UNVERIFIED_ENV, None)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     version, message = out.stdout.splitlines()[:2]
-    assert version == "0.19.1", "the code's package_info, not pip's metadata (0.19.2) nor the git suffix"
+    assert version == "0.19.1", (
+        "the code's package_info, not pip's metadata (0.19.2) nor the git suffix"
+    )
     assert f"code at {core}" in message and "not the installed megatron-core 0.19.2" in message
     assert "megatron-core==0.19.2" in message and registry.ALLOW_UNVERIFIED_ENV in message
 
@@ -61,7 +64,10 @@ def test_the_installed_wheel_is_its_own_code():
 
 def test_dataset_helpers_prebuilt_are_used_as_they_are(tmp_path):
     built = []
-    assert checkout.ensure_dataset_helpers(lambda: built.append(1), str(tmp_path), lambda: None) == "prebuilt"
+    assert (
+        checkout.ensure_dataset_helpers(lambda: built.append(1), str(tmp_path), lambda: None)
+        == "prebuilt"
+    )
     assert not built, "no make where the extension imports"
 
 
@@ -115,9 +121,15 @@ def test_a_megatron_lm_with_its_own_mhc_is_refused_in_one_line():
 
 def test_modelopt_with_mhc_is_refused_by_name():
     with pytest.raises(SystemExit, match="ModelOpt"):
-        checkout.refuse_modelopt_with_mhc(argparse.Namespace(enable_mhc_connections=True, modelopt_enabled=True))
-    checkout.refuse_modelopt_with_mhc(argparse.Namespace(enable_mhc_connections=True, modelopt_enabled=False))
-    checkout.refuse_modelopt_with_mhc(argparse.Namespace(enable_mhc_connections=False, modelopt_enabled=True))
+        checkout.refuse_modelopt_with_mhc(
+            argparse.Namespace(enable_mhc_connections=True, modelopt_enabled=True)
+        )
+    checkout.refuse_modelopt_with_mhc(
+        argparse.Namespace(enable_mhc_connections=True, modelopt_enabled=False)
+    )
+    checkout.refuse_modelopt_with_mhc(
+        argparse.Namespace(enable_mhc_connections=False, modelopt_enabled=True)
+    )
 
 
 def test_upstream_dev_flag_spellings_are_aliases():

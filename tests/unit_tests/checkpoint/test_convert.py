@@ -26,12 +26,20 @@ def _hybrid(mhc: bool, seed: int) -> HybridModel:
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = small_config(num_layers=len(PATTERN), hidden_size=PLAN.hidden_size,
-                          num_attention_heads=PLAN.num_attention_heads,
-                          enable_mhc_connections=mhc, mhc_num_residual_streams=4)
-    return HybridModel(config, get_hybrid_stack_local_spec(enable_mhc_connections=mhc),
-                       vocab_size=PLAN.vocab_size, max_sequence_length=PLAN.seq_length,
-                       hybrid_layer_pattern=PATTERN)
+    config = small_config(
+        num_layers=len(PATTERN),
+        hidden_size=PLAN.hidden_size,
+        num_attention_heads=PLAN.num_attention_heads,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=4,
+    )
+    return HybridModel(
+        config,
+        get_hybrid_stack_local_spec(enable_mhc_connections=mhc),
+        vocab_size=PLAN.vocab_size,
+        max_sequence_length=PLAN.seq_length,
+        hybrid_layer_pattern=PATTERN,
+    )
 
 
 def _upstream_keys(plain: dict) -> set[str]:
@@ -44,7 +52,9 @@ def _upstream_keys(plain: dict) -> set[str]:
             continue
         index, _, inner = rest.partition(".")
         keys.add(f"{head}decoder.layers.{index}.inner_layer.{inner}")
-        keys.update(f"{head}decoder.layers.{index}.hyper_connection.{p}" for p in UPSTREAM_HC_PARAMS)
+        keys.update(
+            f"{head}decoder.layers.{index}.hyper_connection.{p}" for p in UPSTREAM_HC_PARAMS
+        )
     keys.update(f"decoder.hc_head_{p}" for p in ("fn", "base", "scale"))
     return keys
 
@@ -57,7 +67,11 @@ def _logits(model: HybridModel) -> torch.Tensor:
 
 def test_hybrid_checkpoints_convert_both_ways_with_equal_outputs():
     with model_parallel():
-        plain = {k: v for k, v in _hybrid(mhc=False, seed=1).state_dict().items() if "_extra_state" not in k}
+        plain = {
+            k: v
+            for k, v in _hybrid(mhc=False, seed=1).state_dict().items()
+            if "_extra_state" not in k
+        }
         ours_model = _hybrid(mhc=True, seed=2)
         ours = ours_model.state_dict()
 
@@ -73,23 +87,31 @@ def test_hybrid_checkpoints_convert_both_ways_with_equal_outputs():
         other.load_state_dict(convert.hybrid_from_upstream(upstream), strict=True)
         torch.testing.assert_close(_logits(other), _logits(ours_model), rtol=0, atol=0)
         back = convert.hybrid_from_upstream(upstream)
-        assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours
-                                                  if isinstance(ours[k], torch.Tensor))
+        assert back.keys() == ours.keys() and all(
+            torch.equal(back[k], ours[k]) for k in ours if isinstance(ours[k], torch.Tensor)
+        )
 
 
 def test_a_mamba_layer_keeps_its_mixer_hyper_connection():
-    ours = {"decoder.layers.0.norm.weight": 1, "decoder.layers.0.mixer.in_proj.weight": 2,
-            "decoder.layers.0.mixer_hyper_connection.alpha_res": 3}
+    ours = {
+        "decoder.layers.0.norm.weight": 1,
+        "decoder.layers.0.mixer.in_proj.weight": 2,
+        "decoder.layers.0.mixer_hyper_connection.alpha_res": 3,
+    }
     upstream = convert.hybrid_to_upstream(ours)
-    assert upstream == {"decoder.layers.0.inner_layer.norm.weight": 1,
-                        "decoder.layers.0.inner_layer.mixer.in_proj.weight": 2,
-                        "decoder.layers.0.hyper_connection.alpha_res": 3}
+    assert upstream == {
+        "decoder.layers.0.inner_layer.norm.weight": 1,
+        "decoder.layers.0.inner_layer.mixer.in_proj.weight": 2,
+        "decoder.layers.0.hyper_connection.alpha_res": 3,
+    }
     assert convert.hybrid_from_upstream(upstream) == ours
 
 
 def test_layouts_that_are_not_hybrid_mhc_are_refused_by_layer():
-    gpt_like = {"decoder.layers.0.self_attention_hyper_connection.bias": 0,
-                "decoder.layers.0.mlp_hyper_connection.bias": 0}
+    gpt_like = {
+        "decoder.layers.0.self_attention_hyper_connection.bias": 0,
+        "decoder.layers.0.mlp_hyper_connection.bias": 0,
+    }
     with pytest.raises(convert.ConversionError, match=r"decoder\.layers\.0\..*exactly one"):
         convert.hybrid_to_upstream(gpt_like)
     with pytest.raises(convert.ConversionError, match="inner_layer"):
@@ -99,22 +121,58 @@ def test_layouts_that_are_not_hybrid_mhc_are_refused_by_layer():
 def test_the_cli_converts_a_megatron_torch_checkpoint_and_notes_mains_orientation(tmp_path, capsys):
     from megatron_ext.cli import main
 
-    checkpoint = {"model": {"decoder.layers.0.mlp.linear_fc1.weight": torch.ones(2),
-                            "decoder.layers.0.mlp_hyper_connection.bias": torch.zeros(3)},
-                  "iteration": 7}
+    checkpoint = {
+        "model": {
+            "decoder.layers.0.mlp.linear_fc1.weight": torch.ones(2),
+            "decoder.layers.0.mlp_hyper_connection.bias": torch.zeros(3),
+        },
+        "iteration": 7,
+    }
     torch.save(checkpoint, tmp_path / "in.pt")
-    assert main(["convert-checkpoint", str(tmp_path / "in.pt"), str(tmp_path / "up.pt"),
-                 "--model", "hybrid", "--to", "upstream"]) == 0
+    assert (
+        main(
+            [
+                "convert-checkpoint",
+                str(tmp_path / "in.pt"),
+                str(tmp_path / "up.pt"),
+                "--model",
+                "hybrid",
+                "--to",
+                "upstream",
+            ]
+        )
+        == 0
+    )
     converted = torch.load(tmp_path / "up.pt", weights_only=False)
     assert converted["iteration"] == 7
-    assert set(converted["model"]) == {"decoder.layers.0.inner_layer.mlp.linear_fc1.weight",
-                                       "decoder.layers.0.hyper_connection.bias"}
-    assert main(["convert-checkpoint", str(tmp_path / "in.pt"), str(tmp_path / "gpt.pt"),
-                 "--model", "gpt", "--to", "megatron-ext", "--source", "main"]) == 0
+    assert set(converted["model"]) == {
+        "decoder.layers.0.inner_layer.mlp.linear_fc1.weight",
+        "decoder.layers.0.hyper_connection.bias",
+    }
+    assert (
+        main(
+            [
+                "convert-checkpoint",
+                str(tmp_path / "in.pt"),
+                str(tmp_path / "gpt.pt"),
+                "--model",
+                "gpt",
+                "--to",
+                "megatron-ext",
+                "--source",
+                "main",
+            ]
+        )
+        == 0
+    )
     assert "H_res" in capsys.readouterr().out
 
 
 def test_mtp_hyper_connections_are_left_alone_with_a_note():
-    notes = convert.notes_for("dev", "hybrid", {"mtp.layers.0.mtp_model_layer.hyper_connection.bias": 0})
+    notes = convert.notes_for(
+        "dev", "hybrid", {"mtp.layers.0.mtp_model_layer.hyper_connection.bias": 0}
+    )
     assert any("MTP" in note and "not converted" in note for note in notes)
-    assert convert.notes_for("pr6401", "hybrid", {"decoder.layers.0.hyper_connection.bias": 0}) == []
+    assert (
+        convert.notes_for("pr6401", "hybrid", {"decoder.layers.0.hyper_connection.bias": 0}) == []
+    )

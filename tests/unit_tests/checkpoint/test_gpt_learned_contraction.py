@@ -21,10 +21,20 @@ def _gpt(mhc: bool, learned: bool = False) -> GPTModel:
 
     torch.manual_seed(3)
     model_parallel_cuda_manual_seed(3)
-    config = small_config(num_layers=2, hidden_size=H, num_attention_heads=2, enable_mhc_connections=mhc,
-                          mhc_num_residual_streams=N, mhc_learned_output_contract=learned)
-    return GPTModel(config, get_gpt_layer_local_spec(enable_mhc_connections=mhc), vocab_size=VOCAB,
-                    max_sequence_length=SEQ)
+    config = small_config(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=N,
+        mhc_learned_output_contract=learned,
+    )
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(enable_mhc_connections=mhc),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
 
 
 def _dev_gpt_keys(plain: dict) -> set[str]:
@@ -46,23 +56,39 @@ def test_dev_gpt_keys_and_the_learned_contraction_before_the_final_norm():
         state = model.state_dict()
         assert {k for k in state if "_extra_state" not in k} == _dev_gpt_keys(plain)
         assert state["decoder.hc_head_fn"].shape == (N, N * H)
-        assert state["decoder.hc_head_base"].shape == (N,) and state["decoder.hc_head_scale"].shape == (1,)
+        assert state["decoder.hc_head_base"].shape == (N,) and state[
+            "decoder.hc_head_scale"
+        ].shape == (1,)
         main_keys = _dev_gpt_keys(plain) - {f"decoder.hc_head_{p}" for p in ("fn", "base", "scale")}
         mean_model = {k for k in _gpt(mhc=True).state_dict() if "_extra_state" not in k}
-        assert mean_model == main_keys, "the default (mean) GPT has upstream main's / PR #6401's keys"
+        assert mean_model == main_keys, (
+            "the default (mean) GPT has upstream main's / PR #6401's keys"
+        )
 
         seen = {}
-        model.decoder.layers[-1].register_forward_hook(lambda m, a, out: seen.update(streams=out[0]))
-        model.decoder.final_layernorm.register_forward_pre_hook(lambda m, a: seen.update(normed_input=a[0]))
+        model.decoder.layers[-1].register_forward_hook(
+            lambda m, a, out: seen.update(streams=out[0])
+        )
+        model.decoder.final_layernorm.register_forward_pre_hook(
+            lambda m, a: seen.update(normed_input=a[0])
+        )
         tokens = torch.randint(0, VOCAB, (1, SEQ))
         positions = torch.arange(SEQ).unsqueeze(0)
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
         model(tokens, positions, mask).sum().backward()
         decoder = model.decoder
-        expected = learned_contract(seen["streams"], decoder.hc_head_fn, decoder.hc_head_base,
-                                    decoder.hc_head_scale, N, decoder.config.layernorm_epsilon)
+        expected = learned_contract(
+            seen["streams"],
+            decoder.hc_head_fn,
+            decoder.hc_head_base,
+            decoder.hc_head_scale,
+            N,
+            decoder.config.layernorm_epsilon,
+        )
         torch.testing.assert_close(seen["normed_input"], expected, rtol=0, atol=0)
         assert decoder.hc_head_fn.grad is not None and decoder.hc_head_fn.grad.abs().sum() > 0
 
         sharded = model.sharded_state_dict()
-        assert {"decoder.hc_head_fn", "decoder.hc_head_base", "decoder.hc_head_scale"} <= set(sharded)
+        assert {"decoder.hc_head_fn", "decoder.hc_head_base", "decoder.hc_head_scale"} <= set(
+            sharded
+        )

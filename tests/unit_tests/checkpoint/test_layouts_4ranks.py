@@ -36,8 +36,12 @@ SAVED_SEED, FRESH_SEED = 1234, 4321  # weight initialisation; the batch is alway
 
 
 def _plan(layout: str) -> TrainPlan:
-    return TrainPlan(num_layers=4, global_batch_size=4, **LAYOUTS[layout],
-                     config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4))
+    return TrainPlan(
+        num_layers=4,
+        global_batch_size=4,
+        **LAYOUTS[layout],
+        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4),
+    )
 
 
 def _loss(plan: TrainPlan, chunks) -> float:
@@ -48,8 +52,14 @@ def _loss(plan: TrainPlan, chunks) -> float:
     batches = make_microbatches(plan, 0)
     data = [iter(batches) for _ in chunks] if plan.vpp else iter(batches)
     reports = get_forward_backward_func()(
-        forward_step_func=gpt_forward_step, data_iterator=data, model=chunks, num_microbatches=len(batches),
-        seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=True)
+        forward_step_func=gpt_forward_step,
+        data_iterator=data,
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=plan.seq_length,
+        micro_batch_size=plan.micro_batch_size,
+        forward_only=True,
+    )
     mine = [r["lm loss"] for r in reports] if ps.is_pipeline_last_stage() and reports else []
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, sum(mine) / len(mine) if mine else None)
@@ -84,7 +94,9 @@ def _parameter_names(sharded: dict) -> list[str]:
     return sorted(set().union(*every))
 
 
-def _at_layout(layout: str, load_dir: Optional[Path], save_dir: Path) -> tuple[float, float, list[str]]:
+def _at_layout(
+    layout: str, load_dir: Optional[Path], save_dir: Path
+) -> tuple[float, float, list[str]]:
     """Build ``layout`` (fresh weights unless loading), load, measure the loss, save."""
     from megatron.core import dist_checkpointing
 
@@ -120,10 +132,16 @@ def test_an_mhc_checkpoint_moves_between_layouts_with_the_same_loss_and_names():
     try:
         _, saved_loss, saved_names = _at_layout(CHAIN[0], None, root / "0")
         for step, layout in enumerate(CHAIN[1:], start=1):
-            fresh_loss, loaded_loss, names = _at_layout(layout, root / str(step - 1), root / str(step))
+            fresh_loss, loaded_loss, names = _at_layout(
+                layout, root / str(step - 1), root / str(step)
+            )
             moved = f"{CHAIN[step - 1]} -> {layout}"
-            assert abs(fresh_loss - saved_loss) > 1e-3, f"{moved}: fresh weights must give another loss"
-            assert abs(loaded_loss - saved_loss) <= 1e-6, f"{moved}: loss {loaded_loss} != {saved_loss}"
+            assert abs(fresh_loss - saved_loss) > 1e-3, (
+                f"{moved}: fresh weights must give another loss"
+            )
+            assert abs(loaded_loss - saved_loss) <= 1e-6, (
+                f"{moved}: loss {loaded_loss} != {saved_loss}"
+            )
             assert names == saved_names, f"{moved}: {sorted(set(names) ^ set(saved_names))}"
         assert any("hyper_connection" in n or "mhc" in n for n in saved_names), saved_names
     finally:

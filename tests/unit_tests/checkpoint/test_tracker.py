@@ -15,7 +15,9 @@ def test_the_tracker_is_never_seen_empty(tmp_path):
     megatron_ext.install()
     from megatron.training import checkpointing
 
-    assert isinstance(checkpointing.maybe_msc, AtomicTrackerStorage), "installed through the registry"
+    assert isinstance(checkpointing.maybe_msc, AtomicTrackerStorage), (
+        "installed through the registry"
+    )
     tracker, seen = tmp_path / TRACKER_NAME, []
     tracker.write_text("4")
     _write_like_megatron(checkpointing.maybe_msc, tracker, "5", seen)
@@ -24,7 +26,9 @@ def test_the_tracker_is_never_seen_empty(tmp_path):
     other = tmp_path / "other.txt"
     with checkpointing.maybe_msc.open(str(other), "w") as f:
         f.write("x")
-    assert other.read_text() == "x" and checkpointing.maybe_msc.os is __import__("os"), "the rest is delegated"
+    assert other.read_text() == "x" and checkpointing.maybe_msc.os is __import__("os"), (
+        "the rest is delegated"
+    )
 
 
 def test_upstream_truncates_the_tracker_first(tmp_path):

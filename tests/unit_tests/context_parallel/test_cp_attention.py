@@ -18,9 +18,15 @@ def _config(tp: int, cp: int):
     from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, **CPU_SAFE_FIELDS,
+        num_layers=1,
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        **CPU_SAFE_FIELDS,
     )
 
 

@@ -39,10 +39,14 @@ def test_a_perturbed_gradient_is_caught():
         import torch.distributed as dist
 
         if step == 0 and dist.get_rank() == 0:
-            param = next(p for n, p in chunks[0].module.named_parameters() if "linear_fc1.weight" in n)
+            param = next(
+                p for n, p in chunks[0].module.named_parameters() if "linear_fc1.weight" in n
+            )
             param.main_grad.view(-1)[0] += 1e-3
 
-    with pytest.raises(EquivalenceError, match=r"step 0 gradient: decoder\.layers\.mlp\.linear_fc1\.weight"):
+    with pytest.raises(
+        EquivalenceError, match=r"step 0 gradient: decoder\.layers\.mlp\.linear_fc1\.weight"
+    ):
         check_equivalence(TrainPlan(pp=2, steps=1), on_gradients=perturb)
 
 
@@ -54,4 +58,6 @@ def test_upstream_batched_p2p_order_corrupts_vpp_gradients():
     megatron_ext.install()
     with registry.suspended(BATCHED_P2P):
         with pytest.raises(EquivalenceError, match="loss"):
-            check_equivalence(TrainPlan(pp=2, vpp=2, steps=1, config_overrides=dict(batch_p2p_comm=True)))
+            check_equivalence(
+                TrainPlan(pp=2, vpp=2, steps=1, config_overrides=dict(batch_p2p_comm=True))
+            )

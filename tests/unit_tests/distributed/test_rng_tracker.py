@@ -28,8 +28,12 @@ def _draws(seed: int):
 
 def test_tracker_streams_per_tensor_parallel_rank_and_reseeding_reproduces():
     tp_draws, default_draws, dropout = _draws(seed=42)
-    assert not torch.equal(tp_draws[0], tp_draws[1]), "TP ranks must draw different model-parallel streams"
-    assert torch.equal(default_draws[0], default_draws[1]), "the default stream must agree across TP ranks"
+    assert not torch.equal(tp_draws[0], tp_draws[1]), (
+        "TP ranks must draw different model-parallel streams"
+    )
+    assert torch.equal(default_draws[0], default_draws[1]), (
+        "the default stream must agree across TP ranks"
+    )
     tp_again, default_again, dropout_again = _draws(seed=42)
     assert all(torch.equal(a, b) for a, b in zip(tp_draws, tp_again))
     assert all(torch.equal(a, b) for a, b in zip(default_draws, default_again))

@@ -15,11 +15,23 @@ TARGET = "megatron.training.checkpointing:check_checkpoint_args"
 
 
 def _args(**fields):
-    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, add_position_embedding=True,
-                vocab_file=None, data_parallel_random_init=False, phase_transition_iterations=None,
-                enable_mhc_connections=False, mhc_num_residual_streams=4, vocab_size=128,
-                make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, padded_vocab_size=256,
-                use_dist_ckpt=True, pipeline_model_parallel_size=1)
+    base = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        add_position_embedding=True,
+        vocab_file=None,
+        data_parallel_random_init=False,
+        phase_transition_iterations=None,
+        enable_mhc_connections=False,
+        mhc_num_residual_streams=4,
+        vocab_size=128,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=2,
+        padded_vocab_size=256,
+        use_dist_ckpt=True,
+        pipeline_model_parallel_size=1,
+    )
     base.update(fields)
     return argparse.Namespace(**base)
 
@@ -51,12 +63,26 @@ def test_same_settings_load(current_args):
     _check(_args(mhc_num_residual_streams=2))  # mHC off in both: the stream count means nothing
 
 
-@pytest.mark.parametrize("saved, now, field", [
-    (dict(enable_mhc_connections=True), dict(), "enable_mhc_connections: checkpoint True, now False"),
-    (dict(), dict(enable_mhc_connections=True), "enable_mhc_connections: checkpoint False, now True"),
-    (dict(enable_mhc_connections=True, mhc_num_residual_streams=4),
-     dict(enable_mhc_connections=True, mhc_num_residual_streams=2), "mhc_num_residual_streams: checkpoint 4, now 2"),
-])
+@pytest.mark.parametrize(
+    "saved, now, field",
+    [
+        (
+            dict(enable_mhc_connections=True),
+            dict(),
+            "enable_mhc_connections: checkpoint True, now False",
+        ),
+        (
+            dict(),
+            dict(enable_mhc_connections=True),
+            "enable_mhc_connections: checkpoint False, now True",
+        ),
+        (
+            dict(enable_mhc_connections=True, mhc_num_residual_streams=4),
+            dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
+            "mhc_num_residual_streams: checkpoint 4, now 2",
+        ),
+    ],
+)
 def test_mhc_mismatch_is_refused(current_args, saved, now, field):
     current_args(**now)
     with pytest.raises(CheckpointMismatchError, match=field):
@@ -65,10 +91,15 @@ def test_mhc_mismatch_is_refused(current_args, saved, now, field):
 
 def test_tp_change_that_repads_the_vocabulary_is_refused_with_the_flag_to_pin_it(current_args):
     current_args(tensor_model_parallel_size=1, padded_vocab_size=128)
-    with pytest.raises(CheckpointMismatchError, match=r"256 in the checkpoint \(TP 2\), 128 now \(TP 1\).*"
-                                                      r"--make-vocab-size-divisible-by 256"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"256 in the checkpoint \(TP 2\), 128 now \(TP 1\).*"
+        r"--make-vocab-size-divisible-by 256",
+    ):
         _check(_args())
-    current_args(tensor_model_parallel_size=1, padded_vocab_size=256, make_vocab_size_divisible_by=256)
+    current_args(
+        tensor_model_parallel_size=1, padded_vocab_size=256, make_vocab_size_divisible_by=256
+    )
     _check(_args())  # pinned: same padding, loads
 
 

@@ -21,7 +21,9 @@ def _rejecting_functions() -> set[str]:
     """``module:qualname`` of every function whose own body raises a rejecting error."""
     found = set()
     for path in PACKAGE.rglob("*.py"):
-        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        )
         text = path.read_text()
         if any(module.startswith(prefix) for prefix in NOT_GUARDS) or not any(
             name in text for name in REJECTING
@@ -69,10 +71,16 @@ def test_every_rejecting_function_is_a_listed_guard():
 def test_cuda_graphs_are_refused_once_at_every_pipeline_size():
     # (moved here from check_mhc_pipeline, which checked it again for PP > 1)
     config = types.SimpleNamespace(
-        enable_mhc_connections=True, cuda_graph_impl="local", enable_cuda_graph=False,
-        external_cuda_graph=False, offload_modules=None, fine_grained_activation_offloading=False,
+        enable_mhc_connections=True,
+        cuda_graph_impl="local",
+        enable_cuda_graph=False,
+        external_cuda_graph=False,
+        offload_modules=None,
+        fine_grained_activation_offloading=False,
         mlp_chunks_for_training=1,
     )
     with pytest.raises(guards.UnsupportedCombinationError, match="cuda_graph_impl"):
         guards.check_mhc_layer_features(config)
-    guards.check_mhc_layer_features(types.SimpleNamespace(**{**vars(config), "enable_mhc_connections": False}))
+    guards.check_mhc_layer_features(
+        types.SimpleNamespace(**{**vars(config), "enable_mhc_connections": False})
+    )

@@ -11,8 +11,12 @@ from megatron_ext.config import MHCTransformerConfig
 
 def _config(**overrides):
     fields = dict(
-        num_layers=4, hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32,
-        enable_mhc_connections=True, pipeline_model_parallel_size=2,
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        pipeline_dtype=torch.float32,
+        enable_mhc_connections=True,
+        pipeline_model_parallel_size=2,
     )
     fields.update(overrides)
     return MHCTransformerConfig(**fields)
@@ -25,9 +29,19 @@ def test_plain_mhc_pipeline_config_is_accepted():
 @pytest.mark.parametrize(
     "overrides, setting",
     [
-        (dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4, expert_model_parallel_size=1), "overlap_moe_expert_parallel_comm"),
+        (
+            dict(
+                overlap_moe_expert_parallel_comm=True,
+                num_moe_experts=4,
+                expert_model_parallel_size=1,
+            ),
+            "overlap_moe_expert_parallel_comm",
+        ),
         (dict(cpu_offloading=True, cpu_offloading_num_layers=1), "cpu_offloading"),
-        (dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"]), "fine_grained_activation_offloading"),
+        (
+            dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"]),
+            "fine_grained_activation_offloading",
+        ),
     ],
 )
 def test_unqualified_combinations_with_mhc_pipeline_are_rejected(overrides, setting):
@@ -43,18 +57,26 @@ def test_config_construction_runs_the_pipeline_guards():
 
 
 def test_same_settings_without_pipeline_are_not_our_business():
-    guards.check_mhc_pipeline(types.SimpleNamespace(**{**vars(_config()), "pipeline_model_parallel_size": 1, "cuda_graph_impl": "local"}))
+    guards.check_mhc_pipeline(
+        types.SimpleNamespace(
+            **{**vars(_config()), "pipeline_model_parallel_size": 1, "cuda_graph_impl": "local"}
+        )
+    )
 
 
 def test_gpt_rejects_mhc_pipeline_with_mtp():
     config = types.SimpleNamespace(**{**vars(_config()), "mtp_num_layers": 1})
     with pytest.raises(guards.UnsupportedCombinationError, match="mtp_num_layers=1.*HybridModel"):
         guards.check_gpt_mhc_mtp(config)
-    guards.check_gpt_mhc_mtp(types.SimpleNamespace(**{**vars(config), "enable_mhc_connections": False}))
+    guards.check_gpt_mhc_mtp(
+        types.SimpleNamespace(**{**vars(config), "enable_mhc_connections": False})
+    )
 
 
 def test_hybrid_rejects_a_standalone_mhc_mtp_stage():
-    config = types.SimpleNamespace(**{**vars(_config()), "mtp_num_layers": 1, "mtp_standalone": True})
+    config = types.SimpleNamespace(
+        **{**vars(_config()), "mtp_num_layers": 1, "mtp_standalone": True}
+    )
     with pytest.raises(guards.UnsupportedCombinationError, match="mtp_standalone"):
         guards.check_hybrid_mhc_mtp(config)
     guards.check_hybrid_mhc_mtp(types.SimpleNamespace(**{**vars(config), "mtp_standalone": False}))

@@ -27,11 +27,20 @@ def _is_mhc(name: str) -> bool:
 def test_mhc_parameters_stay_fp32_under_float16module_and_train_in_fp32():
     with model_parallel(seed=1):
         config = small_config(
-            num_layers=2, hidden_size=32, num_attention_heads=4, enable_mhc_connections=True,
-            mhc_num_residual_streams=4, bf16=True, params_dtype=torch.bfloat16,
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=4,
+            bf16=True,
+            params_dtype=torch.bfloat16,
         )
-        model = GPTModel(config, get_gpt_layer_local_spec(enable_mhc_connections=True),
-                         vocab_size=VOCAB, max_sequence_length=SEQ)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(enable_mhc_connections=True),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+        )
         model = Float16Module(config, model)
         dtypes = {name: p.dtype for name, p in model.named_parameters()}
         assert any(_is_mhc(name) for name in dtypes)
@@ -83,16 +92,35 @@ def test_learned_contraction_heads_stay_fp32_under_float16module():
     from megatron_ext.models.hybrid import HybridModel, get_hybrid_stack_local_spec
 
     with model_parallel(seed=1):
-        fields = dict(hidden_size=32, num_attention_heads=4, enable_mhc_connections=True,
-                      mhc_num_residual_streams=2, bf16=True, params_dtype=torch.bfloat16)
+        fields = dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=2,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        )
         gpt_config = small_config(num_layers=2, mhc_learned_output_contract=True, **fields)
-        gpt = Float16Module(gpt_config, GPTModel(
-            gpt_config, get_gpt_layer_local_spec(enable_mhc_connections=True),
-            vocab_size=VOCAB, max_sequence_length=SEQ))
+        gpt = Float16Module(
+            gpt_config,
+            GPTModel(
+                gpt_config,
+                get_gpt_layer_local_spec(enable_mhc_connections=True),
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+            ),
+        )
         hybrid_config = small_config(num_layers=2, mtp_num_layers=1, **fields)
-        hybrid = Float16Module(hybrid_config, HybridModel(
-            hybrid_config, get_hybrid_stack_local_spec(enable_mhc_connections=True),
-            vocab_size=VOCAB, max_sequence_length=SEQ, hybrid_layer_pattern="*-/*-"))
+        hybrid = Float16Module(
+            hybrid_config,
+            HybridModel(
+                hybrid_config,
+                get_hybrid_stack_local_spec(enable_mhc_connections=True),
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                hybrid_layer_pattern="*-/*-",
+            ),
+        )
         assert len(_assert_mhc_fp32_rest_bf16(gpt)) == 3
         assert len(_assert_mhc_fp32_rest_bf16(hybrid)) == 6  # stack + one MTP depth
 

@@ -33,8 +33,9 @@ def test_streams_in_matches_lean(fused_device, dtype):
 
 
 def test_streams_in_with_padded_streams_matches_lean(fused_device):
-    fused_parity.check_streams_in(fused_device, torch.float32, tokens=37, n=3, hidden=24,
-                                  iterations=3)
+    fused_parity.check_streams_in(
+        fused_device, torch.float32, tokens=37, n=3, hidden=24, iterations=3
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -43,8 +44,9 @@ def test_merge_matches_lean(fused_device, dtype):
 
 
 def test_merge_without_bias_matches_lean(fused_device):
-    fused_parity.check_merge(fused_device, torch.float32, tokens=19, n=4, hidden=40,
-                             with_bias=False)
+    fused_parity.check_merge(
+        fused_device, torch.float32, tokens=19, n=4, hidden=40, with_bias=False
+    )
 
 
 def test_merge_dropout_mask_is_consistent(fused_device):
@@ -63,12 +65,18 @@ def test_fused_layer_matches_lean_layer(fused_device):
     s, b, h, n = 6, 2, 32, 4
 
     def build(fused):
-        config = small_config(num_layers=1, hidden_size=h, num_attention_heads=4,
-                              enable_mhc_connections=True, mhc_num_residual_streams=n,
-                              use_fused_mhc=fused)
+        config = small_config(
+            num_layers=1,
+            hidden_size=h,
+            num_attention_heads=4,
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=n,
+            use_fused_mhc=fused,
+        )
         torch.manual_seed(0)
-        layer = build_module(get_gpt_layer_local_spec(enable_mhc_connections=True),
-                             config=config, layer_number=1)
+        layer = build_module(
+            get_gpt_layer_local_spec(enable_mhc_connections=True), config=config, layer_number=1
+        )
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():  # away from init, so every map matters
             for name, param in layer.named_parameters():

@@ -195,9 +195,7 @@ def test_expand_output_scales_each_stream():
     y = torch.tensor([[[1.0, 2.0]]])
     torch.testing.assert_close(expand_output(y, h_post), torch.tensor([[[0.5, 1.0, 2.0, 4.0]]]))
     bias = torch.tensor([3.0, 4.0])
-    torch.testing.assert_close(
-        expand_output(bias, h_post), torch.tensor([[[1.5, 2.0, 6.0, 8.0]]])
-    )
+    torch.testing.assert_close(expand_output(bias, h_post), torch.tensor([[[1.5, 2.0, 6.0, 8.0]]]))
 
 
 def test_class_exposes_the_map_helpers_and_upstream_spellings():
@@ -316,7 +314,10 @@ def test_gradcheck_of_the_whole_module_in_float64():
     from megatron_ext.mhc.hyper_connection import bias_dropout_add_streams
 
     torch.manual_seed(0)
-    module = HyperConnectionModule(_config(hidden_size=3, mhc_num_residual_streams=2, mhc_sinkhorn_iterations=4), layer_number=1).double()
+    module = HyperConnectionModule(
+        _config(hidden_size=3, mhc_num_residual_streams=2, mhc_sinkhorn_iterations=4),
+        layer_number=1,
+    ).double()
     with torch.no_grad():
         module.bias.normal_(0, 0.5)  # away from the symmetric initial point
         for alpha in (module.alpha_pre, module.alpha_post, module.alpha_res):
@@ -326,8 +327,12 @@ def test_gradcheck_of_the_whole_module_in_float64():
     names = [name for name, _ in module.named_parameters()]
 
     def layer(x, y, *weights):
-        aggregated, h_res, h_post = torch.func.functional_call(module, dict(zip(names, weights)), (x,))
-        return aggregated, bias_dropout_add_streams(h_res, x, h_post, (y * aggregated, None), 0.0, False)
+        aggregated, h_res, h_post = torch.func.functional_call(
+            module, dict(zip(names, weights)), (x,)
+        )
+        return aggregated, bias_dropout_add_streams(
+            h_res, x, h_post, (y * aggregated, None), 0.0, False
+        )
 
     weights = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
     assert torch.autograd.gradcheck(layer, (x, y, *weights))

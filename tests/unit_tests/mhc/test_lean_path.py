@@ -39,9 +39,14 @@ def test_merge_streams_gradcheck_in_float64():
 
 def _layers(dtype, hidden_dropout=0.0):
     config = small_config(
-        num_layers=1, hidden_size=H, num_attention_heads=4, enable_mhc_connections=True,
-        mhc_num_residual_streams=N, hidden_dropout=hidden_dropout,
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        enable_mhc_connections=True,
+        mhc_num_residual_streams=N,
+        hidden_dropout=hidden_dropout,
     )
+
     def build():
         torch.manual_seed(0)
         spec = get_gpt_layer_local_spec(enable_mhc_connections=True)
@@ -129,9 +134,14 @@ def test_lean_sublayer_has_no_graph_breaks_for_torch_compile():
     from megatron_ext.mhc.hyper_connection import HyperConnectionModule, merge_rows
 
     with model_parallel():
-        config = small_config(num_layers=1, hidden_size=H, num_attention_heads=4,
-                              enable_mhc_connections=True, mhc_num_residual_streams=N,
-                              mhc_sinkhorn_iterations=3)
+        config = small_config(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=4,
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=N,
+            mhc_sinkhorn_iterations=3,
+        )
         connection = HyperConnectionModule(config, layer_number=1)
 
         def sublayer(x, y, bias):

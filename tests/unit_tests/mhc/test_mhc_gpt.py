@@ -25,8 +25,11 @@ VOCAB, SEQ = 8, 3
 
 def _config(**overrides):
     fields = dict(
-        num_layers=1, hidden_size=H, num_attention_heads=2,
-        enable_mhc_connections=True, mhc_num_residual_streams=N,
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        enable_mhc_connections=True,
+        mhc_num_residual_streams=N,
     )
     return small_config(**{**fields, **overrides})
 

@@ -2,8 +2,6 @@
 every step and the weights after 3 steps. Run:
 torchrun --nproc_per_node 2 -m pytest tests/unit_tests/mhc/test_mhc_gpt_distributed.py"""
 
-import warnings
-
 import pytest
 
 from megatron_ext.config import MHCTransformerConfig

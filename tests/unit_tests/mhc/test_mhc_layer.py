@@ -31,8 +31,11 @@ N, H, S, B = 2, 8, 5, 2
 
 def _config(**overrides):
     fields = dict(
-        num_layers=2, hidden_size=H, num_attention_heads=2,
-        enable_mhc_connections=True, mhc_num_residual_streams=N,
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        enable_mhc_connections=True,
+        mhc_num_residual_streams=N,
     )
     return small_config(**{**fields, **overrides})
 
@@ -215,10 +218,13 @@ def test_plain_layer_spec_with_mhc_enabled_is_rejected_before_anything_is_built(
         raise AssertionError("the model was built before the spec was checked")
 
     monkeypatch.setattr(CoreGPTModel, "__init__", must_not_build)
-    with model_parallel(), pytest.raises(
-        ValueError,
-        match=r"enable_mhc_connections=True, but .*TransformerLayer.*"
-        r"get_gpt_layer_local_spec\(enable_mhc_connections=True\)",
+    with (
+        model_parallel(),
+        pytest.raises(
+            ValueError,
+            match=r"enable_mhc_connections=True, but .*TransformerLayer.*"
+            r"get_gpt_layer_local_spec\(enable_mhc_connections=True\)",
+        ),
     ):
         GPTModel(_config(), get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=S)
 

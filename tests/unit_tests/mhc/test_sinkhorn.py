@@ -33,7 +33,7 @@ def test_forward_matches_the_unrolled_loop():
 
 def test_gradcheck_in_float64():
     logits = _logits(2, 3, 3, dtype=torch.float64, seed=2, scale=1.0).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda l: sinkhorn_knopp(l, 5), (logits,))
+    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, 5), (logits,))
 
 
 @pytest.mark.parametrize("iterations", [1, 3, 20])

@@ -21,7 +21,9 @@ def _build(model_class, spec, seed=3):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed)
-    model = model_class(config, spec, vocab_size=plan.vocab_size, max_sequence_length=plan.seq_length)
+    model = model_class(
+        config, spec, vocab_size=plan.vocab_size, max_sequence_length=plan.seq_length
+    )
     return model, plan
 
 

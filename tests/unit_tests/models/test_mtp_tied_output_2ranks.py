@@ -12,7 +12,12 @@ import torch.distributed as dist
 import megatron_ext
 from megatron_ext import registry
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.testing.equivalence import TrainPlan, build_model_chunks, check_equivalence, transformer_config
+from megatron_ext.testing.equivalence import (
+    TrainPlan,
+    build_model_chunks,
+    check_equivalence,
+    transformer_config,
+)
 from megatron_ext.testing.distributed import model_parallel
 from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 
@@ -53,7 +58,9 @@ def gpt_mtp_factory(plan: TrainPlan):
             post_process=post_process,
             share_embeddings_and_output_weights=True,
             position_embedding_type="rope",
-            mtp_block_spec=core_specs.get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage),
+            mtp_block_spec=core_specs.get_gpt_mtp_block_spec(
+                config, spec, use_transformer_engine=False, vp_stage=vp_stage
+            ),
             vp_stage=vp_stage,
         )
 
@@ -82,7 +89,11 @@ def _try_sharded_state_dict(chunks):
         return None
     except AssertionError as error:
         # megatron-core asserts that the tied key is absent and prints every key it has.
-        return "refused output_layer.weight" if "'output_layer.weight'" in str(error) else str(error)[:300]
+        return (
+            "refused output_layer.weight"
+            if "'output_layer.weight'" in str(error)
+            else str(error)[:300]
+        )
 
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
@@ -132,7 +143,10 @@ def test_upstream_allocation_cannot_save(kind):
 def test_hybrid_mhc_pp2_tied_mtp_matches_reference():
     """With the dead weight gone a tied MTP stage trains like the single-rank model."""
     plan = hybrid_plan(
-        HYBRID_PATTERN, pp=2, lr=1e-4, steps=2,
+        HYBRID_PATTERN,
+        pp=2,
+        lr=1e-4,
+        steps=2,
         config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
     )
     check_equivalence(

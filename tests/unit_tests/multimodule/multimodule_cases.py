@@ -27,14 +27,18 @@ def lm_config(layers: int = 2, **overrides: Any):
     return vlm.transformer_config(layers, HIDDEN, 4, **overrides)
 
 
-def encoder(flatten_output: bool = False, layers: int = 2, forward: Optional[Callable] = None) -> ModuleImpl:
+def encoder(
+    flatten_output: bool = False, layers: int = 2, forward: Optional[Callable] = None
+) -> ModuleImpl:
     impl = vlm.encoder_impl(encoder_config(layers), PATCH, flatten_output)
     if forward is not None:
         impl.forward = forward(impl.forward)
     return impl
 
 
-def language_model(layers: int = 2, forward: Optional[Callable] = None, **overrides: Any) -> ModuleImpl:
+def language_model(
+    layers: int = 2, forward: Optional[Callable] = None, **overrides: Any
+) -> ModuleImpl:
     impl = vlm.language_model_impl(lm_config(layers, **overrides), VOCAB, MAX_SEQ)
     if forward is not None:
         impl.forward = forward(impl.forward)
@@ -61,8 +65,9 @@ def equivalence(
     """The pipeline against the single-process reference (raises on every rank on a
     difference). Image lengths vary per micro-batch, so every exchange has new shapes."""
     plan = make_plan(modules, topology)
-    readers = {name: PATCH for name in impls if impls[name].factory is not vlm.Projector
-               and name != "llm"}
+    readers = {
+        name: PATCH for name in impls if impls[name].factory is not vlm.Projector and name != "llm"
+    }
     data = vlm.VLMData("llm", readers, image_lengths=image_lengths)
     settings = dict(grad_scale=4.0)
     settings.update(run_kwargs)

@@ -19,7 +19,12 @@ from multimodule_cases import (
     raises_everywhere,
 )
 
-from megatron_ext.multimodule import ModuleImpl, ModulePlan as M, MultiModuleBuildError, OutputNdimError
+from megatron_ext.multimodule import (
+    ModuleImpl,
+    ModulePlan as M,
+    MultiModuleBuildError,
+    OutputNdimError,
+)
 from megatron_ext.multimodule.vlm import as_sbh
 
 pytestmark = pytest.mark.world_size(2)
@@ -29,25 +34,36 @@ ENC_LLM = {"enc": ["llm"]}
 
 def test_encoder_to_language_model_matches_reference():
     # 2 steps, 4 micro-batches, image lengths 4/6/8, loss scale 4.
-    equivalence({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                {"enc": encoder(), "llm": language_model()})
+    equivalence(
+        {"enc": M(), "llm": M(first_rank=1)}, ENC_LLM, {"enc": encoder(), "llm": language_model()}
+    )
 
 
 def test_deallocated_pipeline_outputs_match_reference():
-    equivalence({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                {"enc": encoder(), "llm": language_model()}, deallocate_pipeline_outputs=True)
+    equivalence(
+        {"enc": M(), "llm": M(first_rank=1)},
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model()},
+        deallocate_pipeline_outputs=True,
+    )
 
 
 def test_2d_encoder_output_is_inferred_and_matches_reference():
     """The encoder flattens to [b*s, h] and says so (output_ndim = 2); the plan leaves it
     unset, so the bridge is built for 2-D tensors from the module itself."""
-    equivalence({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                {"enc": encoder(flatten_output=True), "llm": language_model()})
+    equivalence(
+        {"enc": M(), "llm": M(first_rank=1)},
+        ENC_LLM,
+        {"enc": encoder(flatten_output=True), "llm": language_model()},
+    )
 
 
 def test_two_encoders_on_one_rank_match_reference():
-    equivalence({"a": M(), "b": M(), "llm": M(first_rank=1)}, {"a": ["llm"], "b": ["llm"]},
-                {"a": encoder(), "b": encoder(flatten_output=True), "llm": language_model()})
+    equivalence(
+        {"a": M(), "b": M(), "llm": M(first_rank=1)},
+        {"a": ["llm"], "b": ["llm"]},
+        {"a": encoder(), "b": encoder(flatten_output=True), "llm": language_model()},
+    )
 
 
 def test_a_3d_tensor_with_a_singleton_last_dim_crosses_a_bridge_intact():
@@ -66,8 +82,11 @@ def test_a_3d_tensor_with_a_singleton_last_dim_crosses_a_bridge_intact():
 
         return wrapped
 
-    equivalence({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                {"enc": encoder(forward=narrow), "llm": language_model(forward=widen)})
+    equivalence(
+        {"enc": M(), "llm": M(first_rank=1)},
+        ENC_LLM,
+        {"enc": encoder(forward=narrow), "llm": language_model(forward=widen)},
+    )
 
 
 def test_as_sbh_restores_sample_major_2d_outputs():
@@ -81,8 +100,11 @@ def test_as_sbh_restores_sample_major_2d_outputs():
 def test_wrong_output_ndim_is_raised_on_every_rank_before_the_first_send():
     messages = raises_everywhere(
         OutputNdimError,
-        lambda: pipeline_only({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                              {"enc": encoder(forward=flattened), "llm": language_model()}),
+        lambda: pipeline_only(
+            {"enc": M(), "llm": M(first_rank=1)},
+            ENC_LLM,
+            {"enc": encoder(forward=flattened), "llm": language_model()},
+        ),
     )
     assert "returned a 2-D tensor" in messages[0] and "set output_ndim=2 for 'enc'" in messages[0]
     assert "received an abort marker from 'enc'" in messages[1]
@@ -91,8 +113,11 @@ def test_wrong_output_ndim_is_raised_on_every_rank_before_the_first_send():
 def test_a_plan_contradicting_the_module_output_ndim_fails_the_build_everywhere():
     messages = raises_everywhere(
         MultiModuleBuildError,
-        lambda: pipeline_only({"enc": M(output_ndim=3), "llm": M(first_rank=1)}, ENC_LLM,
-                              {"enc": encoder(flatten_output=True), "llm": language_model()}),
+        lambda: pipeline_only(
+            {"enc": M(output_ndim=3), "llm": M(first_rank=1)},
+            ENC_LLM,
+            {"enc": encoder(flatten_output=True), "llm": language_model()},
+        ),
     )
     assert all("the plan says output_ndim=3, the built module says [2]" in m for m in messages)
 
@@ -111,9 +136,11 @@ def test_a_factory_failing_on_one_rank_fails_the_build_everywhere():
 
     messages = raises_everywhere(
         MultiModuleBuildError,
-        lambda: pipeline_only({"enc": M(), "llm": M(first_rank=1)}, ENC_LLM,
-                              {"enc": ModuleImpl(factory, good.forward, good.config),
-                               "llm": language_model()}),
+        lambda: pipeline_only(
+            {"enc": M(), "llm": M(first_rank=1)},
+            ENC_LLM,
+            {"enc": ModuleImpl(factory, good.forward, good.config), "llm": language_model()},
+        ),
     )
     assert all("rank 0: RuntimeError: no weights for this stage" in m for m in messages)
 

@@ -31,24 +31,36 @@ ENC_LLM = {"enc": ["llm"]}
 
 
 def test_encoder_pp1_to_language_model_pp3():
-    equivalence({"enc": M(), "llm": M(pp=3, first_rank=1)}, ENC_LLM,
-                {"enc": encoder(), "llm": language_model(layers=3)})
+    equivalence(
+        {"enc": M(), "llm": M(pp=3, first_rank=1)},
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model(layers=3)},
+    )
 
 
 def test_encoder_pp2_to_language_model_pp2_with_deallocated_outputs():
-    equivalence({"enc": M(pp=2), "llm": M(pp=2, first_rank=2)}, ENC_LLM,
-                {"enc": encoder(), "llm": language_model()}, deallocate_pipeline_outputs=True)
+    equivalence(
+        {"enc": M(pp=2), "llm": M(pp=2, first_rank=2)},
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model()},
+        deallocate_pipeline_outputs=True,
+    )
 
 
 def test_encoder_tp2_to_language_model_tp2():
-    equivalence({"enc": M(tp=2), "llm": M(tp=2, first_rank=2)}, ENC_LLM,
-                {"enc": encoder(), "llm": language_model()})
+    equivalence(
+        {"enc": M(tp=2), "llm": M(tp=2, first_rank=2)},
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model()},
+    )
 
 
 @pytest.mark.parametrize(
     "modules",
-    [{"enc": M(tp=2), "llm": M(tp=2, first_rank=2)},       # TP shards and TP replicas
-     {"enc": M(dp=2), "llm": M(pp=2, first_rank=2)}],      # DP replicas, tied embedding copy
+    [
+        {"enc": M(tp=2), "llm": M(tp=2, first_rank=2)},  # TP shards and TP replicas
+        {"enc": M(dp=2), "llm": M(pp=2, first_rank=2)},
+    ],  # DP replicas, tied embedding copy
     ids=["tp2_tp2", "dp2_pp2"],
 )
 def test_global_grad_norm_counts_every_element_once(modules):
@@ -57,10 +69,16 @@ def test_global_grad_norm_counts_every_element_once(modules):
     from megatron_ext.multimodule.grads import global_grad_norm
 
     norms = []
-    reference = equivalence(modules, ENC_LLM, {"enc": encoder(), "llm": language_model()},
-                            on_gradients=lambda step, pipeline: norms.append(global_grad_norm(pipeline)))
+    reference = equivalence(
+        modules,
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model()},
+        on_gradients=lambda step, pipeline: norms.append(global_grad_norm(pipeline)),
+    )
     for step, norm in enumerate(norms):
-        expected = 4.0 * torch.sqrt(sum(g.double().pow(2).sum() for g in reference.grads[step].values()))
+        expected = 4.0 * torch.sqrt(
+            sum(g.double().pow(2).sum() for g in reference.grads[step].values())
+        )
         assert abs(norm - float(expected)) <= 1e-5 * float(expected), (step, norm, float(expected))
 
 
@@ -71,8 +89,12 @@ FAN_OUT = {"enc": M(tp=2), "llm": M(dp=2, first_rank=2)}
 
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
 def test_fan_in_encoder_dp2_to_language_model_dp1(overlap_grad_reduce):
-    equivalence(FAN_IN, ENC_LLM, {"enc": encoder(), "llm": language_model()},
-                ddp_overrides=dict(overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000))
+    equivalence(
+        FAN_IN,
+        ENC_LLM,
+        {"enc": encoder(), "llm": language_model()},
+        ddp_overrides=dict(overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000),
+    )
 
 
 def test_fan_in_with_2d_encoder_outputs():
@@ -85,8 +107,9 @@ def test_fan_out_encoder_dp1_to_language_model_dp2():
 
 @pytest.mark.parametrize("modules", [FAN_IN, FAN_OUT], ids=["fan_in", "fan_out"])
 def test_per_token_loss_across_grids(modules):
-    equivalence(modules, ENC_LLM, {"enc": encoder(), "llm": language_model()},
-                calculate_per_token_loss=True)
+    equivalence(
+        modules, ENC_LLM, {"enc": encoder(), "llm": language_model()}, calculate_per_token_loss=True
+    )
 
 
 def test_without_the_cross_grid_scale_the_fan_in_encoder_gradient_is_half(monkeypatch):
@@ -100,17 +123,21 @@ def test_without_the_cross_grid_scale_the_fan_in_encoder_gradient_is_half(monkey
 
 # ------------------------------------------------------------------ graphs
 def test_two_encoders_to_one_language_model():
-    equivalence({"a": M(), "b": M(first_rank=1), "llm": M(pp=2, first_rank=2)},
-                {"a": ["llm"], "b": ["llm"]},
-                {"a": encoder(), "b": encoder(flatten_output=True), "llm": language_model()})
+    equivalence(
+        {"a": M(), "b": M(first_rank=1), "llm": M(pp=2, first_rank=2)},
+        {"a": ["llm"], "b": ["llm"]},
+        {"a": encoder(), "b": encoder(flatten_output=True), "llm": language_model()},
+    )
 
 
 def test_encoders_of_different_pipeline_depths_feed_one_language_model():
     """encoder a (PP1) and encoder b (PP2) into the language model: megatron-core's global
     warm-up deadlocks here; one warm-up per rank runs and matches the reference."""
-    equivalence({"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)},
-                {"a": ["llm"], "b": ["llm"]},
-                {"a": encoder(layers=1), "b": encoder(), "llm": language_model()})
+    equivalence(
+        {"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)},
+        {"a": ["llm"], "b": ["llm"]},
+        {"a": encoder(layers=1), "b": encoder(), "llm": language_model()},
+    )
 
 
 def test_forward_only_gives_the_training_forward_losses():
@@ -122,10 +149,14 @@ def test_forward_only_gives_the_training_forward_losses():
 
     from megatron_ext.multimodule import MultiModulePipelineConfig, build, vlm
 
-    plan = make_plan({"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)},
-                     {"a": ["llm"], "b": ["llm"]})
-    pipeline = build(plan, {"a": encoder(), "b": encoder(), "llm": language_model()},
-                     MultiModulePipelineConfig(pipeline_dtype=torch.float32))
+    plan = make_plan(
+        {"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)}, {"a": ["llm"], "b": ["llm"]}
+    )
+    pipeline = build(
+        plan,
+        {"a": encoder(), "b": encoder(), "llm": language_model()},
+        MultiModulePipelineConfig(pipeline_dtype=torch.float32),
+    )
     try:
         data = vlm.VLMData("llm", {"a": 12, "b": 12}, image_lengths=(4, 6, 8))
         step = vlm.make_forward_step("llm")
@@ -138,40 +169,60 @@ def test_forward_only_gives_the_training_forward_losses():
         pipeline.destroy()
 
 
-DIAMOND = ({"enc": M(), "pa": M(first_rank=1), "pb": M(first_rank=2), "llm": M(first_rank=3)},
-           {"enc": ["pa", "pb"], "pa": ["llm"], "pb": ["llm"]})
+DIAMOND = (
+    {"enc": M(), "pa": M(first_rank=1), "pb": M(first_rank=2), "llm": M(first_rank=3)},
+    {"enc": ["pa", "pb"], "pa": ["llm"], "pb": ["llm"]},
+)
 
 
 def test_a_module_feeding_two_modules_gets_the_sum_of_their_gradients():
-    equivalence(*DIAMOND, {"enc": encoder(), "pa": projector(), "pb": projector(),
-                           "llm": language_model()})
+    equivalence(
+        *DIAMOND, {"enc": encoder(), "pa": projector(), "pb": projector(), "llm": language_model()}
+    )
 
 
 def test_keeping_only_the_last_successors_gradient_is_caught(monkeypatch):
     """megatron-core's communicator overwrites the gradient of all but the last successor."""
     from megatron_ext.multimodule import communicator
 
-    monkeypatch.setattr(communicator, "_accumulate", lambda grads, key, grad: grads.__setitem__(key, grad))
+    monkeypatch.setattr(
+        communicator, "_accumulate", lambda grads, key, grad: grads.__setitem__(key, grad)
+    )
     with pytest.raises(PipelineEquivalenceError, match=r"step 0 gradient: enc/"):
-        equivalence(*DIAMOND, {"enc": encoder(), "pa": projector(), "pb": projector(),
-                               "llm": language_model()}, steps=1)
+        equivalence(
+            *DIAMOND,
+            {"enc": encoder(), "pa": projector(), "pb": projector(), "llm": language_model()},
+            steps=1,
+        )
 
 
 def test_encoder_to_mhc_language_model_pp2():
     """The bridge carries the encoder's [s, b, h]; the mHC language model expands to n
     streams on its first stage, and its own P2P carries [s, b, n*h]."""
     shapes: list = []
-    equivalence(FAN_IN, ENC_LLM,
-                {"enc": encoder(),
-                 "llm": language_model(forward=record_shapes(shapes), enable_mhc_connections=True,
-                                       mhc_num_residual_streams=2)})
+    equivalence(
+        FAN_IN,
+        ENC_LLM,
+        {
+            "enc": encoder(),
+            "llm": language_model(
+                forward=record_shapes(shapes),
+                enable_mhc_connections=True,
+                mhc_num_residual_streams=2,
+            ),
+        },
+    )
     import torch.distributed as dist
 
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, shapes)
     # The pipeline's first language-model stage (rank 2) sent n*h = 2*32 wide activations.
-    sent = {shape for rank_shapes in everyone for pp_rank, pp_size, shape in rank_shapes
-            if pp_size == 2 and pp_rank == 0}
+    sent = {
+        shape
+        for rank_shapes in everyone
+        for pp_rank, pp_size, shape in rank_shapes
+        if pp_size == 2 and pp_rank == 0
+    }
     assert sent and {shape[-1] for shape in sent} == {2 * HIDDEN}, sent
 
 
@@ -182,8 +233,11 @@ def test_wrong_output_ndim_reaches_every_rank():
     second stage receive the abort marker and raise the same error."""
     messages = raises_everywhere(
         OutputNdimError,
-        lambda: pipeline_only({"enc": M(tp=2), "llm": M(pp=2, first_rank=2)}, ENC_LLM,
-                              {"enc": encoder(forward=flattened), "llm": language_model()}),
+        lambda: pipeline_only(
+            {"enc": M(tp=2), "llm": M(pp=2, first_rank=2)},
+            ENC_LLM,
+            {"enc": encoder(forward=flattened), "llm": language_model()},
+        ),
     )
     assert all("returned a 2-D tensor" in m for m in messages[:2])
     assert all("received an abort marker" in m for m in messages[2:])
@@ -194,7 +248,10 @@ def test_ambiguous_shape_guard_on_an_intra_module_link():
     arrive squeezed to 2-D: the guard raises there and every downstream rank raises too."""
     messages = raises_everywhere(
         AmbiguousShapeError,
-        lambda: pipeline_only({"enc": M(pp=2), "llm": M(pp=2, first_rank=2)}, ENC_LLM,
-                              {"enc": encoder(forward=last_dim_one), "llm": language_model()}),
+        lambda: pipeline_only(
+            {"enc": M(pp=2), "llm": M(pp=2, first_rank=2)},
+            ENC_LLM,
+            {"enc": encoder(forward=last_dim_one), "llm": language_model()},
+        ),
     )
     assert "singleton last dim" in messages[0]

@@ -54,8 +54,10 @@ def test_a_sink_that_is_not_the_language_model_is_rejected():
 
 
 def test_the_language_model_must_be_last():
-    p = plan({"enc": M(), "llm": M(first_rank=1), "gen": M(first_rank=2)},
-             {"enc": ["llm"], "llm": ["gen"]})
+    p = plan(
+        {"enc": M(), "llm": M(first_rank=1), "gen": M(first_rank=2)},
+        {"enc": ["llm"], "llm": ["gen"]},
+    )
     text = problems_of(p)
     assert "the language model 'llm' feeds ['gen']" in text
 
@@ -106,8 +108,9 @@ def test_successors_at_different_depths_are_rejected_with_the_reason():
 
 
 def test_a_cycle_is_rejected():
-    p = plan({"a": M(), "b": M(first_rank=1), "llm": M(first_rank=2)},
-             {"a": ["b"], "b": ["a", "llm"]})
+    p = plan(
+        {"a": M(), "b": M(first_rank=1), "llm": M(first_rank=2)}, {"a": ["b"], "b": ["a", "llm"]}
+    )
     assert "the topology has a cycle" in problems_of(p)
 
 
@@ -156,21 +159,26 @@ def test_per_rank_warmup_is_the_number_of_stages_downstream(monkeypatch):
         MultiModulePipelineCommunicator as Upstream,
     )
 
-    p = plan({"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)},
-             {"a": ["llm"], "b": ["llm"]})
+    p = plan(
+        {"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)}, {"a": ["llm"], "b": ["llm"]}
+    )
     p.validate()
     assert p.total_stages == 3
     assert [p.warmup_on(r) for r in range(4)] == [1, 2, 1, 0]
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    grids = {n: HyperCommGrid([1, 1, m.pp, 1], ["tp", "cp", "pp", "dp"], rank_offset=m.first_rank)
-             for n, m in p.modules.items()}
+    grids = {
+        n: HyperCommGrid([1, 1, m.pp, 1], ["tp", "cp", "pp", "dp"], rank_offset=m.first_rank)
+        for n, m in p.modules.items()
+    }
     topology = {n: p.successors(n) for n in p.modules}
     total = Upstream.compute_total_pipeline_stages(topology, grids)
 
     def upstream_warmup(rank):
         name = p.modules_on(rank)[0]
-        stage = Upstream.compute_total_pipeline_stages(topology, grids, rank=rank, module_name=name) - 1
+        stage = (
+            Upstream.compute_total_pipeline_stages(topology, grids, rank=rank, module_name=name) - 1
+        )
         return total - stage - 1
 
     assert [upstream_warmup(r) for r in range(4)] == [2, 2, 1, 0]

@@ -70,7 +70,9 @@ def expected_p2p_shape(plan: TrainPlan) -> tuple[int, int, int]:
 def assert_every_exchange_is_n_streams_wide(plan: TrainPlan, records_per_rank: list[list]) -> None:
     expected = expected_p2p_shape(plan)
     sent = [shape for records in records_per_rank for kind, shape in records if kind == "sent"]
-    received = [shape for records in records_per_rank for kind, shape in records if kind == "received"]
+    received = [
+        shape for records in records_per_rank for kind, shape in records if kind == "received"
+    ]
     assert sent and len(sent) == len(received), (len(sent), len(received))
     wrong = {shape for shape in sent + received if shape != expected}
     assert not wrong, f"P2P tensors {wrong} differ from [s', b, n*h] = {expected}"

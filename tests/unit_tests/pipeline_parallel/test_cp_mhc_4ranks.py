@@ -52,8 +52,14 @@ def test_hybrid_mhc_cp2_pp2_mtp_matches_reference(monkeypatch):
     # Megatron scales each CP rank's MTP loss by that rank's token counts before and after the
     # MTP roll; masking every chunk's first token makes them agree with the whole sequence's.
     check_pipelined(
-        monkeypatch, "*-|*-/*-", cp=2, pp=2, steps=2, global_batch_size=4,
-        loss_mask_zero_every=16 // 4, config_overrides=dict(PER_TOKEN),
+        monkeypatch,
+        "*-|*-/*-",
+        cp=2,
+        pp=2,
+        steps=2,
+        global_batch_size=4,
+        loss_mask_zero_every=16 // 4,
+        config_overrides=dict(PER_TOKEN),
     )
 
 
@@ -71,6 +77,6 @@ def test_wrong_global_positions_are_caught(monkeypatch):
 
     monkeypatch.setattr(ContextParallelDotProductAttention, "token_positions", contiguous)
     with pytest.raises(EquivalenceError, match="step 0: loss"):
-        check_mhc(mhc_plan(
-            cp=2, steps=1, num_layers=2, global_batch_size=4, config_overrides=PER_TOKEN
-        ))
+        check_mhc(
+            mhc_plan(cp=2, steps=1, num_layers=2, global_batch_size=4, config_overrides=PER_TOKEN)
+        )

@@ -10,8 +10,11 @@ from megatron_ext.pipeline.shapes import pipeline_hidden_size, pipeline_tensor_s
 
 def _config(mhc=True, streams=4, sp=False, variable=False):
     return types.SimpleNamespace(
-        enable_mhc_connections=mhc, mhc_num_residual_streams=streams, hidden_size=32,
-        sequence_parallel=sp, variable_seq_lengths=variable,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=streams,
+        hidden_size=32,
+        sequence_parallel=sp,
+        variable_seq_lengths=variable,
     )
 
 
@@ -27,16 +30,24 @@ def test_width_is_n_streams_only_with_mhc_and_pipeline():
     assert pipeline_hidden_size(_config(), 2) == 128
     assert pipeline_hidden_size(_config(), 1) == 32
     assert pipeline_hidden_size(_config(mhc=False), 4) == 32
-    assert pipeline_hidden_size(types.SimpleNamespace(hidden_size=32), 4) == 32  # plain TransformerConfig
+    assert (
+        pipeline_hidden_size(types.SimpleNamespace(hidden_size=32), 4) == 32
+    )  # plain TransformerConfig
 
 
-@pytest.mark.parametrize("tp, cp, sp", [(1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (2, 1, False)])
+@pytest.mark.parametrize(
+    "tp, cp, sp", [(1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (2, 1, False)]
+)
 def test_1f1b_shapes_keep_megatron_sequence_split_and_widen(tp, cp, sp):
     """megatron's get_tensor_shapes divides s by CP (and TP under SP); we change only h."""
     config = _config(sp=sp)
     shapes = get_tensor_shapes(
-        seq_length=64, micro_batch_size=2, decoder_seq_length=None, config=config,
-        tp_group=_Group(tp), cp_group=_Group(cp),
+        seq_length=64,
+        micro_batch_size=2,
+        decoder_seq_length=None,
+        config=config,
+        tp_group=_Group(tp),
+        cp_group=_Group(cp),
     )
     seq = 64 // cp // (tp if sp else 1)
     assert [list(pipeline_tensor_shape(config, s, 2)) for s in shapes] == [[seq, 2, 128]]

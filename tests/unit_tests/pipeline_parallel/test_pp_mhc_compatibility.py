@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.testing.equivalence import gpt_forward_step, gpt_model_factory, run_reference, run_sharded
+from megatron_ext.testing.equivalence import (
+    gpt_forward_step,
+    gpt_model_factory,
+    run_reference,
+    run_sharded,
+)
 
 from mhc_pipeline_cases import (
     all_ranks,
@@ -41,7 +46,9 @@ def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatc
 def test_pp2_standalone_embedding_and_loss_stages_match_reference(monkeypatch):
     """Layout E|tt|tt|L: rank 0's first chunk only embeds (and expands), rank 1's last chunk
     only contracts, normalises and computes the loss."""
-    plan = mhc_plan(pp=2, vpp=2, parallel_overrides=dict(pipeline_model_parallel_layout="E|tt|tt|L"))
+    plan = mhc_plan(
+        pp=2, vpp=2, parallel_overrides=dict(pipeline_model_parallel_layout="E|tt|tt|L")
+    )
     with recorded_p2p_shapes(monkeypatch) as seen:
         check_mhc(plan)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
@@ -53,18 +60,27 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
     sharded run's gradients and weights are bit-identical with and without it."""
     plain = mhc_plan(pp=2, vpp=vpp)
     recompute = mhc_plan(
-        pp=2, vpp=vpp,
-        config_overrides=dict(recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1),
+        pp=2,
+        vpp=vpp,
+        config_overrides=dict(
+            recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1
+        ),
     )
     factory = gpt_model_factory(plain)
     reference = run_reference(plain, factory, gpt_forward_step, MHCTransformerConfig)
-    without, final_without = run_sharded(plain, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig)
-    with_, final_with = run_sharded(recompute, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig)
+    without, final_without = run_sharded(
+        plain, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig
+    )
+    with_, final_with = run_sharded(
+        recompute, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig
+    )
     for step, (a, b) in enumerate(zip(without, with_)):
         assert a.losses == b.losses, step
         for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
             assert (key, region) == (key_b, region_b)
-            assert torch.equal(x, y), f"step {step}: gradient of {key}{region} differs with recompute"
+            assert torch.equal(x, y), (
+                f"step {step}: gradient of {key}{region} differs with recompute"
+            )
     for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
         assert torch.equal(x, y), key
     check_mhc(recompute)
@@ -77,6 +93,12 @@ def test_pp2_1f1b_with_fused_mhc_kernels_matches_reference():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-    plan = mhc_plan(pp=2, num_layers=2, steps=1, global_batch_size=4, seq_length=8,
-                    config_overrides=dict(use_fused_mhc=True, mhc_sinkhorn_iterations=3))
+    plan = mhc_plan(
+        pp=2,
+        num_layers=2,
+        steps=1,
+        global_batch_size=4,
+        seq_length=8,
+        config_overrides=dict(use_fused_mhc=True, mhc_sinkhorn_iterations=3),
+    )
     check_mhc(plan)

@@ -19,7 +19,11 @@ pytestmark = [
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(pp=4), dict(tp=2, pp=2, sequence_parallel=True), dict(tp=2, pp=2, vpp=2, sequence_parallel=True)],
+    [
+        dict(pp=4),
+        dict(tp=2, pp=2, sequence_parallel=True),
+        dict(tp=2, pp=2, vpp=2, sequence_parallel=True),
+    ],
     ids=["pp4", "tp2_pp2_sp", "tp2_pp2_vpp2_sp"],
 )
 def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layout):

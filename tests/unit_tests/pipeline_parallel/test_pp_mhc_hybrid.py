@@ -77,7 +77,9 @@ def test_pp2_attention_mlp_moe_carries_n_streams_and_matches_reference(monkeypat
     ["*-||*-|*-", "*-|*-|*-|", "|*-*-|*-|*-"],
     ids=["empty_intermediate_chunk", "empty_final_chunk", "empty_first_chunk"],
 )
-def test_pp2_vpp2_with_an_empty_segment_carries_n_streams_and_matches_reference(monkeypatch, pattern):
+def test_pp2_vpp2_with_an_empty_segment_carries_n_streams_and_matches_reference(
+    monkeypatch, pattern
+):
     """Segment k runs on rank k % 2, chunk k // 2. An empty intermediate chunk passes the
     streams on (as an independent clone the schedule may free after sending); an empty final
     chunk only contracts, normalises and computes the loss; an empty first chunk only embeds
@@ -112,7 +114,9 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
     pattern = "*-E|*-|*E|-*" if vpp else "*-E|*-E"
     plain = mhc_hybrid_plan(pattern, pp=2, vpp=vpp)
     recompute = mhc_hybrid_plan(
-        pattern, pp=2, vpp=vpp,
+        pattern,
+        pp=2,
+        vpp=vpp,
         config_overrides=dict(
             recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=2
         ),
@@ -120,12 +124,18 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
     factory = hybrid_model_factory(plain, pattern)
     args = (factory, hybrid_forward_step)
     reference = run_reference(plain, *args, MHCTransformerConfig)
-    without, final_without = run_sharded(plain, *args, reference.initial_weights, MHCTransformerConfig)
-    with_, final_with = run_sharded(recompute, *args, reference.initial_weights, MHCTransformerConfig)
+    without, final_without = run_sharded(
+        plain, *args, reference.initial_weights, MHCTransformerConfig
+    )
+    with_, final_with = run_sharded(
+        recompute, *args, reference.initial_weights, MHCTransformerConfig
+    )
     for step, (a, b) in enumerate(zip(without, with_)):
         assert a.losses == b.losses, step
         for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
             assert (key, region) == (key_b, region_b)
-            assert torch.equal(x, y), f"step {step}: gradient of {key}{region} differs with recompute"
+            assert torch.equal(x, y), (
+                f"step {step}: gradient of {key}{region} differs with recompute"
+            )
     for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
         assert torch.equal(x, y), key

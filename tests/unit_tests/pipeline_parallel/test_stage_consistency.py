@@ -22,9 +22,13 @@ from megatron_ext.testing.equivalence import (
     transformer_config,
 )
 
-MHC_N4_H32 = dict(hidden_size=32, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4))
+MHC_N4_H32 = dict(
+    hidden_size=32, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4)
+)
 PLAIN_H128 = dict(hidden_size=128, config_overrides={})
-MHC_N2_H64 = dict(hidden_size=64, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2))
+MHC_N2_H64 = dict(
+    hidden_size=64, config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2)
+)
 
 
 def _untied_gpt_factory(plan: TrainPlan):
@@ -33,10 +37,16 @@ def _untied_gpt_factory(plan: TrainPlan):
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 
     def build(config, pre_process, post_process, vp_stage):
-        return GPTModel(config, get_gpt_layer_local_spec(enable_mhc_connections=config.enable_mhc_connections),
-                        vocab_size=plan.vocab_size, max_sequence_length=plan.seq_length,
-                        pre_process=pre_process, post_process=post_process,
-                        share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+        return GPTModel(
+            config,
+            get_gpt_layer_local_spec(enable_mhc_connections=config.enable_mhc_connections),
+            vocab_size=plan.vocab_size,
+            max_sequence_length=plan.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            vp_stage=vp_stage,
+        )
 
     return build
 
@@ -51,19 +61,35 @@ def _forward_backward(stage_plans: list[dict]) -> None:
         config = transformer_config(plan, parallel=True, config_class=MHCTransformerConfig)
         chunks = build_model_chunks(plan, config, _untied_gpt_factory(plan))
         get_forward_backward_func()(
-            forward_step_func=gpt_forward_step, data_iterator=iter(make_microbatches(plan, 0)[:2]),
-            model=chunks, num_microbatches=2, seq_length=plan.seq_length,
-            micro_batch_size=plan.micro_batch_size, forward_only=False)
+            forward_step_func=gpt_forward_step,
+            data_iterator=iter(make_microbatches(plan, 0)[:2]),
+            model=chunks,
+            num_microbatches=2,
+            seq_length=plan.seq_length,
+            micro_batch_size=plan.micro_batch_size,
+            forward_only=False,
+        )
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
-@pytest.mark.parametrize("stages, message", [
-    ((MHC_N4_H32, PLAIN_H128), "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 128."),
-    ((MHC_N4_H32, MHC_N2_H64), "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 64."),
-    ((MHC_N4_H32, dict(MHC_N4_H32, seq_length=8)),
-     "pipeline stages disagree on exchanged tensor shape: stage 0 (rank 0) [16, 2, 128], stage 1 (rank 1) [8, 2, 128]."),
-])
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        (
+            (MHC_N4_H32, PLAIN_H128),
+            "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 128.",
+        ),
+        (
+            (MHC_N4_H32, MHC_N2_H64),
+            "pipeline stages disagree on hidden_size: stage 0 (rank 0) 32, stage 1 (rank 1) 64.",
+        ),
+        (
+            (MHC_N4_H32, dict(MHC_N4_H32, seq_length=8)),
+            "pipeline stages disagree on exchanged tensor shape: stage 0 (rank 0) [16, 2, 128], stage 1 (rank 1) [8, 2, 128].",
+        ),
+    ],
+)
 def test_stages_built_differently_fail_on_every_rank_naming_the_field(stages, message):
     with pytest.raises(consistency.PipelineConsistencyError) as raised:
         _forward_backward(list(stages))
@@ -87,11 +113,15 @@ def test_without_the_check_the_same_byte_count_trains_silently(monkeypatch):
 
 # ---- single process: the field comparison and the per-send shape check -----------------------
 def test_first_difference_names_the_first_field_in_order():
-    base = {"rank": 0, **consistency.stage_fields(types.SimpleNamespace(hidden_size=32), [16, 2, 32])}
+    base = {
+        "rank": 0,
+        **consistency.stage_fields(types.SimpleNamespace(hidden_size=32), [16, 2, 32]),
+    }
     other = {**base, "rank": 3, "batch_p2p_comm": True, "exchanged tensor shape": [16, 2, 64]}
     assert consistency.first_difference([base, base]) is None
     assert consistency.first_difference([base, other]).startswith(
-        "pipeline stages disagree on batch_p2p_comm: stage 0 (rank 0) False, stage 1 (rank 3) True.")
+        "pipeline stages disagree on batch_p2p_comm: stage 0 (rank 0) False, stage 1 (rank 3) True."
+    )
     unknown = {**base, "exchanged tensor shape": None}  # a stage that had not exchanged yet
     assert consistency.first_difference([base, unknown]) is None
 
@@ -108,12 +138,18 @@ class _Group:
 
 
 def test_a_send_of_another_shape_names_both_stages_and_both_shapes():
-    communicator = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=32), pp_group=_Group(1, 4),
-                                         next_rank=2, prev_rank=0)
+    communicator = types.SimpleNamespace(
+        config=types.SimpleNamespace(hidden_size=32),
+        pp_group=_Group(1, 4),
+        next_rank=2,
+        prev_rank=0,
+    )
     setattr(communicator, consistency._CHECKED, True)
     setattr(communicator, consistency._AGREED_SHAPE, [16, 2, 128])
     consistency.check_sends(communicator, torch.empty(16, 2, 128), None)
-    with pytest.raises(consistency.PipelineConsistencyError,
-                       match=r"stage 1 -> stage 2: stage 1 \(rank .*\) sends a tensor of shape \[16, 2, 32\] "
-                             r"to the next stage 2 \(rank 2\), which receives \[16, 2, 128\]"):
+    with pytest.raises(
+        consistency.PipelineConsistencyError,
+        match=r"stage 1 -> stage 2: stage 1 \(rank .*\) sends a tensor of shape \[16, 2, 32\] "
+        r"to the next stage 2 \(rank 2\), which receives \[16, 2, 128\]",
+    ):
         consistency.check_sends(communicator, torch.empty(16, 2, 32), None)

@@ -29,16 +29,30 @@ def write_dumps(trace_dir: Path, schedule, world_to_stage, swap_on=None, error_o
                 length = {"F": 1_000_000, "B": 2_000_000}.get(getattr(step, "kind", None), 1000)
                 event = Event(iteration, index, clock + 1, clock + 1 + length)
                 if isinstance(step, Compute):
-                    event.kind, event.microbatch, event.chunk = step.kind, step.microbatch, step.chunk
+                    event.kind, event.microbatch, event.chunk = (
+                        step.kind,
+                        step.microbatch,
+                        step.chunk,
+                    )
                 else:
                     event.call = step.call
-                    event.messages = [_Message(m.direction, m.microbatch, m.chunk) for m in step.messages]
+                    event.messages = [
+                        _Message(m.direction, m.microbatch, m.chunk) for m in step.messages
+                    ]
                 if error_on == (world, iteration, index):
                     event.error = "RuntimeError: boom"
                 events.append(event)
                 clock += length
-        (trace_dir / f"trace-rank-{world}.json").write_text(json.dumps(
-            {"rank": world, "module": None, "pipeline_rank": stage, "events": [e.to_dict() for e in events]}))
+        (trace_dir / f"trace-rank-{world}.json").write_text(
+            json.dumps(
+                {
+                    "rank": world,
+                    "module": None,
+                    "pipeline_rank": stage,
+                    "events": [e.to_dict() for e in events],
+                }
+            )
+        )
 
 
 def test_summary_files_and_bubbles(tmp_path):
@@ -64,14 +78,16 @@ def test_a_rank_off_the_theory_is_reported(tmp_path):
     entry = run_trace.summarize(loaded, tmp_path, lambda line: None)
     assert not entry["order_matches_theory"]
     assert entry["order_mismatches"] == [
-        "world rank 3, iteration 2: rank 0, step 1: expected F0, got send_forward_recv_backward(-)"]
+        "world rank 3, iteration 2: rank 0, step 1: expected F0, got send_forward_recv_backward(-)"
+    ]
 
 
 def test_failing_step_is_found(tmp_path):
     schedule = build_schedule(SchedulePlan(pp=2, microbatches=4))
     write_dumps(tmp_path / "trace", schedule, [0, 1], error_on=(1, 1, 5))
     assert run_trace.failing_step(tmp_path / "trace") == (
-        "rank 1, step 5: F1 (iteration 2): RuntimeError: boom")
+        "rank 1, step 5: F1 (iteration 2): RuntimeError: boom"
+    )
 
 
 def test_a_traced_pass_that_raises_names_rank_chunk_and_step():

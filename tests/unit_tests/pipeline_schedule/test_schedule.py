@@ -48,7 +48,15 @@ def test_interleaved_pp2_vpp2_m2_by_hand():
     assert schedule_table(2, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert schedule.peak_in_flight() == [4, 3]
     assert [s.label(2) for s in schedule.computes(0)] == [
-        "F0c0", "F1c0", "F0c1", "F1c1", "B0c1", "B1c1", "B0c0", "B1c0"]
+        "F0c0",
+        "F1c0",
+        "F0c1",
+        "F1c1",
+        "B0c1",
+        "B1c1",
+        "B0c0",
+        "B1c0",
+    ]
     timeline = simulate(schedule)
     assert timeline.makespan == 15
     assert timeline.bubble() == pytest.approx(0.2)
@@ -64,8 +72,13 @@ def test_interleaved_messages_wrap_from_the_last_rank_to_the_first():
     first = schedule.ranks[1][0]
     assert first == Exchange("recv_forward", (Message("recv_prev", 0, 0),))
     # The four-way exchange that ends rank 0's warm-up also asks for chunk 1's first gradient.
-    assert Exchange("send_forward_backward_recv_forward_backward",
-                    (Message("send_next", 1, 1), Message("recv_next", 0, 1))) in schedule.ranks[0]
+    assert (
+        Exchange(
+            "send_forward_backward_recv_forward_backward",
+            (Message("send_next", 1, 1), Message("recv_next", 0, 1)),
+        )
+        in schedule.ranks[0]
+    )
 
 
 def test_bytes_per_message_with_mhc():
@@ -84,9 +97,12 @@ def test_megatrons_refusals_are_reported():
 def test_multimodule_warmup_per_rank_and_stage_links():
     """Encoders of depths 1 and 2 into one language model: warm-ups 1, 2, 1, 0 (peaks one
     more), activations flow a -> llm, b0 -> b1 -> llm."""
-    plan = MultiModulePlan({"a": ModulePlan(), "b": ModulePlan(pp=2, first_rank=1),
-                            "llm": ModulePlan(first_rank=3)},
-                           {"a": ["llm"], "b": ["llm"]}, "llm", world_size=4)
+    plan = MultiModulePlan(
+        {"a": ModulePlan(), "b": ModulePlan(pp=2, first_rank=1), "llm": ModulePlan(first_rank=3)},
+        {"a": ["llm"], "b": ["llm"]},
+        "llm",
+        world_size=4,
+    )
     schedule = build_schedule(SchedulePlan(microbatches=3, multimodule=plan))
     assert schedule.peak_in_flight() == [2, 3, 2, 1]
     assert schedule.next_ranks == [[3], [2], [3], []]
@@ -105,4 +121,14 @@ def test_timeline_grid_marks_idle_slots():
     """PP=2, m=2: rank 1 runs F0 1-2, B0 2-4, F1 4-5, B1 5-7, so rank 0's B0 starts at 4 and
     its B1 at 7: 9 units, 3 of them idle on rank 0 (bubble 1/3)."""
     text = format_timeline(simulate(build_schedule(SchedulePlan(pp=2, microbatches=2))))
-    assert text.splitlines()[0].split("|")[1].split() == ["F0", "F1", ".", ".", "B0", "~", ".", "B1", "~"]
+    assert text.splitlines()[0].split("|")[1].split() == [
+        "F0",
+        "F1",
+        ".",
+        ".",
+        "B0",
+        "~",
+        ".",
+        "B1",
+        "~",
+    ]

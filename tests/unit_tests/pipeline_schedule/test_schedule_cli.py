@@ -9,8 +9,25 @@ RECIPES = Path(__file__).parents[3] / "recipes"
 
 def test_pp2_with_mhc_prints_grid_bubble_in_flight_and_bytes(capsys, tmp_path):
     png = tmp_path / "schedule.png"
-    code = cli.main(["schedule", "--pp", "2", "--microbatches", "4", "--mhc-streams", "4", "--hidden",
-                     "64", "--seq", "32", "--micro-batch-size", "2", "--plot", str(png)])
+    code = cli.main(
+        [
+            "schedule",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--mhc-streams",
+            "4",
+            "--hidden",
+            "64",
+            "--seq",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--plot",
+            str(png),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "rank 0 | F0 F1 .  .  B0 ~  F2 B1 ~  F3 B2 ~  .  B3 ~" in out

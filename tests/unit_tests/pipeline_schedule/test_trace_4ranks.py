@@ -36,7 +36,9 @@ pytestmark = [
 
 def initial_weights(plan, factory, config_class=None):
     with model_parallel(seed=plan.seed):
-        model = factory(transformer_config(plan, parallel=False, config_class=config_class), True, True, None)
+        model = factory(
+            transformer_config(plan, parallel=False, config_class=config_class), True, True, None
+        )
         return full_tensors(shard_index([model]), lambda p: p)
 
 
@@ -87,8 +89,11 @@ def tiny(**kwargs):
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(pp=2, num_layers=2, global_batch_size=16), dict(pp=4, num_layers=4, global_batch_size=12),
-     dict(pp=4, vpp=2, num_layers=8, global_batch_size=8)],
+    [
+        dict(pp=2, num_layers=2, global_batch_size=16),
+        dict(pp=4, num_layers=4, global_batch_size=12),
+        dict(pp=4, vpp=2, num_layers=8, global_batch_size=8),
+    ],
     ids=["pp2_1f1b_dp2", "pp4_1f1b", "pp4_vpp2"],
 )
 def test_recorded_order_equals_megatrons_rules(layout):
@@ -98,7 +103,9 @@ def test_recorded_order_equals_megatrons_rules(layout):
     # Every pass was timed.
     assert all(e.end_ns >= e.start_ns > 0 for e in tracer.events)
     passes = [s for s in tracer.steps(0) if isinstance(s, Compute)]
-    assert len(passes) == 2 * plan.local_microbatches() * (plan.vpp or 1) == len(schedule.computes(0))
+    assert (
+        len(passes) == 2 * plan.local_microbatches() * (plan.vpp or 1) == len(schedule.computes(0))
+    )
 
 
 def test_pp2_vpp2_order_and_tracing_changes_no_number():
@@ -125,10 +132,17 @@ def test_a_wrong_theoretical_order_is_caught():
     from megatron_ext.pipeline.schedule import Schedule, one_f_one_b
 
     right = build_schedule(SchedulePlan(pp=2, microbatches=4))
-    wrong = Schedule(right.plan, [one_f_one_b(4, 0, True, False), right.ranks[1]],
-                     right.prev_ranks, right.next_ranks)
+    wrong = Schedule(
+        right.plan,
+        [one_f_one_b(4, 0, True, False), right.ranks[1]],
+        right.prev_ranks,
+        right.next_ranks,
+    )
     assert_same_order(right, recorded)
-    with pytest.raises(ScheduleMismatch, match=r"rank 0, step 2: expected send_forward_recv_backward\(sF0\+rB0\), got send_forward\(sF0\)"):
+    with pytest.raises(
+        ScheduleMismatch,
+        match=r"rank 0, step 2: expected send_forward_recv_backward\(sF0\+rB0\), got send_forward\(sF0\)",
+    ):
         assert_same_order(wrong, recorded)
 
 
@@ -138,12 +152,24 @@ def test_mhc_hybrid_with_an_empty_chunk():
     from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 
     pattern = "*-||*-|*-"
-    plan = hybrid_plan(pattern, pp=2, vpp=2, hidden_size=16, num_attention_heads=2, seq_length=8,
-                       steps=1, global_batch_size=16,
-                       config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2,
-                                             deallocate_pipeline_outputs=True))
-    tracer, _, _ = traced_run(plan, hybrid_model_factory(plan, pattern), hybrid_forward_step,
-                              MHCTransformerConfig)
+    plan = hybrid_plan(
+        pattern,
+        pp=2,
+        vpp=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        steps=1,
+        global_batch_size=16,
+        config_overrides=dict(
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=2,
+            deallocate_pipeline_outputs=True,
+        ),
+    )
+    tracer, _, _ = traced_run(
+        plan, hybrid_model_factory(plan, pattern), hybrid_forward_step, MHCTransformerConfig
+    )
     check_against_theory(plan, tracer)
 
 
@@ -202,6 +228,11 @@ def test_a_failing_shape_check_names_the_step_on_every_rank():
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, outcome)
     assert all(note is not None for note in everyone), everyone
-    assert "pipeline step: rank 0, module enc, step 2: send_forward(sF0) (iteration 0)" in everyone[0]
+    assert (
+        "pipeline step: rank 0, module enc, step 2: send_forward(sF0) (iteration 0)" in everyone[0]
+    )
     for rank, module in ((1, "enc"), (2, "llm"), (3, "llm")):
-        assert f"pipeline step: rank {rank}, module {module}, step 0: recv_forward(rF?)" in everyone[rank], everyone
+        assert (
+            f"pipeline step: rank {rank}, module {module}, step 0: recv_forward(rF?)"
+            in everyone[rank]
+        ), everyone

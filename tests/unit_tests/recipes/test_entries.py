@@ -36,15 +36,21 @@ def hostile_modules(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("entry", ["evilmod", "evilpkg.train"])
 @pytest.mark.parametrize("model_type", ["gpt", "multimodule"])
-def test_validate_never_imports_an_entry_named_only_by_the_recipe(tmp_path, hostile_modules, entry, model_type):
+def test_validate_never_imports_an_entry_named_only_by_the_recipe(
+    tmp_path, hostile_modules, entry, model_type
+):
     recipe = tmp_path / "r.yaml"
     if model_type == "gpt":
-        recipe.write_text("version: 1\nmodel: {type: gpt, num_layers: 2, hidden_size: 16, "
-                          f"num_attention_heads: 2, entry: {entry}}}\n")
+        recipe.write_text(
+            "version: 1\nmodel: {type: gpt, num_layers: 2, hidden_size: 16, "
+            f"num_attention_heads: 2, entry: {entry}}}\n"
+        )
     else:
         recipe.write_text(MULTIMODULE.format(entry=entry))
     problems = [str(p) for p in validate(load(recipe)).problems]
-    assert any(p.startswith(f"model.entry: '{entry}' is not a known training entry") for p in problems), problems
+    assert any(
+        p.startswith(f"model.entry: '{entry}' is not a known training entry") for p in problems
+    ), problems
     assert not hostile_modules.exists(), "the recipe's module ran"
 
 
@@ -53,7 +59,9 @@ def test_an_entry_registered_through_the_entry_point_group_is_accepted(tmp_path,
     info = site / "mytrainer-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mytrainer\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[{entries.ENTRY_POINT_GROUP}]\nvlm = mytrainer.train\n")
+    (info / "entry_points.txt").write_text(
+        f"[{entries.ENTRY_POINT_GROUP}]\nvlm = mytrainer.train\n"
+    )
     (site / "mytrainer").mkdir()
     (site / "mytrainer" / "__init__.py").write_text("")
     (site / "mytrainer" / "train.py").write_text("")

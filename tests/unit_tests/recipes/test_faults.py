@@ -26,8 +26,14 @@ def fresh_fault_state(monkeypatch):
 def test_parse():
     assert faults.parse_fault("rank=2,step=3") == faults.Fault(2, 3, "raise")
     assert faults.parse_fault(" rank=0 , step=1 , kind=kill ") == faults.Fault(0, 1, "kill")
-    for bad in ("rank=1", "rank=a,step=1", "rank=1,step=0", "rank=1,step=1,kind=explode",
-                "rank=1,step=1,when=now", "garbage"):
+    for bad in (
+        "rank=1",
+        "rank=a,step=1",
+        "rank=1,step=0",
+        "rank=1,step=1,kind=explode",
+        "rank=1,step=1,when=now",
+        "garbage",
+    ):
         with pytest.raises(ValueError, match=faults.FAULT_ENV):
             faults.parse_fault(bad)
 
@@ -55,7 +61,8 @@ def test_fail_fast_exits_at_once_with_the_marker(tmp_path):
     """A rank that raises inside run_failing_fast exits 1 without running exit-time clean-up
     (which could wait on peers), and its log names rank, step, place and error."""
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import atexit, os, time
         from megatron_ext.launch import faults
         os.environ["RANK"] = "3"
@@ -64,10 +71,13 @@ def test_fail_fast_exits_at_once_with_the_marker(tmp_path):
             faults.at_step(5)
             raise ValueError("the original error\\nsecond line")
         faults.run_failing_fast(work)
-    """))
+    """)
+    )
     log = tmp_path / "rank-3.log"
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=60
+        )
     assert proc.returncode == 1
     failure = faults.failure_in_log(log)
     assert failure.rank == 3

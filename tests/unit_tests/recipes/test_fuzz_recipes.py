@@ -22,20 +22,35 @@ from megatron_ext.recipes.validate import validate  # noqa: E402
 from conftest import MINIMAL  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MEGATRON_EXT_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("MEGATRON_EXT_FUZZ_EXAMPLES"),
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("MEGATRON_EXT_FUZZ_EXAMPLES"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 LEAVES = [path for path, *_ in documented_fields()]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
     st.sampled_from(["", " ", "abc", "1e-3", "-1", "0", "{foo}", "\x00", "é", "[1, 2", "a: b"]),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-                      max_leaves=6)
-keys = st.one_of(st.sampled_from(LEAVES), st.sampled_from(["model", "training", "platforms", "nope", "model.nope"]),
-                 st.text(max_size=10))
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+keys = st.one_of(
+    st.sampled_from(LEAVES),
+    st.sampled_from(["model", "training", "platforms", "nope", "model.nope"]),
+    st.text(max_size=10),
+)
 
 
 def _outcome(path, overrides=()):
@@ -53,8 +68,10 @@ def _outcome(path, overrides=()):
 def test_overrides(tmp_path_factory, pairs):
     path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
     path.write_text(MINIMAL)
-    overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                 for k, v in pairs]
+    overrides = [
+        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        for k, v in pairs
+    ]
     _outcome(path, overrides)
 
 

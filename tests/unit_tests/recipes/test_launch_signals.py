@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -73,9 +72,17 @@ def rank_dir(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_stop_signal_ends_every_rank_and_helper(rank_dir, sig):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    driver = subprocess.Popen([sys.executable, str(rank_dir / "driver.py"), str(rank_dir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")]),
+    }
+    driver = subprocess.Popen(
+        [sys.executable, str(rank_dir / "driver.py"), str(rank_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         pids = _wait_for_pids(rank_dir, 2)
         start = time.monotonic()
@@ -91,8 +98,15 @@ def test_stop_signal_ends_every_rank_and_helper(rank_dir, sig):
 
 
 def test_helpers_of_a_killed_rank_are_reaped(rank_dir):
-    job = local.LocalJob(module="fake_rank", args=["die", str(rank_dir)], nproc=2, log_dir=rank_dir / "logs",
-                         env={"PYTHONPATH": str(rank_dir)}, cwd=rank_dir, grace_s=0.5)
+    job = local.LocalJob(
+        module="fake_rank",
+        args=["die", str(rank_dir)],
+        nproc=2,
+        log_dir=rank_dir / "logs",
+        env={"PYTHONPATH": str(rank_dir)},
+        cwd=rank_dir,
+        grace_s=0.5,
+    )
     result = local.launch(job)
     assert result.returncode == -signal.SIGKILL and result.failed_rank == 1
     pids = [pid for f in rank_dir.glob("pids-*.json") for pid in json.loads(f.read_text()).values()]

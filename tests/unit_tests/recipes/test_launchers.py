@@ -45,11 +45,20 @@ for i in range(3):
 def job(tmp_path):
     (tmp_path / "fake_rank.py").write_text(RANK_MODULE)
     # a stand-in for megatron's p2p module: the watchdog counts a rank in it as waiting on a peer
-    (tmp_path / "p2p_communication.py").write_text("import time\ndef recv():\n    time.sleep(3600)\n")
+    (tmp_path / "p2p_communication.py").write_text(
+        "import time\ndef recv():\n    time.sleep(3600)\n"
+    )
 
     def make(mode: str, nproc: int = 2, **kwargs) -> local.LocalJob:
-        return local.LocalJob(module="fake_rank", args=[mode], nproc=nproc, log_dir=tmp_path / "logs",
-                              env={"EXTRA": "x", "PYTHONPATH": f"{tmp_path}:{REPO_ROOT}"}, cwd=tmp_path, **kwargs)
+        return local.LocalJob(
+            module="fake_rank",
+            args=[mode],
+            nproc=nproc,
+            log_dir=tmp_path / "logs",
+            env={"EXTRA": "x", "PYTHONPATH": f"{tmp_path}:{REPO_ROOT}"},
+            cwd=tmp_path,
+            **kwargs,
+        )
 
     return make
 
@@ -98,9 +107,11 @@ def test_a_hung_rank_is_named_and_every_rank_stopped(job, monkeypatch):
 def test_the_stalled_rank_is_the_one_not_waiting_on_a_peer():
     from megatron_ext.launch import heartbeat
 
-    beats = {0: {"step": 5, "progress": 10.0, "waiting": True, "where": "p2p"},
-             1: {"step": 5, "progress": 12.0, "waiting": False, "where": "model.py:3 in forward"},
-             2: {"step": 5, "progress": 11.0, "waiting": True, "where": "p2p"}}
+    beats = {
+        0: {"step": 5, "progress": 10.0, "waiting": True, "where": "p2p"},
+        1: {"step": 5, "progress": 12.0, "waiting": False, "where": "model.py:3 in forward"},
+        2: {"step": 5, "progress": 11.0, "waiting": True, "where": "p2p"},
+    }
     stall = heartbeat.name_stalled(beats, 3, idle_s=40.0, limit_s=30.0)
     assert (stall.rank, stall.step, stall.waiting) == (1, 5, (0, 2))
     for b in beats.values():
@@ -122,7 +133,9 @@ def test_stall_limits_start_up_allowance_then_relative_to_the_step(tmp_path, mon
     later = {**beat, "step": 4, "slowest_gap": 5.0}
     assert watchdog.limit({0: later, 1: later}) == 50.0, "10 x the slowest step"
     assert watchdog.limit({0: {**later, "slowest_gap": 0.1}, 1: later}) == 50.0
-    assert watchdog.limit({0: {**later, "io": True}, 1: later}) == heartbeat.STARTUP_S, "checkpoint I/O"
+    assert watchdog.limit({0: {**later, "io": True}, 1: later}) == heartbeat.STARTUP_S, (
+        "checkpoint I/O"
+    )
     monkeypatch.setenv(heartbeat.STALL_ENV, "7")
     assert heartbeat.Watchdog(tmp_path, 2).limit({0: later, 1: later}) == 7.0
     assert not heartbeat.Watchdog(tmp_path, 2, stall_s=0).enabled
@@ -138,11 +151,13 @@ def test_ranks_die_with_a_killed_launcher(job, tmp_path):
 
     import psutil
 
-    script = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(REPO_ROOT)!r}]\n"
-              "from pathlib import Path\nfrom megatron_ext.launch import local\n"
-              f"local.launch(local.LocalJob(module='fake_rank', args=['hang'], nproc=2, "
-              f"log_dir=Path({str(tmp_path / 'logs')!r}), cwd=Path({str(tmp_path)!r}), "
-              f"env={{'EXTRA': 'x', 'PYTHONPATH': {str(tmp_path)!r}}}))\n")
+    script = (
+        f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(REPO_ROOT)!r}]\n"
+        "from pathlib import Path\nfrom megatron_ext.launch import local\n"
+        f"local.launch(local.LocalJob(module='fake_rank', args=['hang'], nproc=2, "
+        f"log_dir=Path({str(tmp_path / 'logs')!r}), cwd=Path({str(tmp_path)!r}), "
+        f"env={{'EXTRA': 'x', 'PYTHONPATH': {str(tmp_path)!r}}}))\n"
+    )
     launcher = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
@@ -172,15 +187,25 @@ def test_log_follower_hands_over_complete_lines_only(tmp_path):
     assert seen == ["a", "bc"]
 
 
-@pytest.mark.parametrize("text, seconds", [("30", 1800), ("10:05", 605), ("01:00:00", 3600),
-                                           ("1-00", 86400), ("2-01:30:00", 2 * 86400 + 5400)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("30", 1800),
+        ("10:05", 605),
+        ("01:00:00", 3600),
+        ("1-00", 86400),
+        ("2-01:30:00", 2 * 86400 + 5400),
+    ],
+)
 def test_slurm_time_limits(text, seconds):
     assert slurm.time_limit_seconds(text) == seconds
 
 
 def test_cpu_sbatch_script_runs_each_phase_as_one_srun_step(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml")
-    job, problems = build_job(loaded, tmp_path / "run", SlurmOptions(partition="debug", time="00:10:00"))
+    job, problems = build_job(
+        loaded, tmp_path / "run", SlurmOptions(partition="debug", time="00:10:00")
+    )
     assert problems == []
     script = slurm.sbatch_script(job)
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n" in script
@@ -200,8 +225,12 @@ def test_cpu_sbatch_script_runs_each_phase_as_one_srun_step(tmp_path):
 
 def test_gpu_sbatch_script_has_one_task_per_gpu_and_the_container(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_tp2_pp2.yaml", "gpu-cluster")
-    options = SlurmOptions(nodes=1, account="proj", container_image="nvcr.io/x/megatron-ext:1",
-                           container_mounts=["/data:/data"])
+    options = SlurmOptions(
+        nodes=1,
+        account="proj",
+        container_image="nvcr.io/x/megatron-ext:1",
+        container_mounts=["/data:/data"],
+    )
     job, problems = build_job(loaded, tmp_path / "run", options)
     assert problems == []
     script = slurm.sbatch_script(job)
@@ -218,5 +247,7 @@ def test_slurm_layout_problems(tmp_path):
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=3))
     assert problems == ["8 ranks do not split evenly over 3 node(s)"]
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=2, gpus_per_node=8))
-    assert problems == ["one task per GPU: 8 ranks over 2 node(s) need 4 GPUs per node, not 8 "
-                        "(change --nodes or the recipe's parallelism)"]
+    assert problems == [
+        "one task per GPU: 8 ranks over 2 node(s) need 4 GPUs per node, not 8 "
+        "(change --nodes or the recipe's parallelism)"
+    ]

@@ -8,18 +8,29 @@ import pytest
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 
-LINE = (" [2026-11-30 00:50:45.636798] iteration        6/      10 | consumed samples:           48 |"
-        " elapsed time per iteration (ms): 212.7 | learning rate: 1.000000E-03 | global batch size:"
-        "     8 | lm loss: 4.371172E+00 | mtp_1 loss: 4.901000E+00 | loss scale: 1.0 | grad norm: 1.556"
-        " | num zeros: 3.0 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+LINE = (
+    " [2026-11-30 00:50:45.636798] iteration        6/      10 | consumed samples:           48 |"
+    " elapsed time per iteration (ms): 212.7 | learning rate: 1.000000E-03 | global batch size:"
+    "     8 | lm loss: 4.371172E+00 | mtp_1 loss: 4.901000E+00 | loss scale: 1.0 | grad norm: 1.556"
+    " | num zeros: 3.0 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+)
 
 
 def test_an_iteration_line_becomes_named_metrics():
     step, total, values = met.parse_iteration_line(LINE)
     assert (step, total) == (6, 10)
-    assert values == {"iteration-time": 0.2127, "learning-rate": 1e-3, "lm loss": 4.371172,
-                      "mtp_1 loss": 4.901, "grad-norm": 1.556, "num-zeros": 3.0}
-    assert met.parse_iteration_line(" validation loss at iteration 5 | lm loss value: 4.3E+00 |") is None
+    assert values == {
+        "iteration-time": 0.2127,
+        "learning-rate": 1e-3,
+        "lm loss": 4.371172,
+        "mtp_1 loss": 4.901,
+        "grad-norm": 1.556,
+        "num-zeros": 3.0,
+    }
+    assert (
+        met.parse_iteration_line(" validation loss at iteration 5 | lm loss value: 4.3E+00 |")
+        is None
+    )
 
 
 def test_golden_json_has_megatrons_layout_and_round_trips(tmp_path):
@@ -28,8 +39,12 @@ def test_golden_json_has_megatrons_layout_and_round_trips(tmp_path):
     path = met.write_golden(tmp_path / "g.json", metrics, ["lm loss", "num-zeros"])
     data = json.loads(path.read_text())
     assert list(data) == ["lm loss", "num-zeros"]
-    assert data["lm loss"] == {"start_step": 1, "end_step": 3, "step_interval": 1,
-                               "values": {"1": 4.371172, "2": 4.371172, "3": 4.371172}}
+    assert data["lm loss"] == {
+        "start_step": 1,
+        "end_step": 3,
+        "step_interval": 1,
+        "values": {"1": 4.371172, "2": 4.371172, "3": 4.371172},
+    }
     assert met.read_golden(path)["num-zeros"] == {1: 3.0, 2: 3.0, 3: 3.0}
 
 
@@ -53,7 +68,9 @@ def test_megatron_rules_exact_and_approximate():
     exact, approx = close.results
     assert not exact.passed and exact.failing == [2] and approx.passed
     assert not close.passed, "the exact check fails the comparison"
-    assert cmp.compare({"lm loss": _series([4.0, 3.01, 2.0])}, golden, rules, approximate_only=True).passed
+    assert cmp.compare(
+        {"lm loss": _series([4.0, 3.01, 2.0])}, golden, rules, approximate_only=True
+    ).passed
 
 
 def test_megatron_lets_one_step_in_a_hundred_fail_the_approximate_check():
@@ -96,24 +113,36 @@ def test_iteration_time_compares_the_median_of_the_steady_window():
 
 
 def test_missing_metrics_fail_with_a_reason():
-    report = cmp.compare({"lm loss": {1: 1.0}}, {"num-zeros": {1: 0.0}},
-                         {"lm loss": cmp.Rule(rtol=0.1), "num-zeros": cmp.Rule(rtol=0.1)})
+    report = cmp.compare(
+        {"lm loss": {1: 1.0}},
+        {"num-zeros": {1: 0.0}},
+        {"lm loss": cmp.Rule(rtol=0.1), "num-zeros": cmp.Rule(rtol=0.1)},
+    )
     assert not report.passed
-    assert [r.detail for r in report.results] == ["not in the golden values (regenerate them)",
-                                                  "not logged by this run"]
-    short = cmp.compare({"lm loss": {1: 1.0}}, {"lm loss": {1: 1.0, 2: 1.0}},
-                        {"lm loss": cmp.Rule(rtol=0.1, max_failing_steps=0)})
+    assert [r.detail for r in report.results] == [
+        "not in the golden values (regenerate them)",
+        "not logged by this run",
+    ]
+    short = cmp.compare(
+        {"lm loss": {1: 1.0}},
+        {"lm loss": {1: 1.0, 2: 1.0}},
+        {"lm loss": cmp.Rule(rtol=0.1, max_failing_steps=0)},
+    )
     assert not short.passed and short.results[0].failing == [2], "a step the run did not log fails"
 
 
 def test_nan_never_matches():
-    report = cmp.compare({"lm loss": {1: math.nan}}, {"lm loss": {1: math.nan}},
-                         {"lm loss": cmp.Rule(rtol=0.1)})
+    report = cmp.compare(
+        {"lm loss": {1: math.nan}}, {"lm loss": {1: math.nan}}, {"lm loss": cmp.Rule(rtol=0.1)}
+    )
     assert not report.passed
 
 
 def test_resume_is_exact_except_megatrons_two_iteration_mean():
-    continuous = {"lm loss": _series([5.0, 4.8, 4.6, 4.4, 4.2, 4.0]), "num-zeros": _series([1, 2, 3, 4, 5, 6])}
+    continuous = {
+        "lm loss": _series([5.0, 4.8, 4.6, 4.4, 4.2, 4.0]),
+        "num-zeros": _series([1, 2, 3, 4, 5, 6]),
+    }
     # A resumed process prints its second line as the mean of its first two iterations.
     resumed = {"lm loss": {4: 4.4, 5: 4.3, 6: 4.0}, "num-zeros": {4: 4, 5: 5, 6: 6}}
     report = cmp.compare_resume(continuous, resumed, 3, ["lm loss", "num-zeros", "iteration-time"])
@@ -125,6 +154,8 @@ def test_resume_is_exact_except_megatrons_two_iteration_mean():
 
 
 def test_report_serialises_for_summary_json():
-    report = cmp.compare({"lm loss": {1: 1.0}}, {"lm loss": {1: 1.0}}, {"lm loss": cmp.Rule(rtol=0.1)})
+    report = cmp.compare(
+        {"lm loss": {1: 1.0}}, {"lm loss": {1: 1.0}}, {"lm loss": cmp.Rule(rtol=0.1)}
+    )
     data = json.loads(json.dumps(report.to_dict()))
     assert data["passed"] and data["results"][0]["worst"]["rel_diff"] == 0.0

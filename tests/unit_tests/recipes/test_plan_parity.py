@@ -9,15 +9,25 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from megatron_ext.recipes import plan
 
 LAYOUTS = ["E|tt|tt|L", "E|(tt|)*6,L", "Ettt|(tt|)*3,m|L", "Et*3|t|tL", "(|t)*2,t|L", "E|t|m|L"]
-PATTERNS = ["*-*-|*-*-/*-", "*-|*-|*-|/*-", "M*M-M*M-|M*M-M*M-|M*M-M*M-|/*-", "*-E", "*-/*-/*-",
-            "MGD+-E|-", "*M-E|G-", "*|*"]
+PATTERNS = [
+    "*-*-|*-*-/*-",
+    "*-|*-|*-|/*-",
+    "M*M-M*M-|M*M-M*M-|M*M-M*M-|/*-",
+    "*-E",
+    "*-/*-/*-",
+    "MGD+-E|-",
+    "*M-E|G-",
+    "*|*",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_stages_match_megatron(layout):
     stages = plan.layout_stages(layout)
     megatron = PipelineParallelLayerLayout.parse_str_to_list(layout)
-    assert len(stages) == len(megatron) == PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+    assert (
+        len(stages) == len(megatron) == PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+    )
     symbol = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
     assert [[symbol[ch] for ch in stage] for stage in stages] == [
         [layer.name for layer in stage] for stage in megatron

@@ -17,6 +17,9 @@ def test_readme_field_table_is_the_schema():
 def test_readme_lists_every_shipped_recipe():
     readme = (REPO_ROOT / "recipes" / "README.md").read_text()
     # Multimodule recipes are documented with their feature (they arrive with it).
-    missing = [p.stem for p in RECIPES
-               if f"| `{p.stem}` |" not in readme and "type: multimodule" not in p.read_text()]
+    missing = [
+        p.stem
+        for p in RECIPES
+        if f"| `{p.stem}` |" not in readme and "type: multimodule" not in p.read_text()
+    ]
     assert not missing, f"recipes/README.md does not list {missing}"

@@ -22,7 +22,12 @@ def test_command_sh_is_the_exact_runnable_command(tmp_path):
     assert script.startswith("#!/usr/bin/env bash\n")
     assert "overrides: training.seed=5" in script
     assert "export CUDA_VISIBLE_DEVICES='' OMP_NUM_THREADS=1" in script
-    assert script.count("-m torch.distributed.run --standalone --nproc_per_node 2 -m megatron_ext.pretrain_gpt") == 2
+    assert (
+        script.count(
+            "-m torch.distributed.run --standalone --nproc_per_node 2 -m megatron_ext.pretrain_gpt"
+        )
+        == 2
+    )
     assert "    --pipeline-model-parallel-layout 'E|tt|tt|L' \\\n" in script
     assert f'rm -rf {tmp_path}/checkpoints/iter_0000010 && echo 5 > ' in script
     assert "    --seed 5 \\\n" in script
@@ -34,7 +39,9 @@ def test_prepare_resume_keeps_the_middle_checkpoint_only(tmp_path):
         (tmp_path / "checkpoints" / f"iter_{it:07d}").mkdir(parents=True)
     prepare_resume(loaded, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "iter_0000005", "latest_checkpointed_iteration.txt"]
+        "iter_0000005",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "5"
 
 
@@ -42,9 +49,13 @@ def test_progress_prints_one_short_line_per_iteration_and_event():
     seen = []
     progress = Progress(seen.append, "train")
     progress("some megatron output")
-    progress(" [2026] iteration        3/      10 | consumed samples: 24 | elapsed time per iteration (ms):"
-             " 308.2 | learning rate: 1.0E-03 | lm loss: 4.593707E+00 | mtp_1 loss: 4.7E+00 | grad norm: 1.866 |")
-    progress("  [2026] successfully saved checkpoint from iteration       5 to /ck [ t 1/1, p 1/2 ]")
+    progress(
+        " [2026] iteration        3/      10 | consumed samples: 24 | elapsed time per iteration (ms):"
+        " 308.2 | learning rate: 1.0E-03 | lm loss: 4.593707E+00 | mtp_1 loss: 4.7E+00 | grad norm: 1.866 |"
+    )
+    progress(
+        "  [2026] successfully saved checkpoint from iteration       5 to /ck [ t 1/1, p 1/2 ]"
+    )
     progress("  successfully loaded checkpoint from /ck [ t 1/1, p 1/2 ] at iteration 5")
     assert seen[0].startswith("  first iteration ")
     assert seen[1:] == [

@@ -16,7 +16,7 @@ import pytest
 from megatron_ext.launch import slurm
 from megatron_ext.recipes import load, runner
 from megatron_ext.recipes.safety import UnsafeValueError
-from megatron_ext.recipes.submit import SlurmOptions, build_job, submit
+from megatron_ext.recipes.submit import SlurmOptions, submit
 from megatron_ext.recipes.validate import validate
 
 from conftest import MINIMAL
@@ -24,11 +24,11 @@ from conftest import MINIMAL
 STUBS = {
     # Every stub records its argv (NUL-separated) and, for srun, the environment it got.
     "srun": 'printf "%s\\0" "$@" >> "$STUB_LOG/srun.args"; printf "\\n" >> "$STUB_LOG/srun.args"; '
-            'env -0 > "$STUB_LOG/srun.env"; exit 0',
+    'env -0 > "$STUB_LOG/srun.env"; exit 0',
     "scontrol": 'if [ "$2" = hostnames ]; then echo node1; else '
-                'echo "JobId=42 JobState=COMPLETED ExitCode=0:0"; fi',
+    'echo "JobId=42 JobState=COMPLETED ExitCode=0:0"; fi',
     "sbatch": 'SLURM_JOB_ID=42 SLURM_JOB_NODELIST=node1 SLURM_NTASKS=4 bash "${@: -1}" '
-              '> "$STUB_LOG/job.out" 2>&1; echo 42',
+    '> "$STUB_LOG/job.out" 2>&1; echo 42',
     "squeue": "exit 0",
     "python": 'printf "%s\\0" "$@" > "$STUB_LOG/python.args"; exit 0',
 }
@@ -50,8 +50,15 @@ def stubs(tmp_path, monkeypatch):
 
 def payloads(canary: Path) -> list[str]:
     """Ways a string can run `touch canary` in a careless script."""
-    return [f"$(touch {canary})", f"`touch {canary}`", f"x; touch {canary} #", f"x' ; touch {canary}; '",
-            f'x" ; touch {canary}; "', f"x && touch {canary}", f"x | touch {canary}"]
+    return [
+        f"$(touch {canary})",
+        f"`touch {canary}`",
+        f"x; touch {canary} #",
+        f"x' ; touch {canary}; '",
+        f'x" ; touch {canary}; "',
+        f"x && touch {canary}",
+        f"x | touch {canary}",
+    ]
 
 
 def _write_minimal(tmp_path, extra: str = "") -> Path:
@@ -60,8 +67,21 @@ def _write_minimal(tmp_path, extra: str = "") -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["x; rm -rf DIR #", "$(touch c)", "a\nb", "../escape", "a/b", "..",
-                                  "\x00", "n" * 300, ".hidden", "sp ace"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x; rm -rf DIR #",
+        "$(touch c)",
+        "a\nb",
+        "../escape",
+        "a/b",
+        "..",
+        "\x00",
+        "n" * 300,
+        ".hidden",
+        "sp ace",
+    ],
+)
 def test_unsafe_names_are_rejected_before_anything_is_written(tmp_path, name):
     loaded = load(_write_minimal(tmp_path), overrides=[f"name={name}"])
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
@@ -72,23 +92,42 @@ def test_unsafe_names_are_rejected_before_anything_is_written(tmp_path, name):
 
 
 def test_unsafe_env_keys_and_line_breaks_in_slurm_fields_are_rejected(tmp_path):
-    recipe = _write_minimal(tmp_path, """
+    recipe = _write_minimal(
+        tmp_path,
+        """
 launch:
   env: {"A;touch c": 1, "B C": 2, "OK_1": "$(fine, quoted)"}
   slurm: {partition: "p\\ntouch c", sbatch_args: ["--exclusive\\rtouch c"], container_image: "i\\n"}
-""")
+""",
+    )
     problems = [str(p) for p in validate(load(recipe), megatron_checks=False).problems]
-    for where in ("launch.env.A;touch c", "launch.env.B C", "launch.slurm.partition",
-                  "launch.slurm.sbatch_args[0]", "launch.slurm.container_image"):
+    for where in (
+        "launch.env.A;touch c",
+        "launch.env.B C",
+        "launch.slurm.partition",
+        "launch.slurm.sbatch_args[0]",
+        "launch.slurm.container_image",
+    ):
         assert any(p.startswith(where + ":") for p in problems), (where, problems)
     assert not any(p.startswith("launch.env.OK_1") for p in problems)
 
 
 def test_sbatch_script_refuses_a_line_break_on_an_sbatch_line(tmp_path):
-    base = dict(run_dir=tmp_path, steps=[], nodes=1, tasks_per_node=1, device="cpu",
-                workdir=tmp_path, python="python")
-    for field, value in [("name", "a\ntouch c"), ("partition", "p\rx"), ("account", "a\x00"),
-                         ("sbatch_args", ["--x\ntouch c"])]:
+    base = dict(
+        run_dir=tmp_path,
+        steps=[],
+        nodes=1,
+        tasks_per_node=1,
+        device="cpu",
+        workdir=tmp_path,
+        python="python",
+    )
+    for field, value in [
+        ("name", "a\ntouch c"),
+        ("partition", "p\rx"),
+        ("account", "a\x00"),
+        ("sbatch_args", ["--x\ntouch c"]),
+    ]:
         with pytest.raises(UnsafeValueError):
             slurm.sbatch_script(slurm.SlurmJob(**{"name": "ok", **base, field: value}))
     with pytest.raises(UnsafeValueError, match="not a variable name"):
@@ -117,8 +156,13 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     monkeypatch.chdir(tmp_path)
     (run_dir / "checkpoints").mkdir(parents=True)  # what the (stubbed) training step leaves
 
-    outcome = submit(loaded, SlurmOptions(container_image=image, container_mounts=[mount]),
-                     run_dir=run_dir, megatron_checks=False, echo=lambda _: None)
+    outcome = submit(
+        loaded,
+        SlurmOptions(container_image=image, container_mounts=[mount]),
+        run_dir=run_dir,
+        megatron_checks=False,
+        echo=lambda _: None,
+    )
     job_out = (stubs / "job.out").read_text()
     assert not canary.exists(), job_out
     calls = _srun_calls(stubs)
@@ -130,7 +174,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     # As the recipe holds them (an override is YAML: " #" starts a comment there).
     flags = {k: str(v) for k, v in loaded.recipe.extra_args.items()}
     envs = {k: str(v) for k, v in loaded.recipe.launch.env.items()}
-    assert sum(f"touch {canary}" in v for v in [*flags.values(), *envs.values()]) == 2 * len(hostile)
+    assert sum(f"touch {canary}" in v for v in [*flags.values(), *envs.values()]) == 2 * len(
+        hostile
+    )
     for i in range(len(hostile)):
         assert train[train.index(f"--hostile-{i}") + 1] == flags[f"--hostile-{i}"]
     env = dict(e.split("=", 1) for e in (stubs / "srun.env").read_text().split("\0") if "=" in e)
@@ -148,4 +194,6 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     args = (stubs / "python.args").read_text().split("\0")[:-1]
     for i in range(len(hostile)):
         assert args[args.index(f"--hostile-{i}") + 1] == flags[f"--hostile-{i}"]
-    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (
+        run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    ).read_text().strip() == "4"

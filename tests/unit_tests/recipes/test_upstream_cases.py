@@ -17,21 +17,38 @@ from megatron_ext.recipes.validate import validate
 from conftest import MINIMAL
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-OUR_CASE = REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu/model_config.yaml"
+OUR_CASE = (
+    REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu/model_config.yaml"
+)
 
 BASE_ARGS = {
-    "--num-layers": 4, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 32,
-    "--max-position-embeddings": 32, "--micro-batch-size": 2, "--global-batch-size": 8,
-    "--train-iters": 8, "--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
-    "--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": 128,
+    "--num-layers": 4,
+    "--hidden-size": 64,
+    "--num-attention-heads": 4,
+    "--seq-length": 32,
+    "--max-position-embeddings": 32,
+    "--micro-batch-size": 2,
+    "--global-batch-size": 8,
+    "--train-iters": 8,
+    "--tensor-model-parallel-size": 2,
+    "--pipeline-model-parallel-size": 2,
+    "--mock-data": True,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": 128,
 }
 
 
-def write_case(tmp_path: Path, model_args: dict | None = None, name: str = "gpt3_case", **top) -> Path:
+def write_case(
+    tmp_path: Path, model_args: dict | None = None, name: str = "gpt3_case", **top
+) -> Path:
     case = tmp_path / "gpt" / name
     case.mkdir(parents=True, exist_ok=True)
-    doc = {"ENV_VARS": {"CUDA_DEVICE_MAX_CONNECTIONS": 1}, "MODEL_ARGS": {**BASE_ARGS, **(model_args or {})},
-           "TEST_TYPE": "regular", **top}
+    doc = {
+        "ENV_VARS": {"CUDA_DEVICE_MAX_CONNECTIONS": 1},
+        "MODEL_ARGS": {**BASE_ARGS, **(model_args or {})},
+        "TEST_TYPE": "regular",
+        **top,
+    }
     path = case / "model_config.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -43,42 +60,47 @@ def _gpu(tmp_path, model_args=None, **top):
 
 
 # ---- MODEL_ARGS: every managed flag lands in its field, never in extra_args ---------------------
-@pytest.mark.parametrize("flag, value, field, expected", [
-    ("--num-layers", 8, "model.num_layers", 8),
-    ("--hidden-size", 128, "model.hidden_size", 128),
-    ("--ffn-hidden-size", 256, "model.ffn_hidden_size", 256),
-    ("--num-query-groups", 2, "model.num_query_groups", 2),
-    ("--position-embedding-type", "rope", "model.position_embedding", "rope"),
-    ("--normalization", "RMSNorm", "model.normalization", "RMSNorm"),
-    ("--untie-embeddings-and-output-weights", True, "model.untie_embeddings", True),
-    ("--transformer-impl", "local", "model.transformer_impl", "local"),
-    ("--enable-hyper-connections", True, "model.mhc.enabled", True),  # upstream dev's spelling
-    ("--enable-mhc-connections", True, "model.mhc.enabled", True),  # upstream main's spelling
-    ("--num-residual-streams", 2, "model.mhc.num_residual_streams", 2),
-    ("--mhc-sinkhorn-iterations", 7, "model.mhc.sinkhorn_iterations", 7),
-    ("--sequence-parallel", True, "parallelism.sp", True),
-    ("--context-parallel-size", 2, "parallelism.cp", 2),
-    ("--lr", 3.0e-4, "training.lr", 3.0e-4),
-    ("--min-lr", 1.0e-5, "training.min_lr", 1.0e-5),
-    ("--lr-decay-style", "cosine", "training.lr_schedule", "cosine"),
-    ("--lr-warmup-fraction", 0.01, "training.lr_warmup_fraction", 0.01),
-    ("--lr-decay-iters", 320000, "training.lr_decay_iters", 320000),
-    ("--weight-decay", "1e-2", "training.weight_decay", 0.01),
-    ("--clip-grad", 0.5, "training.clip_grad", 0.5),
-    ("--seed", 42, "training.seed", 42),
-    ("--bf16", True, "training.dtype", "bf16"),
-    ("--fp16", True, "training.dtype", "fp16"),
-    ("--deterministic-mode", True, "training.deterministic", True),
-    ("--eval-interval", 4, "training.eval_interval", 4),
-    ("--split", "98,1,1", "data.split", "98,1,1"),
-    ("--ckpt-format", "torch", "test.ckpt_format", "torch"),
-])
+@pytest.mark.parametrize(
+    "flag, value, field, expected",
+    [
+        ("--num-layers", 8, "model.num_layers", 8),
+        ("--hidden-size", 128, "model.hidden_size", 128),
+        ("--ffn-hidden-size", 256, "model.ffn_hidden_size", 256),
+        ("--num-query-groups", 2, "model.num_query_groups", 2),
+        ("--position-embedding-type", "rope", "model.position_embedding", "rope"),
+        ("--normalization", "RMSNorm", "model.normalization", "RMSNorm"),
+        ("--untie-embeddings-and-output-weights", True, "model.untie_embeddings", True),
+        ("--transformer-impl", "local", "model.transformer_impl", "local"),
+        ("--enable-hyper-connections", True, "model.mhc.enabled", True),  # upstream dev's spelling
+        ("--enable-mhc-connections", True, "model.mhc.enabled", True),  # upstream main's spelling
+        ("--num-residual-streams", 2, "model.mhc.num_residual_streams", 2),
+        ("--mhc-sinkhorn-iterations", 7, "model.mhc.sinkhorn_iterations", 7),
+        ("--sequence-parallel", True, "parallelism.sp", True),
+        ("--context-parallel-size", 2, "parallelism.cp", 2),
+        ("--lr", 3.0e-4, "training.lr", 3.0e-4),
+        ("--min-lr", 1.0e-5, "training.min_lr", 1.0e-5),
+        ("--lr-decay-style", "cosine", "training.lr_schedule", "cosine"),
+        ("--lr-warmup-fraction", 0.01, "training.lr_warmup_fraction", 0.01),
+        ("--lr-decay-iters", 320000, "training.lr_decay_iters", 320000),
+        ("--weight-decay", "1e-2", "training.weight_decay", 0.01),
+        ("--clip-grad", 0.5, "training.clip_grad", 0.5),
+        ("--seed", 42, "training.seed", 42),
+        ("--bf16", True, "training.dtype", "bf16"),
+        ("--fp16", True, "training.dtype", "fp16"),
+        ("--deterministic-mode", True, "training.deterministic", True),
+        ("--eval-interval", 4, "training.eval_interval", 4),
+        ("--split", "98,1,1", "data.split", "98,1,1"),
+        ("--ckpt-format", "torch", "test.ckpt_format", "torch"),
+    ],
+)
 def test_a_managed_flag_goes_to_its_field(tmp_path, flag, value, field, expected):
     args = {**BASE_ARGS, flag: value}
     case = tmp_path / "gpt" / "c"
     case.mkdir(parents=True)
     # Written as upstream writes it: unquoted (1e-2 is a number, as Megatron-LM's files mean it).
-    lines = ["MODEL_ARGS:"] + [f"  {k}: {v if not isinstance(v, bool) else str(v).lower()}" for k, v in args.items()]
+    lines = ["MODEL_ARGS:"] + [
+        f"  {k}: {v if not isinstance(v, bool) else str(v).lower()}" for k, v in args.items()
+    ]
     (case / "model_config.yaml").write_text("\n".join(lines) + "\n")
     recipe = load(case / "model_config.yaml", "dgx_h100").recipe  # the case's own values
     got = recipe
@@ -89,18 +111,33 @@ def test_a_managed_flag_goes_to_its_field(tmp_path, flag, value, field, expected
 
 
 def test_other_flags_go_to_extra_args_and_lists_are_split(tmp_path):
-    recipe = _gpu(tmp_path, {"--attention-softmax-in-fp32": True, "--cuda-graph-modules": "[attn moe_router]",
-                             "--no-gradient-accumulation-fusion": True})
-    assert recipe.extra_args == {"--attention-softmax-in-fp32": True, "--cuda-graph-modules": ["attn", "moe_router"],
-                                 "--no-gradient-accumulation-fusion": True}
+    recipe = _gpu(
+        tmp_path,
+        {
+            "--attention-softmax-in-fp32": True,
+            "--cuda-graph-modules": "[attn moe_router]",
+            "--no-gradient-accumulation-fusion": True,
+        },
+    )
+    assert recipe.extra_args == {
+        "--attention-softmax-in-fp32": True,
+        "--cuda-graph-modules": ["attn", "moe_router"],
+        "--no-gradient-accumulation-fusion": True,
+    }
 
 
-@pytest.mark.parametrize("args, mhc_recompute, extra", [
-    ({"--recompute-granularity": "selective", "--recompute-modules": "[mhc]"}, True, {}),
-    ({"--recompute-hyper-connections": True, "--recompute-granularity": "selective"}, True, {}),
-    ({"--recompute-granularity": "full", "--recompute-method": "uniform"}, False,
-     {"--recompute-granularity": "full", "--recompute-method": "uniform"}),
-])
+@pytest.mark.parametrize(
+    "args, mhc_recompute, extra",
+    [
+        ({"--recompute-granularity": "selective", "--recompute-modules": "[mhc]"}, True, {}),
+        ({"--recompute-hyper-connections": True, "--recompute-granularity": "selective"}, True, {}),
+        (
+            {"--recompute-granularity": "full", "--recompute-method": "uniform"},
+            False,
+            {"--recompute-granularity": "full", "--recompute-method": "uniform"},
+        ),
+    ],
+)
 def test_recompute_flags(tmp_path, args, mhc_recompute, extra):
     recipe = _gpu(tmp_path, {"--enable-hyper-connections": True, **args})
     assert recipe.model.mhc.recompute is mhc_recompute
@@ -111,26 +148,43 @@ def test_layers_per_virtual_stage_become_vpp_and_data_paths_their_entries(tmp_pa
     monkeypatch.setenv("DATA_PATH", str(tmp_path))
     for ext in (".bin", ".idx"):
         (tmp_path / f"doc{ext}").write_text("")
-    recipe = _gpu(tmp_path, {"--num-layers": 8, "--num-layers-per-virtual-pipeline-stage": 2,
-                             "--mock-data": None, "--data-path": "${DATA_PATH}/doc"})
+    recipe = _gpu(
+        tmp_path,
+        {
+            "--num-layers": 8,
+            "--num-layers-per-virtual-pipeline-stage": 2,
+            "--mock-data": None,
+            "--data-path": "${DATA_PATH}/doc",
+        },
+    )
     assert recipe.parallelism.vpp == 2
     assert recipe.data.type == "indexed" and recipe.data.paths == [f"{tmp_path}/doc"]
 
 
 # ---- placeholders --------------------------------------------------------------------------------
-@pytest.mark.parametrize("flag, value, where, expected", [
-    ("--data-cache-path", "${DATA_CACHE_PATH}", "extra_args", "@RUN_DIR@/data_cache"),
-    ("--ckpt-assume-constant-structure", "${OUTPUT_PATH}/x", "extra_args", "@RUN_DIR@/x"),
-])
+@pytest.mark.parametrize(
+    "flag, value, where, expected",
+    [
+        ("--data-cache-path", "${DATA_CACHE_PATH}", "extra_args", "@RUN_DIR@/data_cache"),
+        ("--ckpt-assume-constant-structure", "${OUTPUT_PATH}/x", "extra_args", "@RUN_DIR@/x"),
+    ],
+)
 def test_ci_paths_become_run_directory_paths(tmp_path, flag, value, where, expected):
     recipe = _gpu(tmp_path, {flag: value})
     assert recipe.extra_args[flag] == expected
 
 
 def test_runner_owned_flags_and_their_placeholders_are_left_to_the_runner(tmp_path):
-    path = write_case(tmp_path, {"--save": "${CHECKPOINT_SAVE_PATH}", "--load": "${CHECKPOINT_LOAD_PATH}",
-                                 "--tensorboard-dir": "${TENSORBOARD_PATH}", "--log-interval": 1,
-                                 "--distributed-backend": "nccl"})
+    path = write_case(
+        tmp_path,
+        {
+            "--save": "${CHECKPOINT_SAVE_PATH}",
+            "--load": "${CHECKPOINT_LOAD_PATH}",
+            "--tensorboard-dir": "${TENSORBOARD_PATH}",
+            "--log-interval": 1,
+            "--distributed-backend": "nccl",
+        },
+    )
     loaded = load(path)
     assert loaded.recipe.extra_args == {}
     assert any("left to the runner: --save, --load, --tensorboard-dir" in n for n in loaded.notes)
@@ -146,15 +200,27 @@ def test_an_unset_environment_placeholder_is_named_with_the_fix(tmp_path, monkey
 
 
 # ---- TEST_TYPE, METRICS, ENV_VARS, unknown keys --------------------------------------------------
-@pytest.mark.parametrize("test_type, outcome", [
-    ("regular", "regular"),
-    ("ckpt-resume", "ckpt-resume"),
-    ("frozen-start", "TEST_TYPE: 'frozen-start' is not supported: trains from a frozen checkpoint"),
-    ("frozen-resume", "TEST_TYPE: 'frozen-resume' is not supported: resumes a frozen checkpoint"),
-    ("release", "TEST_TYPE: 'release' is not supported: a full-size release run"),
-    ("checkpoint-consistency", "TEST_TYPE: 'checkpoint-consistency' is not supported"),
-    ("resume-ckpt", "TEST_TYPE: unknown test type 'resume-ckpt'; megatron-ext runs regular, ckpt-resume"),
-])
+@pytest.mark.parametrize(
+    "test_type, outcome",
+    [
+        ("regular", "regular"),
+        ("ckpt-resume", "ckpt-resume"),
+        (
+            "frozen-start",
+            "TEST_TYPE: 'frozen-start' is not supported: trains from a frozen checkpoint",
+        ),
+        (
+            "frozen-resume",
+            "TEST_TYPE: 'frozen-resume' is not supported: resumes a frozen checkpoint",
+        ),
+        ("release", "TEST_TYPE: 'release' is not supported: a full-size release run"),
+        ("checkpoint-consistency", "TEST_TYPE: 'checkpoint-consistency' is not supported"),
+        (
+            "resume-ckpt",
+            "TEST_TYPE: unknown test type 'resume-ckpt'; megatron-ext runs regular, ckpt-resume",
+        ),
+    ],
+)
 def test_test_types(tmp_path, test_type, outcome):
     path = write_case(tmp_path, TEST_TYPE=test_type)
     if outcome in upstream.SUPPORTED_TEST_TYPES:
@@ -177,25 +243,48 @@ def test_metrics_env_vars_and_unknown_keys(tmp_path):
 
 
 def test_world_size_comes_from_the_parallel_sizes(tmp_path):
-    recipe = load(write_case(tmp_path, {"--num-experts": 4, "--expert-model-parallel-size": 4})).recipe
+    recipe = load(
+        write_case(tmp_path, {"--num-experts": 4, "--expert-model-parallel-size": 4})
+    ).recipe
     assert (recipe.parallelism.dp, recipe.world_size) == (2, 8)  # EP 4 over tp 2 needs dp 2
 
 
 # ---- the cpu overlay -----------------------------------------------------------------------------
 def test_the_cpu_overlay_shrinks_and_says_what_it_changed(tmp_path):
-    big = {"--num-layers": 12, "--hidden-size": 512, "--num-attention-heads": 8, "--seq-length": 1024,
-           "--max-position-embeddings": 1024, "--micro-batch-size": 4, "--global-batch-size": 32,
-           "--train-iters": 50, "--bf16": True, "--transformer-impl": "transformer_engine",
-           "--vocab-size": 50257, "--cuda-graph-impl": "transformer_engine"}
+    big = {
+        "--num-layers": 12,
+        "--hidden-size": 512,
+        "--num-attention-heads": 8,
+        "--seq-length": 1024,
+        "--max-position-embeddings": 1024,
+        "--micro-batch-size": 4,
+        "--global-batch-size": 32,
+        "--train-iters": 50,
+        "--bf16": True,
+        "--transformer-impl": "transformer_engine",
+        "--vocab-size": 50257,
+        "--cuda-graph-impl": "transformer_engine",
+    }
     path = write_case(tmp_path, big)
     cpu = load(path)
     r = cpu.recipe
-    assert (r.model.num_layers, r.model.hidden_size, r.model.num_attention_heads, r.model.seq_length) == (4, 64, 4, 32)
-    assert (r.training.iterations, r.training.micro_batch_size, r.training.global_batch_size) == (8, 2, 8)
+    assert (
+        r.model.num_layers,
+        r.model.hidden_size,
+        r.model.num_attention_heads,
+        r.model.seq_length,
+    ) == (4, 64, 4, 32)
+    assert (r.training.iterations, r.training.micro_batch_size, r.training.global_batch_size) == (
+        8,
+        2,
+        8,
+    )
     assert (r.training.dtype, r.model.transformer_impl, r.launch.device) == ("fp32", "local", "cpu")
     assert "--cuda-graph-impl" not in r.extra_args
     assert "cpu overlay: model.hidden_size: 512 -> 64 (CPU size)" in cpu.notes
-    assert any(n.startswith("cpu overlay: extra_args: left out --cuda-graph-impl") for n in cpu.notes)
+    assert any(
+        n.startswith("cpu overlay: extra_args: left out --cuda-graph-impl") for n in cpu.notes
+    )
     gpu = load(path, "dgx_h100").recipe  # the case's own sizes are untouched on its platform
     assert (gpu.model.hidden_size, gpu.training.dtype, gpu.launch.device) == (512, "bf16", "gpu")
     assert gpu.extra_args["--cuda-graph-impl"] == "transformer_engine"
@@ -203,31 +292,44 @@ def test_the_cpu_overlay_shrinks_and_says_what_it_changed(tmp_path):
 
 def test_golden_files_named_upstreams_way_are_found(tmp_path):
     path = write_case(tmp_path)
-    for name in ("golden_values_lts_dgx_a100.json", "golden_values_dev_dgx_a100.json", "golden_values_lts_cpu.json"):
+    for name in (
+        "golden_values_lts_dgx_a100.json",
+        "golden_values_dev_dgx_a100.json",
+        "golden_values_lts_cpu.json",
+    ):
         (path.parent / name).write_text("{}")
     assert load(path).golden_path() == path.parent / "golden_values_lts_cpu.json"
     assert load(path, "dgx_a100").golden_path() == path.parent / "golden_values_dev_dgx_a100.json"
-    assert upstream.golden_file(path.parent, "dgx_h100") == "golden_values_dev_dgx_h100.json"  # to write
+    assert (
+        upstream.golden_file(path.parent, "dgx_h100") == "golden_values_dev_dgx_h100.json"
+    )  # to write
 
 
 # ---- conflicts, our own case, the import command ------------------------------------------------
-@pytest.mark.parametrize("flag, value, field", [
-    ("--pipeline-model-parallel-size", 1, "parallelism.pp"),
-    ("--num-layers", 8, "model.num_layers"),
-    ("--bf16", True, "training.dtype"),
-    ("--mock-data", True, "data.type"),
-])
-def test_extra_args_that_a_field_manages_are_errors_naming_the_field(write_recipe, flag, value, field):
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [
+        ("--pipeline-model-parallel-size", 1, "parallelism.pp"),
+        ("--num-layers", 8, "model.num_layers"),
+        ("--bf16", True, "training.dtype"),
+        ("--mock-data", True, "data.type"),
+    ],
+)
+def test_extra_args_that_a_field_manages_are_errors_naming_the_field(
+    write_recipe, flag, value, field
+):
     loaded = load(write_recipe(MINIMAL), overrides=[f"extra_args.{flag}={value}"])
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
-    assert problems == [f"extra_args.{flag}: is set by {field}; set that field instead (the flag would "
-                        "override it)"]
+    assert problems == [
+        f"extra_args.{flag}: is set by {field}; set that field instead (the flag would override it)"
+    ]
 
 
 def test_runner_flags_in_extra_args_are_errors(write_recipe):
     loaded = load(write_recipe(MINIMAL), overrides=["extra_args.--save=/tmp/x"])
     assert [str(p) for p in validate(loaded, megatron_checks=False).problems] == [
-        "extra_args.--save: is managed by megatron-ext: test.type ckpt-resume saves into RUN_DIR/checkpoints; remove it"]
+        "extra_args.--save: is managed by megatron-ext: test.type ckpt-resume saves into RUN_DIR/checkpoints; remove it"
+    ]
 
 
 def test_our_upstream_format_case_is_the_gpt_tp2_pp2_model_on_cpu():
@@ -237,7 +339,10 @@ def test_our_upstream_format_case_is_the_gpt_tp2_pp2_model_on_cpu():
     assert dataclasses.replace(ours.model, transformer_impl="auto") == recipe.model
     assert ours.parallelism == recipe.parallelism
     assert ours.training.eval_interval is None  # so eval_iters is unused (--eval-iters 0)
-    assert dataclasses.replace(ours.training, eval_iters=1) == recipe.training and ours.data == recipe.data
+    assert (
+        dataclasses.replace(ours.training, eval_iters=1) == recipe.training
+        and ours.data == recipe.data
+    )
     assert load(OUR_CASE).golden_path().name == "golden_values_dev_cpu.json"
 
 
@@ -257,6 +362,8 @@ def test_moe_with_mhc_is_refused_before_start(tmp_path):
     mHC layers, which the model would report only once every rank had started."""
     loaded = load(write_case(tmp_path, {"--num-experts": 4, "--enable-hyper-connections": True}))
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
-    assert problems == ["model.num_experts: MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-                        "megatron-core's block spec, which has no mHC residual streams; disable "
-                        "model.mhc.enabled or MoE"]
+    assert problems == [
+        "model.num_experts: MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
+        "megatron-core's block spec, which has no mHC residual streams; disable "
+        "model.mhc.enabled or MoE"
+    ]

@@ -27,8 +27,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True with
 
 
 def _config(mhc=True, **fields):
-    settings = dict(num_layers=2, hidden_size=16, num_attention_heads=2, enable_mhc_connections=mhc,
-                    mhc_num_residual_streams=2)
+    settings = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=2,
+    )
     settings.update(fields)
     return small_config(**settings)
 
@@ -47,7 +52,10 @@ def test_mhc_needs_megatron_ext_hybrid_stack():
 
 
 def test_mhc_with_a_plain_layer_spec_is_refused_before_building():
-    with model_parallel(), pytest.raises(ValueError, match="enable_mhc_connections=True.*get_hybrid_stack_local_spec"):
+    with (
+        model_parallel(),
+        pytest.raises(ValueError, match="enable_mhc_connections=True.*get_hybrid_stack_local_spec"),
+    ):
         _model(_config(), get_hybrid_stack_local_spec(enable_mhc_connections=False), "*-")
 
 
@@ -84,15 +92,22 @@ def test_symbols_without_a_local_spec_name_the_symbol(symbol):
 def test_standalone_mtp_flag_is_refused_with_mhc():
     config = _config(mtp_num_layers=1)
     config.mtp_standalone = True  # what a pipeline layout placing MTP on its own stage sets
-    with model_parallel(), pytest.raises(guards.UnsupportedCombinationError, match="mtp_standalone"):
+    with (
+        model_parallel(),
+        pytest.raises(guards.UnsupportedCombinationError, match="mtp_standalone"),
+    ):
         _model(config, get_hybrid_stack_local_spec(enable_mhc_connections=True), "*-/*-")
 
 
 def test_mtp_chunk_without_post_process_is_refused_with_mhc():
     """A chunk holding the MTP layers but not the final norm and loss (post_process)."""
     with model_parallel(), pytest.raises(guards.UnsupportedCombinationError, match="post_process"):
-        _model(_config(mtp_num_layers=1), get_hybrid_stack_local_spec(enable_mhc_connections=True),
-               "*-/*-", post_process=False)
+        _model(
+            _config(mtp_num_layers=1),
+            get_hybrid_stack_local_spec(enable_mhc_connections=True),
+            "*-/*-",
+            post_process=False,
+        )
 
 
 def test_mhc_mtp_with_a_single_stream_mtp_layer_spec_is_refused():
@@ -107,31 +122,51 @@ def test_mhc_mtp_with_a_single_stream_mtp_layer_spec_is_refused():
     spec = dataclasses.replace(
         spec, submodules=dataclasses.replace(spec.submodules, mtp_block_spec=mtp_spec)
     )
-    with model_parallel(), pytest.raises(ValueError, match="mtp_block_spec.*HyperConnectionMTPLayer"):
+    with (
+        model_parallel(),
+        pytest.raises(ValueError, match="mtp_block_spec.*HyperConnectionMTPLayer"),
+    ):
         _model(_config(mtp_num_layers=1), spec, "*-/*-")
 
 
 def test_mhc_mtp_layer_without_per_stream_projections_is_refused():
     spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
     layer = spec.submodules.mtp_block_spec.submodules.layer_specs[0]
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, h_proj=None))
+    layer = dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, h_proj=None)
+    )
     with model_parallel(), pytest.raises(ValueError, match="h_proj"):
-        HyperConnectionMTPLayer(_config(mtp_num_layers=1), layer.submodules, mtp_layer_pattern="-",
-                                hybrid_submodules=spec.submodules, pg_collection=_pg_collection())
+        HyperConnectionMTPLayer(
+            _config(mtp_num_layers=1),
+            layer.submodules,
+            mtp_layer_pattern="-",
+            hybrid_submodules=spec.submodules,
+            pg_collection=_pg_collection(),
+        )
 
 
 def test_mhc_mtp_layer_outside_a_hybrid_model_is_refused():
     spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
     layer = spec.submodules.mtp_block_spec.submodules.layer_specs[0]
-    with model_parallel(), pytest.raises(ValueError, match="mtp_layer_pattern and hybrid_submodules"):
-        HyperConnectionMTPLayer(_config(mtp_num_layers=1), layer.submodules, pg_collection=_pg_collection())
+    with (
+        model_parallel(),
+        pytest.raises(ValueError, match="mtp_layer_pattern and hybrid_submodules"),
+    ):
+        HyperConnectionMTPLayer(
+            _config(mtp_num_layers=1), layer.submodules, pg_collection=_pg_collection()
+        )
 
 
 def test_mhc_post_process_stack_without_final_norm_is_refused():
     spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
     with model_parallel(), pytest.raises(ValueError, match="post_layer_norm=True"):
-        HybridStack(_config(), spec.submodules, layer_type_list=["-"], post_layer_norm=False,
-                    pg_collection=_pg_collection())
+        HybridStack(
+            _config(),
+            spec.submodules,
+            layer_type_list=["-"],
+            post_layer_norm=False,
+            pg_collection=_pg_collection(),
+        )
 
 
 @pytest.mark.skipif(transformer_engine_available(), reason="Transformer Engine is installed here")
@@ -146,7 +181,10 @@ def test_local_spec_final_norm_and_projections_are_local():
     assert spec.module is HybridStack and spec.submodules.final_norm is LocalNorm
     layer = spec.submodules.mtp_block_spec.submodules.layer_specs[0]
     assert layer.module is HyperConnectionMTPLayer
-    assert layer.submodules.e_proj is ColumnParallelLinear and layer.submodules.h_proj is ColumnParallelLinear
+    assert (
+        layer.submodules.e_proj is ColumnParallelLinear
+        and layer.submodules.h_proj is ColumnParallelLinear
+    )
 
 
 def _pg_collection():

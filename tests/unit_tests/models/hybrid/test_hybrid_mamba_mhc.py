@@ -29,7 +29,9 @@ class CausalStandInMixer(torch.nn.Module):
     """Mixes along the sequence causally (running mean), then projects; returns (out, bias)
     as megatron's MambaMixer does. Built with MambaMixer's constructor arguments."""
 
-    def __init__(self, config, d_model, layer_number=1, pg_collection=None, pp_layer_offset=0, name=None):
+    def __init__(
+        self, config, d_model, layer_number=1, pg_collection=None, pp_layer_offset=0, name=None
+    ):
         super().__init__()
         self.proj = torch.nn.Linear(d_model, d_model)
 
@@ -49,8 +51,13 @@ def _mamba_spec():
 
 
 def _config(**fields):
-    settings = dict(num_layers=4, hidden_size=PLAN.hidden_size, num_attention_heads=PLAN.num_attention_heads,
-                    enable_mhc_connections=True, mhc_num_residual_streams=4)
+    settings = dict(
+        num_layers=4,
+        hidden_size=PLAN.hidden_size,
+        num_attention_heads=PLAN.num_attention_heads,
+        enable_mhc_connections=True,
+        mhc_num_residual_streams=4,
+    )
     settings.update(fields)
     return small_config(**settings)
 
@@ -78,30 +85,46 @@ def test_mamba_layer_applies_the_hyper_connection_around_its_mixer():
         assert output._base is None
         output.sum().backward()
         names = {n for n, p in layer.named_parameters() if p.grad is not None}
-        assert {"mixer_hyper_connection.mapping_proj.weight", "mixer_hyper_connection.alpha_res",
-                "mixer.proj.weight", "norm.weight"} <= names
+        assert {
+            "mixer_hyper_connection.mapping_proj.weight",
+            "mixer_hyper_connection.alpha_res",
+            "mixer.proj.weight",
+            "norm.weight",
+        } <= names
 
 
 def test_mamba_layer_needs_mhc_in_the_config():
     with model_parallel(), pytest.raises(ValueError, match="enable_mhc_connections=True"):
-        HyperConnectionMambaLayer(_config(enable_mhc_connections=False), _mamba_spec().submodules,
-                                  pg_collection=_pg_collection())
+        HyperConnectionMambaLayer(
+            _config(enable_mhc_connections=False),
+            _mamba_spec().submodules,
+            pg_collection=_pg_collection(),
+        )
 
 
 def _model(pattern, **fields):
     spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
-    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mamba_layer=_mamba_spec()))
+    spec = dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, mamba_layer=_mamba_spec())
+    )
     torch.manual_seed(5)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(5)
-    return HybridModel(_config(num_layers=len(pattern), **fields), spec, vocab_size=PLAN.vocab_size,
-                       max_sequence_length=PLAN.seq_length, hybrid_layer_pattern=pattern)
+    return HybridModel(
+        _config(num_layers=len(pattern), **fields),
+        spec,
+        vocab_size=PLAN.vocab_size,
+        max_sequence_length=PLAN.seq_length,
+        hybrid_layer_pattern=pattern,
+    )
 
 
 def _loss(model):
     batch = make_microbatches(PLAN, 0)[0]
-    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    losses = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     return (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
 
@@ -129,8 +152,15 @@ def test_mhc_recompute_with_mamba_layers_in_between_gives_identical_gradients(la
     results = []
     with model_parallel():
         for recompute in (False, True):
-            extra = dict(recompute_granularity="selective", recompute_modules=["mhc"],
-                         mhc_recompute_layer_num=layers_per_group) if recompute else {}
+            extra = (
+                dict(
+                    recompute_granularity="selective",
+                    recompute_modules=["mhc"],
+                    mhc_recompute_layer_num=layers_per_group,
+                )
+                if recompute
+                else {}
+            )
             model = _model("*M-M*M", **extra)
             loss = _loss(model)
             loss.backward()

@@ -58,8 +58,12 @@ def test_tp2_sequence_parallel_with_mtp_matches_reference():
 def test_tp2_sequence_parallel_with_mhc_recompute_matches_reference():
     pattern = "*-E*-"
     plan = _plan(
-        pattern, tp=2, sequence_parallel=True,
-        config_overrides=dict(recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=2),
+        pattern,
+        tp=2,
+        sequence_parallel=True,
+        config_overrides=dict(
+            recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=2
+        ),
     )
     _check(plan, pattern)
 

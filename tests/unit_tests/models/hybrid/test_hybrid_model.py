@@ -40,14 +40,24 @@ def _fresh_mtp_loss_tracker():
 
 def _config(pattern: str, mhc: bool, streams: int = 2, **fields):
     main, _, mtp = pattern.partition("/")
-    moe = dict(
-        num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall", add_bias_linear=False,
-    ) if "E" in pattern else {}
+    moe = (
+        dict(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            add_bias_linear=False,
+        )
+        if "E" in pattern
+        else {}
+    )
     settings = dict(
-        num_layers=len(main.replace("|", "")), hidden_size=PLAN.hidden_size,
-        num_attention_heads=PLAN.num_attention_heads, enable_mhc_connections=mhc,
-        mhc_num_residual_streams=streams, mtp_num_layers=len(pattern.split("/")) - 1 if mtp else None,
+        num_layers=len(main.replace("|", "")),
+        hidden_size=PLAN.hidden_size,
+        num_attention_heads=PLAN.num_attention_heads,
+        enable_mhc_connections=mhc,
+        mhc_num_residual_streams=streams,
+        mtp_num_layers=len(pattern.split("/")) - 1 if mtp else None,
         **moe,
     )
     settings.update(fields)
@@ -60,16 +70,24 @@ def _build(model_class, config, spec, pattern, seed=3, **kwargs):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return model_class(
-        config, spec, vocab_size=PLAN.vocab_size, max_sequence_length=PLAN.seq_length,
-        hybrid_layer_pattern=pattern, position_embedding_type="rope", **kwargs,
+        config,
+        spec,
+        vocab_size=PLAN.vocab_size,
+        max_sequence_length=PLAN.seq_length,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+        **kwargs,
     )
 
 
 def _loss(model, step=0, index=0):
     batch = make_microbatches(PLAN, step)[index]
     losses = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"],
-        labels=batch["labels"], loss_mask=batch["loss_mask"],
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
     )
     return (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
@@ -93,8 +111,12 @@ def test_without_mhc_same_parameters_and_outputs_as_megatron_core(monkeypatch, p
     with model_parallel():
         config = _config(pattern, mhc=False)
         ours = _build(HybridModel, config, get_hybrid_stack_local_spec(), pattern)
-        core = _build(CoreHybridModel, config, _core_stack_spec(get_hybrid_stack_local_spec()), pattern)
-        assert isinstance(ours.decoder, HybridStack) and type(core.decoder) is hybrid_block.HybridStack
+        core = _build(
+            CoreHybridModel, config, _core_stack_spec(get_hybrid_stack_local_spec()), pattern
+        )
+        assert (
+            isinstance(ours.decoder, HybridStack) and type(core.decoder) is hybrid_block.HybridStack
+        )
         ours_params, core_params = dict(ours.named_parameters()), dict(core.named_parameters())
         assert list(ours_params) == list(core_params)
         for name, param in ours_params.items():
@@ -106,7 +128,9 @@ def test_without_mhc_same_parameters_and_outputs_as_megatron_core(monkeypatch, p
         for name, param in ours_params.items():
             assert torch.equal(param.grad, core_params[name].grad), name
         batch = make_microbatches(PLAN, 0)[0]
-        logits = [m(batch["tokens"], batch["position_ids"], batch["attention_mask"]) for m in (ours, core)]
+        logits = [
+            m(batch["tokens"], batch["position_ids"], batch["attention_mask"]) for m in (ours, core)
+        ]
         assert torch.equal(*logits)
 
 
@@ -135,14 +159,19 @@ def test_mhc_parameters_are_named_and_initialised_as_upstream():
         assert torch.equal(params["decoder.hc_head_base"], torch.zeros(n))
         assert torch.equal(params["decoder.hc_head_scale"], torch.ones(1))
         bound = math.sqrt(6.0 / (n + n * h))  # xavier uniform
-        assert params["decoder.hc_head_fn"].abs().max() <= bound and params["decoder.hc_head_fn"].std() > 0
+        assert (
+            params["decoder.hc_head_fn"].abs().max() <= bound
+            and params["decoder.hc_head_fn"].std() > 0
+        )
         attention, mlp, moe = model.decoder.layers
         assert all(isinstance(layer, HybridHyperConnectionLayer) for layer in (attention, mlp, moe))
         assert "decoder.layers.0.self_attention_hyper_connection.mapping_proj.weight" in params
         assert not any(k.startswith("decoder.layers.0.mlp_hyper_connection") for k in params)
         assert "decoder.layers.1.mlp_hyper_connection.alpha_res" in params
         assert "decoder.layers.2.mlp_hyper_connection.bias" in params and moe.is_moe_layer
-        assert not any(k.startswith("decoder.layers.1.self_attention_hyper_connection") for k in params)
+        assert not any(
+            k.startswith("decoder.layers.1.self_attention_hyper_connection") for k in params
+        )
         keys = set(model.sharded_state_dict().keys())
         assert {"decoder.hc_head_fn", "decoder.hc_head_base", "decoder.hc_head_scale"} <= keys
         for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
@@ -174,11 +203,18 @@ def _hand_contraction(x, head_fn, n, eps):
 def test_learned_contraction_at_initialisation_equals_the_hand_computation():
     n, h = 2, 4
     with model_parallel():
-        config = _config("-", mhc=True, streams=n, hidden_size=h, num_attention_heads=1, layernorm_epsilon=1e-5)
-        model = _build(HybridModel, config, get_hybrid_stack_local_spec(enable_mhc_connections=True), "-")
+        config = _config(
+            "-", mhc=True, streams=n, hidden_size=h, num_attention_heads=1, layernorm_epsilon=1e-5
+        )
+        model = _build(
+            HybridModel, config, get_hybrid_stack_local_spec(enable_mhc_connections=True), "-"
+        )
         stack = model.decoder
         x = torch.tensor(
-            [[[0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.75, 3.0]], [[1.0, 1.0, -2.0, 0.5, 0.1, -0.2, 0.3, 0.4]]]
+            [
+                [[0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.75, 3.0]],
+                [[1.0, 1.0, -2.0, 0.5, 0.1, -0.2, 0.3, 0.4]],
+            ]
         )  # [s=2, b=1, n*h=8]
         head_fn = stack.hc_head_fn.detach()
         expected = torch.tensor(
@@ -188,7 +224,9 @@ def test_learned_contraction_at_initialisation_equals_the_hand_computation():
         torch.testing.assert_close(contracted, expected, rtol=1e-6, atol=1e-6)
         # The final norm sees the contraction (its pre-hook contracts the n streams).
         with torch.no_grad():
-            torch.testing.assert_close(stack.final_norm(x), torch.nn.functional.layer_norm(expected, (h,), eps=1e-5))
+            torch.testing.assert_close(
+                stack.final_norm(x), torch.nn.functional.layer_norm(expected, (h,), eps=1e-5)
+            )
             # With a zero head the weights are exactly sigmoid(0) + eps: (0.5 + eps) * (x_1 + x_2).
             stack.hc_head_fn.zero_()
         by_hand = (0.5 + 1e-5) * (x[..., :h] + x[..., h:])
@@ -228,10 +266,19 @@ def test_mhc_hybrid_mtp_trains_every_depth():
         model = _build(HybridModel, _config(pattern, mhc=True), spec, pattern)
         names = dict(model.named_parameters())
         for depth in (0, 1):
-            for name in ("e_proj.weight", "h_proj.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+            for name in (
+                "e_proj.weight",
+                "h_proj.weight",
+                "hc_head_fn",
+                "hc_head_base",
+                "hc_head_scale",
+            ):
                 assert f"mtp.layers.{depth}.{name}" in names
             assert f"mtp.layers.{depth}.eh_proj.weight" not in names
-        assert "mtp.layers.0.mtp_model_layer.layers.0.self_attention_hyper_connection.alpha_pre" in names
+        assert (
+            "mtp.layers.0.mtp_model_layer.layers.0.self_attention_hyper_connection.alpha_pre"
+            in names
+        )
         _loss(model).backward()
         for name, param in names.items():
             if name.startswith("mtp.") and "output_layer" not in name:
@@ -244,12 +291,21 @@ def test_mtp_loss_changes_decoder_gradients():
         spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
         grads = []
         for scale in (0.0, 1.0):
-            model = _build(HybridModel, _config(pattern, mhc=True, mtp_loss_scaling_factor=scale), spec, pattern)
+            model = _build(
+                HybridModel,
+                _config(pattern, mhc=True, mtp_loss_scaling_factor=scale),
+                spec,
+                pattern,
+            )
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
             MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
             _loss(model).backward()
-            grads.append(model.decoder.layers[0].self_attention_hyper_connection.mapping_proj.weight.grad.clone())
+            grads.append(
+                model.decoder.layers[
+                    0
+                ].self_attention_hyper_connection.mapping_proj.weight.grad.clone()
+            )
         assert not torch.allclose(grads[0], grads[1])
 
 
@@ -263,14 +319,25 @@ def test_mhc_recompute_gives_identical_gradients(monkeypatch, layers_per_group):
         discarded.append(len(self))
         return original(self, hook_tensor)
 
-    monkeypatch.setattr(mhc_recompute.MHCRecomputeGroup, "discard_and_recompute_on_backward", counting)
+    monkeypatch.setattr(
+        mhc_recompute.MHCRecomputeGroup, "discard_and_recompute_on_backward", counting
+    )
     results = []
     with model_parallel():
         spec = get_hybrid_stack_local_spec(enable_mhc_connections=True)
         for recompute in (False, True):
-            extra = dict(recompute_granularity="selective", recompute_modules=["mhc"],
-                         mhc_recompute_layer_num=layers_per_group) if recompute else {}
-            model = _build(HybridModel, _config(pattern, mhc=True, streams=4, **extra), spec, pattern)
+            extra = (
+                dict(
+                    recompute_granularity="selective",
+                    recompute_modules=["mhc"],
+                    mhc_recompute_layer_num=layers_per_group,
+                )
+                if recompute
+                else {}
+            )
+            model = _build(
+                HybridModel, _config(pattern, mhc=True, streams=4, **extra), spec, pattern
+            )
             loss = _loss(model)
             loss.backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -292,8 +359,11 @@ def test_an_empty_intermediate_chunk_returns_a_graph_connected_copy(mhc):
     with model_parallel():
         config = _config("*-", mhc=mhc)
         stack = HybridStack(
-            config, get_hybrid_stack_local_spec(enable_mhc_connections=mhc).submodules,
-            pre_process=False, post_process=False, layer_type_list=[],
+            config,
+            get_hybrid_stack_local_spec(enable_mhc_connections=mhc).submodules,
+            pre_process=False,
+            post_process=False,
+            layer_type_list=[],
             pg_collection=_pg_collection(),
         )
         width = config.hidden_size * (2 if mhc else 1)

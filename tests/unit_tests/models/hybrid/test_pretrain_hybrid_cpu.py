@@ -23,6 +23,7 @@ ITERATION_LINE = re.compile(
 
 
 def test_pp2_vpp2_hybrid_mhc_with_moe_mtp_and_recompute_trains_on_cpu():
+    # fmt: off
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "megatron_ext.pretrain_hybrid", *CPU_DEMO_ARGS,
@@ -35,6 +36,7 @@ def test_pp2_vpp2_hybrid_mhc_with_moe_mtp_and_recompute_trains_on_cpu():
         "--recompute-granularity", "selective", "--recompute-modules", "mhc",
         "--mhc-recompute-layer-num", "1",
     ]
+    # fmt: on
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
