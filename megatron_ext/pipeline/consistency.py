@@ -15,10 +15,12 @@ The caller is megatron-ext's wrapper of ``P2PCommunicator._communicate`` (pipeli
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Sequence
 
-_CHECKED = "_megatron_ext_stages_agreed"
-_AGREED_SHAPE = "_megatron_ext_edge_shape"
+# What each communicator's stages agreed on (the exchanged shape, None when nothing is held to
+# one), kept beside megatron's communicators rather than as attributes on them.
+_agreed_shapes: "weakref.WeakKeyDictionary[Any, Optional[list[int]]]" = weakref.WeakKeyDictionary()
 
 
 class PipelineConsistencyError(RuntimeError):
@@ -96,11 +98,11 @@ def check_once(
 ) -> None:
     """On the communicator's first exchange: all-gather :func:`stage_fields` over its
     pipeline group and raise on every rank if the stages differ."""
-    if getattr(communicator, _CHECKED, False):
+    if communicator in _agreed_shapes:
         return
     group = communicator.pp_group
     if group is None or group.size() == 1:
-        setattr(communicator, _CHECKED, True)
+        _agreed_shapes[communicator] = None
         return
     import torch.distributed as dist
 
@@ -110,20 +112,20 @@ def check_once(
     }
     records: list[Any] = [None] * group.size()
     dist.all_gather_object(records, mine, group=group)
-    setattr(communicator, _CHECKED, True)
+    _agreed_shapes[communicator] = None
     problem = first_difference(records)
     if problem is not None:
         raise PipelineConsistencyError(problem)
     shapes = [
         r["exchanged tensor shape"] for r in records if r["exchanged tensor shape"] is not None
     ]
-    setattr(communicator, _AGREED_SHAPE, shapes[0] if shapes else None)
+    _agreed_shapes[communicator] = shapes[0] if shapes else None
 
 
 def check_sends(communicator: Any, tensor_send_next: Any, tensor_send_prev: Any) -> None:
     """A tensor this stage sends must have the shape the stages agreed on (what its peer's
     buffer has): otherwise name both stages and both shapes, before anything is posted."""
-    agreed = getattr(communicator, _AGREED_SHAPE, None)
+    agreed = _agreed_shapes.get(communicator)
     if agreed is None or _variable_shapes(communicator.config):
         return
     group = communicator.pp_group

@@ -137,15 +137,21 @@ class _Group:
         return self._size
 
 
+class _Communicator:
+    """Stands in for megatron's P2PCommunicator (hashable, as the agreed shapes are keyed by it)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
 def test_a_send_of_another_shape_names_both_stages_and_both_shapes():
-    communicator = types.SimpleNamespace(
+    communicator = _Communicator(
         config=types.SimpleNamespace(hidden_size=32),
         pp_group=_Group(1, 4),
         next_rank=2,
         prev_rank=0,
     )
-    setattr(communicator, consistency._CHECKED, True)
-    setattr(communicator, consistency._AGREED_SHAPE, [16, 2, 128])
+    consistency._agreed_shapes[communicator] = [16, 2, 128]  # as check_once leaves it
     consistency.check_sends(communicator, torch.empty(16, 2, 128), None)
     with pytest.raises(
         consistency.PipelineConsistencyError,
