@@ -130,25 +130,10 @@ class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """megatron-core's entries plus the block's own ``hc_head_*`` parameters, which the base
         class (it iterates child modules) would leave out of distributed checkpoints."""
-        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        own = {name: param for name, param in self._parameters.items() if param is not None}
-        if own:
-            from megatron.core.transformer.utils import (
-                ensure_metadata_has_dp_cp_group,
-                make_sharded_tensors_for_checkpoint,
-            )
+        from megatron_ext.models.hybrid.hybrid_stack import with_own_parameters
 
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            sharded_state_dict.update(
-                make_sharded_tensors_for_checkpoint(
-                    own,
-                    prefix,
-                    sharded_offsets=sharded_offsets or (),
-                    tp_group=self.tp_group,
-                    dp_cp_group=metadata["dp_cp_group"],
-                )
-            )
-        return sharded_state_dict
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return with_own_parameters(self, sharded_state_dict, prefix, sharded_offsets, metadata)
 
     # ------------------------------------------------------------------ expand
 

@@ -226,19 +226,25 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         """megatron-core's entries plus this stack's own parameters (``hc_head_*``), which the
         base class (iterating child modules only) would leave out."""
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        own = {name: param for name, param in self._parameters.items() if param is not None}
-        if own:
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            sharded_state_dict.update(
-                make_sharded_tensors_for_checkpoint(
-                    own,
-                    prefix,
-                    sharded_offsets=sharded_offsets or (),
-                    tp_group=self.tp_group,
-                    dp_cp_group=metadata["dp_cp_group"],
-                )
-            )
-        return sharded_state_dict
+        return with_own_parameters(self, sharded_state_dict, prefix, sharded_offsets, metadata)
 
 
 __all__ = ["HybridStack", "HybridStackSubmodules"]
+
+
+def with_own_parameters(module, sharded_state_dict: dict, prefix: str, sharded_offsets, metadata):
+    """Add ``module``'s own parameters (not its children's: the learned contraction's
+    ``hc_head_*``) to megatron's sharded state dict, as replicated tensors of ``prefix``."""
+    own = dict(module.named_parameters(recurse=False))
+    if own:
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded_state_dict.update(
+            make_sharded_tensors_for_checkpoint(
+                own,
+                prefix,
+                sharded_offsets=sharded_offsets or (),
+                tp_group=module.tp_group,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+        )
+    return sharded_state_dict
