@@ -1,6 +1,8 @@
 """The local launcher (torchrun semantics, per-rank logs, failure handling) and the sbatch
 script, without Megatron: the ranks here are a few lines of Python."""
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -142,6 +144,64 @@ def test_stall_limits_start_up_allowance_then_relative_to_the_step(tmp_path, mon
     monkeypatch.setenv(heartbeat.STALL_ENV, "soon")
     with pytest.raises(ValueError, match="MEGATRON_EXT_STALL_TIMEOUT_S='soon': expected a number"):
         heartbeat.Watchdog(tmp_path, 2)
+
+
+def _stub_slurm(tmp_path, monkeypatch, running_polls: int) -> Path:
+    """squeue says RUNNING for ``running_polls`` polls, then the job has left the queue;
+    scancel and scontrol record their arguments."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm-calls"
+    bin_dir.mkdir()
+    stubs = {
+        "squeue": f'n=$(cat "{log}.n" 2>/dev/null || echo 0); echo $((n + 1)) > "{log}.n"\n'
+        f'[ "$n" -lt {running_polls} ] && echo RUNNING || exit 1',
+        "scancel": f'echo "scancel $*" >> "{log}"',
+        "scontrol": 'echo "JobState=COMPLETED ExitCode=0:0"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "POLL_S", 0.01)
+    return log
+
+
+def _beat(directory: Path, rank: int, progress: float, waiting: bool) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    record = dict(step=7, progress=progress, slowest_gap=0.1, waiting=waiting, io=False)
+    record["where"] = "p2p_communication.py:1 in recv" if waiting else "model.py:3 in forward"
+    (directory / f"rank-{rank}.json").write_text(json.dumps(record))
+
+
+def test_slurm_wait_cancels_a_stalled_job_and_names_the_rank(tmp_path, monkeypatch):
+    """The heartbeats come over the shared file system; the stall limit is the recipe's."""
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
+    steps = [slurm.Step(n, "m", [], tmp_path / n / "logs") for n in ("first", "resume")]
+    watch = slurm.StepWatch(steps, 2, stall_s=5.0, startup_s=300.0)
+    old = time.time() - 60
+    _beat(slurm.heartbeat_dir(steps[0]), 0, old + 1, waiting=True)
+    _beat(slurm.heartbeat_dir(steps[0]), 1, old, waiting=False)
+    result = slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch)
+    assert result.state == "STALLED" and not result.ok and not result.timed_out, result
+    assert (result.stall.rank, result.stall.step, result.stall.waiting) == (1, 7, (0,))
+    assert "model.py:3 in forward" in str(result.stall)
+    assert log.read_text() == "scancel 42\n"
+
+
+def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatch):
+    """The resume step's directory appeared (no beats yet): the first step's stale beats
+    no longer count, and the job runs to its end; with no watch nothing is cancelled."""
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=5)
+    steps = [slurm.Step(n, "m", [], tmp_path / n / "logs") for n in ("first", "resume")]
+    for rank in range(2):
+        _beat(slurm.heartbeat_dir(steps[0]), rank, time.time() - 60, waiting=False)
+    slurm.heartbeat_dir(steps[1]).mkdir(parents=True)
+    watch = slurm.StepWatch(steps, 2, stall_s=5.0, startup_s=300.0)
+    (tmp_path / "job_exit_code").write_text("0\n")  # what the batch script's trap leaves
+    result = slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch)
+    assert result.ok and result.exit_code == 0
+    assert result.stall is None and result.state == "COMPLETED" and not log.exists(), result
+    watch.clear()
+    assert not any(slurm.heartbeat_dir(step).exists() for step in steps)
 
 
 def test_ranks_die_with_a_killed_launcher(job, tmp_path):
