@@ -162,15 +162,18 @@ def sbatch_script(job: SlurmJob) -> str:
             raise UnsafeValueError(f"environment key {str(key)!r} is not a variable name")
     for i, step in enumerate(job.steps):
         lines += ["", f"# ---- {step.name}: {job.world_size} tasks ----"]
-        if step.before:
-            lines.append(step.before)
         beats = str(heartbeat_dir(step))
         lines += [
             f"mkdir -p {q(str(step.log_dir))}",
-            # a fresh heartbeat directory per step: the submitting side's StepWatch takes
-            # its appearance as the step's start (a resume step reuses no old beats)
+            # a fresh heartbeat directory per step, made before the step's preparation: the
+            # submitting side's StepWatch takes its appearance as the step's start (so the
+            # preparation gets the start-up allowance; a resume step reuses no old beats)
             f"rm -rf {q(beats)} && mkdir -p {q(beats)}",
             f"export {heartbeat.DIR_ENV}={q(beats)}",
+        ]
+        if step.before:
+            lines.append(step.before)
+        lines += [
             f"export MASTER_PORT=$((BASE_PORT + {i}))",
             f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
         ]
@@ -191,12 +194,19 @@ def sbatch_script(job: SlurmJob) -> str:
             else:
                 groups[-1].append(a)
         lines.append(" \\\n    ".join([head] + [shlex.join(g) for g in groups]))
+        # the step is over (a failed one ends the script): stop watching it until the
+        # next step, while the job finishes
+        lines.append(f"touch {q(str(Path(beats) / ENDED))}")
     lines.append("")
     return "\n".join(lines)
 
 
 class SlurmError(RuntimeError):
     pass
+
+
+ENDED = "ended"
+"""Written into a step's heartbeat directory by the batch script once its srun returned."""
 
 
 def heartbeat_dir(step: Step) -> Path:
@@ -235,6 +245,8 @@ class StepWatch:
             self.watchdog = heartbeat.Watchdog(
                 self.dirs[self.active], self.nproc, self.stall_s, self.startup_s
             )
+        if (self.dirs[self.active] / ENDED).exists():
+            return None  # between steps, or the job is finishing
         return self.watchdog.check()
 
 

@@ -200,8 +200,47 @@ def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatc
     result = slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch)
     assert result.ok and result.exit_code == 0
     assert result.stall is None and result.state == "COMPLETED" and not log.exists(), result
+    # the last step ended (its srun returned) while the job is still in the queue
+    for rank in range(2):
+        _beat(slurm.heartbeat_dir(steps[1]), rank, time.time() - 60, waiting=False)
+    (slurm.heartbeat_dir(steps[1]) / slurm.ENDED).touch()
+    (tmp_path / "slurm-calls.n").unlink()
+    assert slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch).stall is None
+    (slurm.heartbeat_dir(steps[1]) / slurm.ENDED).unlink()
+    (tmp_path / "slurm-calls.n").unlink()
+    assert slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch).stall.rank == 0
     watch.clear()
     assert not any(slurm.heartbeat_dir(step).exists() for step in steps)
+
+
+def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatch):
+    from conftest import MINIMAL
+
+    from megatron_ext.recipes import submit as submit_module
+
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MINIMAL)
+    loaded = load(recipe, overrides=["launch.stall_timeout_s=5"])
+    run_dir = tmp_path / "run"
+
+    def sbatch(script, env=None):  # the job starts: rank 0 computes, ranks 1-3 wait on it
+        beats = run_dir / "logs" / "heartbeat"
+        for rank in range(4):
+            _beat(beats, rank, time.time() - 60 + rank, waiting=rank > 0)
+        return "42"
+
+    monkeypatch.setattr(slurm, "submit", sbatch)
+    lines = []
+    outcome = submit_module.submit(
+        loaded, SlurmOptions(), run_dir=run_dir, megatron_checks=False, echo=lines.append
+    )
+    assert outcome.exit_code == 3 and log.read_text() == "scancel 42\n", lines
+    first = [line for line in lines if line.startswith("  first failure: ")]
+    assert first and first[0].startswith("  first failure: rank 0 stalled at step 7: "), lines
+    assert "model.py:3 in forward; rank(s) 1, 2, 3 waiting on a peer" in first[0]
+    assert lines[-1].startswith("training failed: rank 0 stalled (no progress for 5"), lines
+    assert lines[-1].endswith("s); job 42 cancelled")
 
 
 def test_ranks_die_with_a_killed_launcher(job, tmp_path):
