@@ -252,20 +252,56 @@ def _image_problems(name: str, spec: dict) -> list[str]:
     return []
 
 
+# mHC fields this entry does not build (a recipe setting them would train without them).
+_UNUSED_MHC = {"recompute": False, "recompute_layer_num": None, "fused": False}
+
+
+def _mhc_problems(name: str, spec: dict) -> list[str]:
+    mhc, field = spec.get("mhc") or {}, f"model.modules.{name}.mhc"
+    if not mhc.get("enabled"):
+        return []
+    if spec["kind"] != "language_model":
+        return [
+            f"{field}.enabled: only the language_model builds mHC residual streams; the "
+            f"{spec['kind']} would silently train without them. Remove {field}"
+        ]
+    problems = [
+        f"{field}.{key}={mhc[key]} must be >= 1"
+        for key in ("num_residual_streams", "sinkhorn_iterations")
+        if key in mhc and mhc[key] < 1
+    ]
+    problems += [
+        f"{field}.{key}={mhc[key]!r} is not supported by megatron_ext.multimodule.train (it "
+        f"would be ignored); remove it"
+        for key, default in _UNUSED_MHC.items()
+        if mhc.get(key, default) != default
+    ]
+    return problems
+
+
+def _output_ndim_problems(name: str, spec: dict) -> list[str]:
+    # The built encoder reports 2 when flattening, else 3; a different plan value fails
+    # the build on every rank after start-up (MultiModuleBuildError).
+    declared, flatten = spec.get("output_ndim"), bool(spec.get("flatten_output", False))
+    if declared is None or declared == (2 if flatten else 3):
+        return []
+    return [
+        f"model.modules.{name}.output_ndim={declared} contradicts flatten_output={flatten} "
+        f"(the encoder hands on {'[b*s, h]' if flatten else '[s, b, h]'}); set output_ndim="
+        f"{2 if flatten else 3} or leave it unset"
+    ]
+
+
 def module_problems(mm: MultiModuleRecipe) -> list[str]:
     """Module settings that the plan accepts but that fail or train wrong after ranks start:
-    sizes, image lengths, mHC outside the language model, widths across each bridge."""
+    sizes, image lengths, an encoder's output_ndim, mHC settings this entry would ignore,
+    widths across each bridge."""
     problems = []
     for name, spec in mm.modules.items():
         problems += _size_problems(name, spec)
         if spec["kind"] == "vision_encoder":
-            problems += _image_problems(name, spec)
-        if spec["kind"] != "language_model" and (spec.get("mhc") or {}).get("enabled"):
-            problems.append(
-                f"model.modules.{name}.mhc.enabled: only the language_model builds mHC "
-                f"residual streams; the {spec['kind']} would silently train without them. "
-                f"Remove model.modules.{name}.mhc"
-            )
+            problems += _image_problems(name, spec) + _output_ndim_problems(name, spec)
+        problems += _mhc_problems(name, spec)
     return problems + _bridge_width_problems(mm)
 
 

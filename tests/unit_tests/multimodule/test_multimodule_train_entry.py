@@ -53,6 +53,12 @@ PROJECTOR = [
 # one-line error's text). Each must be reported by validate, before anything is built.
 ACCEPTED_BUT_WRONG = [
     (
+        ["model.modules.vision_encoder.output_ndim=2"],
+        "vision_encoder.output_ndim=2 contradicts flatten_output=False",
+    ),
+    (["model.modules.llm.mhc.num_residual_streams=0"], "mhc.num_residual_streams=0 must be >= 1"),
+    (["model.modules.llm.mhc.fused=true"], "mhc.fused=True is not supported by megatron_ext"),
+    (
         ["model.modules.llm.hidden_size=32"],
         "bridge vision_encoder -> llm: 'vision_encoder' hands on hidden_size 64 but 'llm' "
         "takes hidden_size 32; set model.modules.vision_encoder.hidden_size=32 or "
@@ -116,4 +122,6 @@ def test_validate_rejects_modules_that_fail_after_ranks_start(overrides, expecte
 def test_matching_widths_through_a_projector_and_flattened_output_are_valid():
     assert validate_recipe(str(RECIPE), PROJECTOR, world_size=None) == []
     flat = ["model.modules.vision_encoder.flatten_output=true"]
+    assert validate_recipe(str(RECIPE), flat, world_size=None) == []
+    flat.append("model.modules.vision_encoder.output_ndim=2")
     assert validate_recipe(str(RECIPE), flat, world_size=None) == []
