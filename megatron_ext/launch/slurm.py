@@ -10,18 +10,24 @@ steps run through pyxis (``--container-image``, ``--container-mounts``). The scr
 its exit status in ``job_exit_code``, so waiting needs no accounting database.
 
 :func:`submit` calls ``sbatch --parsable``; :func:`wait` polls ``squeue`` until the job has
-left the queue, and reads the job's state from ``scontrol`` (or the exit-code file).
+left the queue, and reads the job's state from ``scontrol`` (or the exit-code file). Every
+step's ranks write heartbeats to ``<step logs>/heartbeat`` on the shared file system, and
+:func:`wait`, given a :class:`StepWatch`, cancels a running job in which no rank progressed
+for the stall limit and names the stalled rank, as the local launcher does.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
+
+from megatron_ext.launch import heartbeat
 
 POLL_S = 2.0
 
@@ -156,10 +162,18 @@ def sbatch_script(job: SlurmJob) -> str:
             raise UnsafeValueError(f"environment key {str(key)!r} is not a variable name")
     for i, step in enumerate(job.steps):
         lines += ["", f"# ---- {step.name}: {job.world_size} tasks ----"]
+        beats = str(heartbeat_dir(step))
+        lines += [
+            f"mkdir -p {q(str(step.log_dir))}",
+            # a fresh heartbeat directory per step, made before the step's preparation: the
+            # submitting side's StepWatch takes its appearance as the step's start (so the
+            # preparation gets the start-up allowance; a resume step reuses no old beats)
+            f"rm -rf {q(beats)} && mkdir -p {q(beats)}",
+            f"export {heartbeat.DIR_ENV}={q(beats)}",
+        ]
         if step.before:
             lines.append(step.before)
         lines += [
-            f"mkdir -p {q(str(step.log_dir))}",
             f"export MASTER_PORT=$((BASE_PORT + {i}))",
             f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
         ]
@@ -180,12 +194,60 @@ def sbatch_script(job: SlurmJob) -> str:
             else:
                 groups[-1].append(a)
         lines.append(" \\\n    ".join([head] + [shlex.join(g) for g in groups]))
+        # the step is over (a failed one ends the script): stop watching it until the
+        # next step, while the job finishes
+        lines.append(f"touch {q(str(Path(beats) / ENDED))}")
     lines.append("")
     return "\n".join(lines)
 
 
 class SlurmError(RuntimeError):
     pass
+
+
+ENDED = "ended"
+"""Written into a step's heartbeat directory by the batch script once its srun returned."""
+
+
+def heartbeat_dir(step: Step) -> Path:
+    return step.log_dir / "heartbeat"
+
+
+class StepWatch:
+    """The stall watchdog of the step running now: the last step whose heartbeat directory
+    the batch script has created (its start-up allowance counts from when it was first seen,
+    so time in the queue and earlier steps do not count)."""
+
+    def __init__(
+        self,
+        steps: list[Step],
+        nproc: int,
+        stall_s: Optional[float] = None,
+        startup_s: Optional[float] = None,
+    ):
+        self.dirs = [heartbeat_dir(step) for step in steps]
+        self.nproc, self.stall_s, self.startup_s = nproc, stall_s, startup_s
+        self.active: Optional[int] = None
+        self.watchdog: Optional[heartbeat.Watchdog] = None
+
+    def clear(self) -> None:
+        """Remove heartbeat directories an earlier job left (before submitting): a step
+        starts when the batch script creates its directory."""
+        for directory in self.dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def check(self) -> Optional[heartbeat.Stall]:
+        started = [i for i, d in enumerate(self.dirs) if d.is_dir()]
+        if not started:
+            return None  # the job's first step has not begun
+        if started[-1] != self.active:
+            self.active = started[-1]
+            self.watchdog = heartbeat.Watchdog(
+                self.dirs[self.active], self.nproc, self.stall_s, self.startup_s
+            )
+        if (self.dirs[self.active] / ENDED).exists():
+            return None  # between steps, or the job is finishing
+        return self.watchdog.check()
 
 
 def submit(script: Path, env: Optional[dict[str, str]] = None) -> str:
@@ -236,10 +298,17 @@ class JobResult:
     exit_code: Optional[int]
     seconds: float
     timed_out: bool = False
+    stall: Optional[heartbeat.Stall] = None
+    """Set when the job was cancelled because no rank progressed (state STALLED)."""
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and self.exit_code == 0 and self.state in (None, "COMPLETED")
+        return (
+            not self.timed_out
+            and self.stall is None
+            and self.exit_code == 0
+            and self.state in (None, "COMPLETED")
+        )
 
 
 def wait(
@@ -248,8 +317,10 @@ def wait(
     timeout_s: float,
     on_poll: Optional[Callable[[], None]] = None,
     on_state: Optional[Callable[[str], None]] = None,
+    watch: Optional[StepWatch] = None,
 ) -> JobResult:
-    """Block until the job leaves the queue (cancelling it after ``timeout_s``)."""
+    """Block until the job leaves the queue (cancelling it after ``timeout_s``, or once
+    ``watch`` reports a stall while it runs)."""
     start = time.monotonic()
     last_state = None
     while True:
@@ -264,6 +335,10 @@ def wait(
         if time.monotonic() - start > timeout_s:
             cancel(job_id)
             return JobResult(job_id, "TIMEOUT", None, time.monotonic() - start, timed_out=True)
+        stall = watch.check() if watch is not None and state == "RUNNING" else None
+        if stall is not None:
+            cancel(job_id)
+            return JobResult(job_id, "STALLED", None, time.monotonic() - start, stall=stall)
         time.sleep(POLL_S)
     final_state, code = job_state(job_id)
     exit_file = run_dir / "job_exit_code"

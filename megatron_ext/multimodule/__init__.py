@@ -39,6 +39,7 @@ from megatron_ext.multimodule.communicator import (
 )
 from megatron_ext.multimodule.errors import (
     AmbiguousShapeError,
+    BridgeShapeError,
     MultiModuleBuildError,
     MultiModuleError,
     MultiModulePlanError,
@@ -55,6 +56,7 @@ from megatron_ext.multimodule.plan import (
 
 __all__ = [
     "AmbiguousShapeError",
+    "BridgeShapeError",
     "GridBridgeCommunicator",
     "ModuleImpl",
     "ModulePlan",

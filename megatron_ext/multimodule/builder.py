@@ -60,6 +60,10 @@ class ModuleImpl:
     factory: Callable[[StageContext], torch.nn.Module]
     forward: Optional[StageForward] = None
     config: Any = None
+    input_width: Optional[int] = None
+    """The last dim its first stage takes from its bridges (None: not checked). A sender
+    whose output has another width raises BridgeShapeError before sending, instead of the
+    receiver failing (or hanging) inside its forward."""
 
 
 @dataclass
@@ -392,7 +396,10 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
     _agree("; ".join(ndim_problems) if ndim_problems else None, "checking output ndims")
 
     pg_cache: dict = {}
-    communicator = MultiModuleCommunicator(plan, grids, config, output_ndim, pg_cache)
+    input_width = {n: impl.input_width for n, impl in impls.items() if impl.input_width}
+    communicator = MultiModuleCommunicator(
+        plan, grids, config, output_ndim, pg_cache, input_width=input_width
+    )
     lm = plan.language_model
     mm_pgc = MultiModuleProcessGroupCollection(
         module_pgs=dict(module_pgcs), language_model_module_name=lm if lm in module_pgcs else None

@@ -18,7 +18,9 @@ also caches those groups per pipeline rather than per process, so a pipeline's
 - outgoing tensors checked before anything is sent: a module's last stage must return the
   ndim its bridges carry (else :class:`OutputNdimError`), and a tensor crossing an
   intra-module P2P link must not be 3-D with a singleton last dim (else
-  :class:`AmbiguousShapeError`: it would arrive 2-D);
+  :class:`AmbiguousShapeError`: it would arrive 2-D), and a tensor crossing a bridge must
+  have the last dim its receiving module declared (``ModuleImpl.input_width``, else
+  :class:`BridgeShapeError` naming both modules and both widths);
 - such an error is carried downstream in the first micro-batch: instead of the activation the
   failing rank sends an abort marker (a tensor with no elements whose shape names the error),
   through megatron-core's own shape exchange, so every rank waiting for that micro-batch
@@ -39,7 +41,12 @@ from megatron.core.pipeline_parallel.multimodule_communicator import (
 )
 
 from megatron_ext import registry
-from megatron_ext.multimodule.errors import AmbiguousShapeError, MultiModuleError, OutputNdimError
+from megatron_ext.multimodule.errors import (
+    AmbiguousShapeError,
+    BridgeShapeError,
+    MultiModuleError,
+    OutputNdimError,
+)
 
 # megatron's own reshaping for the bridge, so ours sends what its receivers expect.
 _COMMUNICATOR = "megatron.core.pipeline_parallel.multimodule_communicator"
@@ -52,7 +59,11 @@ MEGATRON_DIM_MAPPING = {"s": 0, "b": 1, "h": 2}
 # Abort markers: every dim but the batch dim is the code, the batch dim is 0, so the marker
 # has no elements and survives megatron's fan-in (cat) and fan-out (split) along the batch.
 # The codes are far from any real hidden or sequence size.
-_ABORT_CODES = {OutputNdimError: 1_000_003, AmbiguousShapeError: 1_000_033}
+_ABORT_CODES = {
+    OutputNdimError: 1_000_003,
+    AmbiguousShapeError: 1_000_033,
+    BridgeShapeError: 1_000_037,
+}
 _ERROR_OF_CODE = {code: error for error, code in _ABORT_CODES.items()}
 
 
@@ -112,8 +123,10 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
         config: Any,
         module_output_ndim: dict[str, int],
         pg_cache: dict,
+        input_width: Optional[dict[str, int]] = None,
     ) -> None:
         self.plan = plan
+        self.input_width = dict(input_width or {})
         self._pg_cache = pg_cache
         super().__init__(
             module_to_grid_map,
@@ -181,6 +194,9 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
                         f"output_ndim={tensor.ndim} for {name!r} in the plan (or give the "
                         f"module an output_ndim attribute), or return a {expected}-D tensor",
                     )
+                problem = self._width_problem(name, info, shape)
+                if problem is not None:
+                    return BridgeShapeError, problem
             elif tensor.ndim not in (2, 3):
                 return (
                     OutputNdimError,
@@ -194,6 +210,19 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
                     "last dim; megatron's intra-module P2P carries 2-D tensors as [N, h, 1] and "
                     "squeezes a trailing 1 on arrival, so this one would arrive 2-D. Give it a "
                     "last dim > 1 or send it 2-D",
+                )
+        return None
+
+    def _width_problem(self, name: str, info: Any, shape: tuple) -> Optional[str]:
+        """The first bridge whose receiver takes another last dim than ``shape``'s."""
+        for bridge in info.bridge_comms_as_src_module:
+            dst = bridge.dest_module_name
+            width = self.input_width.get(dst)
+            if width is not None and shape[-1] != width:
+                return (
+                    f"bridge {name} -> {dst}: {self._describe(name)} sends {list(shape)} "
+                    f"(width {shape[-1]}), but {dst!r} takes width {width} "
+                    f"([s, b, {width}]); build {name!r} and {dst!r} with the same hidden size"
                 )
         return None
 

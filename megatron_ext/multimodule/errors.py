@@ -37,3 +37,8 @@ class OutputNdimError(MultiModuleError):
 class AmbiguousShapeError(MultiModuleError):
     """A 3-D tensor with a singleton last dim was about to cross an intra-module P2P link,
     where it would arrive as a 2-D tensor."""
+
+
+class BridgeShapeError(MultiModuleError):
+    """A module's output does not have the width the module it feeds takes (e.g. an encoder
+    and a language model built with different hidden sizes)."""

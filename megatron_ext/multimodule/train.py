@@ -170,7 +170,7 @@ def recipe_problems(recipe: dict, world_size: Optional[int] = None) -> list[str]
         mm = read_recipe(recipe, world_size)
     except (ValueError, TypeError) as error:
         return [str(error)]
-    problems = mm.plan.problems()
+    problems = mm.plan.problems() + module_problems(mm)
     if mm.training.lr_schedule != "constant":
         problems.append(
             f"training.lr_schedule={mm.training.lr_schedule!r}: this entry trains "
@@ -183,6 +183,126 @@ def recipe_problems(recipe: dict, world_size: Optional[int] = None) -> list[str]
     except ValueError as error:
         problems.append(str(error))
     return problems
+
+
+def output_width(spec: dict) -> int:
+    """Width of what a module's last stage hands on: its hidden_size. A vision_encoder's
+    [s, b, h] (or flattened [b*s, h]) and a projector's Linear(h, h) keep h; mHC streams are
+    contracted back to h before a language model's final norm, never sent over a bridge."""
+    return int(spec.get("hidden_size", 64))
+
+
+def _bridge_width_problems(mm: MultiModuleRecipe) -> list[str]:
+    # The LLM's first stage concatenates every predecessor's [s, b, h] with its text
+    # embeddings along the sequence (vlm.language_model_impl) and a projector is a
+    # Linear(h, h): both need the predecessor's width. A mismatch fails only on the
+    # receiving rank, after every rank has started (the issue saw the run hang).
+    problems = []
+    for src, dst in mm.plan.edges:
+        sent, taken = output_width(mm.modules[src]), int(mm.modules[dst].get("hidden_size", 64))
+        if sent != taken:
+            problems.append(
+                f"bridge {src} -> {dst}: {src!r} hands on hidden_size {sent} but {dst!r} takes "
+                f"hidden_size {taken}; set model.modules.{src}.hidden_size={taken} or "
+                f"model.modules.{dst}.hidden_size={sent} (a projector maps h to h, so it must "
+                "match both neighbours)"
+            )
+    return problems
+
+
+def _size_problems(name: str, spec: dict) -> list[str]:
+    field = f"model.modules.{name}"
+    layers, hidden = spec.get("num_layers", 2), spec.get("hidden_size", 64)
+    heads, tp, pp = spec.get("num_attention_heads", 4), spec.get("tp", 1), spec.get("pp", 1)
+    positive = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads)
+    if spec["kind"] == "vision_encoder":
+        positive["patch_dim"] = spec.get("patch_dim", 48)
+    problems = [
+        f"{field}.{key}={value} must be >= 1" for key, value in positive.items() if value < 1
+    ]
+    if problems:
+        return problems
+    if spec["kind"] != "projector":  # a projector is one Linear: no layers, heads or stages
+        if layers % pp:
+            problems.append(
+                f"{field}.num_layers={layers} does not divide over its pp={pp} stages "
+                "(a stage would build a different number of layers than planned); make "
+                "num_layers a multiple of pp"
+            )
+        if hidden % heads:
+            problems.append(
+                f"{field}.hidden_size={hidden} is not a multiple of num_attention_heads="
+                f"{heads}; pick heads that divide the hidden size"
+            )
+        if heads % tp:
+            problems.append(
+                f"{field}.num_attention_heads={heads} does not split over tp={tp}; make it "
+                "a multiple of tp"
+            )
+    return problems
+
+
+def _image_problems(name: str, spec: dict) -> list[str]:
+    lengths = spec.get("image_lengths", [8])
+    if not lengths or any(int(n) < 1 for n in lengths):
+        return [
+            f"model.modules.{name}.image_lengths={list(lengths)} must be a non-empty list of "
+            "image token counts >= 1 (one per micro-batch, cycled)"
+        ]
+    return []
+
+
+# mHC fields this entry does not build (a recipe setting them would train without them).
+_UNUSED_MHC = {"recompute": False, "recompute_layer_num": None, "fused": False}
+
+
+def _mhc_problems(name: str, spec: dict) -> list[str]:
+    mhc, field = spec.get("mhc") or {}, f"model.modules.{name}.mhc"
+    if not mhc.get("enabled"):
+        return []
+    if spec["kind"] != "language_model":
+        return [
+            f"{field}.enabled: only the language_model builds mHC residual streams; the "
+            f"{spec['kind']} would silently train without them. Remove {field}"
+        ]
+    problems = [
+        f"{field}.{key}={mhc[key]} must be >= 1"
+        for key in ("num_residual_streams", "sinkhorn_iterations")
+        if key in mhc and mhc[key] < 1
+    ]
+    problems += [
+        f"{field}.{key}={mhc[key]!r} is not supported by megatron_ext.multimodule.train (it "
+        f"would be ignored); remove it"
+        for key, default in _UNUSED_MHC.items()
+        if mhc.get(key, default) != default
+    ]
+    return problems
+
+
+def _output_ndim_problems(name: str, spec: dict) -> list[str]:
+    # The built encoder reports 2 when flattening, else 3; a different plan value fails
+    # the build on every rank after start-up (MultiModuleBuildError).
+    declared, flatten = spec.get("output_ndim"), bool(spec.get("flatten_output", False))
+    if declared is None or declared == (2 if flatten else 3):
+        return []
+    return [
+        f"model.modules.{name}.output_ndim={declared} contradicts flatten_output={flatten} "
+        f"(the encoder hands on {'[b*s, h]' if flatten else '[s, b, h]'}); set output_ndim="
+        f"{2 if flatten else 3} or leave it unset"
+    ]
+
+
+def module_problems(mm: MultiModuleRecipe) -> list[str]:
+    """Module settings that the plan accepts but that fail or train wrong after ranks start:
+    sizes, image lengths, an encoder's output_ndim, mHC settings this entry would ignore,
+    widths across each bridge."""
+    problems = []
+    for name, spec in mm.modules.items():
+        problems += _size_problems(name, spec)
+        if spec["kind"] == "vision_encoder":
+            problems += _image_problems(name, spec) + _output_ndim_problems(name, spec)
+        problems += _mhc_problems(name, spec)
+    return problems + _bridge_width_problems(mm)
 
 
 def _module_impls(mm: MultiModuleRecipe) -> dict:

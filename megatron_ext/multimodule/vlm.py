@@ -136,7 +136,9 @@ def projector_impl(config: Any) -> ModuleImpl:
         (hidden,) = inputs.values()
         return module(hidden)
 
-    return ModuleImpl(factory=Projector, forward=forward, config=config)
+    return ModuleImpl(
+        factory=Projector, forward=forward, config=config, input_width=config.hidden_size
+    )
 
 
 def language_model_impl(config: Any, vocab_size: int, max_sequence_length: int) -> ModuleImpl:
@@ -173,7 +175,10 @@ def language_model_impl(config: Any, vocab_size: int, max_sequence_length: int) 
             labels=data["labels"] if stage.post_process else None,
         )
 
-    return ModuleImpl(factory=factory, forward=forward, config=config)
+    # Its first stage concatenates each predecessor's [s, b, h] with the text embeddings.
+    return ModuleImpl(
+        factory=factory, forward=forward, config=config, input_width=config.hidden_size
+    )
 
 
 # ------------------------------------------------------------------------------ data and loss

@@ -137,6 +137,11 @@ def submit(
     echo(f"megatron-ext submit {loaded.source} (platform {loaded.platform})")
     echo(f"  {plan.describe(loaded)}")
     echo(f"  run directory {run_dir}")
+    launch = loaded.recipe.launch
+    watch = slurm.StepWatch(
+        job.steps, job.world_size, launch.stall_timeout_s, launch.startup_timeout_s
+    )
+    watch.clear()
     try:
         job_id = slurm.submit(
             script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)}
@@ -160,7 +165,12 @@ def submit(
 
     timeout = slurm.time_limit_seconds(job.time) + 300
     result = slurm.wait(
-        job_id, run_dir, timeout, on_poll=poll, on_state=lambda s: echo(f"  job {job_id}: {s}")
+        job_id,
+        run_dir,
+        timeout,
+        on_poll=poll,
+        on_state=lambda s: echo(f"  job {job_id}: {s}"),
+        watch=watch,
     )
     for follower in followers:
         follower.poll(final=True)
@@ -177,9 +187,17 @@ def submit(
             "seconds": round(result.seconds, 2),
         }
     ]
-    if not result.ok:
+    if result.stall is not None:
+        echo(f"  first failure: {result.stall}")
+        echo(
+            f"training failed: rank {result.stall.rank} stalled (no progress for "
+            f"{result.stall.idle_s:.0f} s); job {job_id} cancelled"
+        )
+        phase_results[0]["stalled_rank"] = result.stall.rank
+    elif not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
         _echo_first_failure(job, echo)
+    if not result.ok:
         runner._write_summary(
             loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started
         )

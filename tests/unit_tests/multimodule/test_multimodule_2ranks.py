@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from multimodule_cases import (
+    PATCH,
     encoder,
     equivalence,
     flattened,
@@ -20,11 +21,13 @@ from multimodule_cases import (
 )
 
 from megatron_ext.multimodule import (
+    BridgeShapeError,
     ModuleImpl,
     ModulePlan as M,
     MultiModuleBuildError,
     OutputNdimError,
 )
+from megatron_ext.multimodule import vlm
 from megatron_ext.multimodule.vlm import as_sbh
 
 pytestmark = pytest.mark.world_size(2)
@@ -82,10 +85,10 @@ def test_a_3d_tensor_with_a_singleton_last_dim_crosses_a_bridge_intact():
 
         return wrapped
 
+    llm = language_model(forward=widen)
+    llm.input_width = 1  # its forward widens what it receives
     equivalence(
-        {"enc": M(), "llm": M(first_rank=1)},
-        ENC_LLM,
-        {"enc": encoder(forward=narrow), "llm": language_model(forward=widen)},
+        {"enc": M(), "llm": M(first_rank=1)}, ENC_LLM, {"enc": encoder(forward=narrow), "llm": llm}
     )
 
 
@@ -108,6 +111,27 @@ def test_wrong_output_ndim_is_raised_on_every_rank_before_the_first_send():
     )
     assert "returned a 2-D tensor" in messages[0] and "set output_ndim=2 for 'enc'" in messages[0]
     assert "received an abort marker from 'enc'" in messages[1]
+
+
+def test_an_encoder_wider_than_the_language_model_is_raised_on_every_rank():
+    """Encoder h=64 -> language model h=32: named at the bridge, on both ranks, before the
+    first send (the receiver's concatenation used to fail alone and leave the encoder
+    waiting for a gradient)."""
+    wide = vlm.encoder_impl(vlm.transformer_config(2, 64, 4), PATCH)
+    messages = raises_everywhere(
+        BridgeShapeError,
+        lambda: pipeline_only(
+            {"enc": M(), "llm": M(first_rank=1)}, ENC_LLM, {"enc": wide, "llm": language_model()}
+        ),
+    )
+    assert (
+        "bridge enc -> llm: rank 0 (module 'enc', pipeline stage 0 of 1) sends [4, 2, 64]"
+        in messages[0]
+    )
+    assert "but 'llm' takes width 32" in messages[0]
+    assert (
+        "received an abort marker from 'enc'" in messages[1] and "BridgeShapeError" in messages[1]
+    )
 
 
 def test_a_plan_contradicting_the_module_output_ndim_fails_the_build_everywhere():

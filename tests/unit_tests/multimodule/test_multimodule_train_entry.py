@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_ext.multimodule.train import _parse_args, load_recipe, read_recipe, validate_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,3 +39,89 @@ def test_arguments_recipe_overrides_and_megatron_flags():
     assert args.recipe == str(RECIPE) and overrides == ["training.iterations=5"]
     recipe = load_recipe(str(RECIPE), ["training.lr=3e-3"])
     assert read_recipe(recipe, 4).training.lr == 0.003  # YAML's '3e-3' string is coerced
+
+
+# A projector between the encoder (ranks 0-1) and the language model (now ranks 3-4).
+PROJECTOR = [
+    "model.modules.proj={kind: projector, first_rank: 2, hidden_size: 64}",
+    "model.modules.llm.first_rank=3",
+    "launch.nproc=5",
+    "model.topology={vision_encoder: [proj], proj: [llm]}",
+]
+
+# Accepted by the plan but failing or training wrong after ranks start: (overrides, the
+# one-line error's text). Each must be reported by validate, before anything is built.
+ACCEPTED_BUT_WRONG = [
+    (
+        ["model.modules.vision_encoder.output_ndim=2"],
+        "vision_encoder.output_ndim=2 contradicts flatten_output=False",
+    ),
+    (["model.modules.llm.mhc.num_residual_streams=0"], "mhc.num_residual_streams=0 must be >= 1"),
+    (["model.modules.llm.mhc.fused=true"], "mhc.fused=True is not supported by megatron_ext"),
+    (
+        ["model.modules.llm.hidden_size=32"],
+        "bridge vision_encoder -> llm: 'vision_encoder' hands on hidden_size 64 but 'llm' "
+        "takes hidden_size 32; set model.modules.vision_encoder.hidden_size=32 or "
+        "model.modules.llm.hidden_size=64",
+    ),
+    (
+        [
+            "model.modules.vision_encoder.hidden_size=128",
+            "model.modules.vision_encoder.flatten_output=true",
+        ],
+        "'vision_encoder' hands on hidden_size 128 but 'llm' takes hidden_size 64",
+    ),
+    (
+        PROJECTOR + ["model.modules.proj.hidden_size=32"],
+        "bridge vision_encoder -> proj: 'vision_encoder' hands on hidden_size 64 but 'proj'",
+    ),
+    (
+        PROJECTOR
+        + ["model.modules.llm.hidden_size=32", "model.modules.vision_encoder.hidden_size=32"],
+        "bridge proj -> llm: 'proj' hands on hidden_size 64 but 'llm' takes hidden_size 32",
+    ),
+    (
+        ["model.modules.vision_encoder.mhc.enabled=true"],
+        "model.modules.vision_encoder.mhc.enabled: only the language_model builds mHC",
+    ),
+    (
+        ["model.modules.llm.num_layers=3"],
+        "model.modules.llm.num_layers=3 does not divide over its pp=2",
+    ),
+    (
+        ["model.modules.llm.num_attention_heads=5"],
+        "hidden_size=64 is not a multiple of num_attention_heads=5",
+    ),
+    (
+        ["model.modules.llm.tp=2", "launch.nproc=6", "model.modules.llm.num_attention_heads=1"],
+        "model.modules.llm.num_attention_heads=1 does not split over tp=2",
+    ),
+    (
+        ["model.modules.vision_encoder.patch_dim=0"],
+        "model.modules.vision_encoder.patch_dim=0 must be >= 1",
+    ),
+    (["model.modules.llm.hidden_size=0"], "model.modules.llm.hidden_size=0 must be >= 1"),
+    (
+        ["model.modules.vision_encoder.image_lengths=[8, 0]"],
+        "image_lengths=[8, 0] must be a non-empty list",
+    ),
+    (
+        ["model.modules.vision_encoder.image_lengths=[]"],
+        "image_lengths=[] must be a non-empty list",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", ACCEPTED_BUT_WRONG, ids=lambda v: str(v)[:40])
+def test_validate_rejects_modules_that_fail_after_ranks_start(overrides, expected):
+    problems = validate_recipe(str(RECIPE), overrides, world_size=None)
+    assert any(expected in p for p in problems), problems
+    assert all("\n" not in p for p in problems)
+
+
+def test_matching_widths_through_a_projector_and_flattened_output_are_valid():
+    assert validate_recipe(str(RECIPE), PROJECTOR, world_size=None) == []
+    flat = ["model.modules.vision_encoder.flatten_output=true"]
+    assert validate_recipe(str(RECIPE), flat, world_size=None) == []
+    flat.append("model.modules.vision_encoder.output_ndim=2")
+    assert validate_recipe(str(RECIPE), flat, world_size=None) == []

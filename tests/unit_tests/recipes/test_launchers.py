@@ -1,6 +1,8 @@
 """The local launcher (torchrun semantics, per-rank logs, failure handling) and the sbatch
 script, without Megatron: the ranks here are a few lines of Python."""
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -142,6 +144,103 @@ def test_stall_limits_start_up_allowance_then_relative_to_the_step(tmp_path, mon
     monkeypatch.setenv(heartbeat.STALL_ENV, "soon")
     with pytest.raises(ValueError, match="MEGATRON_EXT_STALL_TIMEOUT_S='soon': expected a number"):
         heartbeat.Watchdog(tmp_path, 2)
+
+
+def _stub_slurm(tmp_path, monkeypatch, running_polls: int) -> Path:
+    """squeue says RUNNING for ``running_polls`` polls, then the job has left the queue;
+    scancel and scontrol record their arguments."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm-calls"
+    bin_dir.mkdir()
+    stubs = {
+        "squeue": f'n=$(cat "{log}.n" 2>/dev/null || echo 0); echo $((n + 1)) > "{log}.n"\n'
+        f'[ "$n" -lt {running_polls} ] && echo RUNNING || exit 1',
+        "scancel": f'echo "scancel $*" >> "{log}"',
+        "scontrol": 'echo "JobState=COMPLETED ExitCode=0:0"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm, "POLL_S", 0.01)
+    return log
+
+
+def _beat(directory: Path, rank: int, progress: float, waiting: bool) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    record = dict(step=7, progress=progress, slowest_gap=0.1, waiting=waiting, io=False)
+    record["where"] = "p2p_communication.py:1 in recv" if waiting else "model.py:3 in forward"
+    (directory / f"rank-{rank}.json").write_text(json.dumps(record))
+
+
+def test_slurm_wait_cancels_a_stalled_job_and_names_the_rank(tmp_path, monkeypatch):
+    """The heartbeats come over the shared file system; the stall limit is the recipe's."""
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
+    steps = [slurm.Step(n, "m", [], tmp_path / n / "logs") for n in ("first", "resume")]
+    watch = slurm.StepWatch(steps, 2, stall_s=5.0, startup_s=300.0)
+    old = time.time() - 60
+    _beat(slurm.heartbeat_dir(steps[0]), 0, old + 1, waiting=True)
+    _beat(slurm.heartbeat_dir(steps[0]), 1, old, waiting=False)
+    result = slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch)
+    assert result.state == "STALLED" and not result.ok and not result.timed_out, result
+    assert (result.stall.rank, result.stall.step, result.stall.waiting) == (1, 7, (0,))
+    assert "model.py:3 in forward" in str(result.stall)
+    assert log.read_text() == "scancel 42\n"
+
+
+def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatch):
+    """The resume step's directory appeared (no beats yet): the first step's stale beats
+    no longer count, and the job runs to its end; with no watch nothing is cancelled."""
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=5)
+    steps = [slurm.Step(n, "m", [], tmp_path / n / "logs") for n in ("first", "resume")]
+    for rank in range(2):
+        _beat(slurm.heartbeat_dir(steps[0]), rank, time.time() - 60, waiting=False)
+    slurm.heartbeat_dir(steps[1]).mkdir(parents=True)
+    watch = slurm.StepWatch(steps, 2, stall_s=5.0, startup_s=300.0)
+    (tmp_path / "job_exit_code").write_text("0\n")  # what the batch script's trap leaves
+    result = slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch)
+    assert result.ok and result.exit_code == 0
+    assert result.stall is None and result.state == "COMPLETED" and not log.exists(), result
+    # the last step ended (its srun returned) while the job is still in the queue
+    for rank in range(2):
+        _beat(slurm.heartbeat_dir(steps[1]), rank, time.time() - 60, waiting=False)
+    (slurm.heartbeat_dir(steps[1]) / slurm.ENDED).touch()
+    (tmp_path / "slurm-calls.n").unlink()
+    assert slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch).stall is None
+    (slurm.heartbeat_dir(steps[1]) / slurm.ENDED).unlink()
+    (tmp_path / "slurm-calls.n").unlink()
+    assert slurm.wait("42", tmp_path, timeout_s=60.0, watch=watch).stall.rank == 0
+    watch.clear()
+    assert not any(slurm.heartbeat_dir(step).exists() for step in steps)
+
+
+def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatch):
+    from conftest import MINIMAL
+
+    from megatron_ext.recipes import submit as submit_module
+
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MINIMAL)
+    loaded = load(recipe, overrides=["launch.stall_timeout_s=5"])
+    run_dir = tmp_path / "run"
+
+    def sbatch(script, env=None):  # the job starts: rank 0 computes, ranks 1-3 wait on it
+        beats = run_dir / "logs" / "heartbeat"
+        for rank in range(4):
+            _beat(beats, rank, time.time() - 60 + rank, waiting=rank > 0)
+        return "42"
+
+    monkeypatch.setattr(slurm, "submit", sbatch)
+    lines = []
+    outcome = submit_module.submit(
+        loaded, SlurmOptions(), run_dir=run_dir, megatron_checks=False, echo=lines.append
+    )
+    assert outcome.exit_code == 3 and log.read_text() == "scancel 42\n", lines
+    first = [line for line in lines if line.startswith("  first failure: ")]
+    assert first and first[0].startswith("  first failure: rank 0 stalled at step 7: "), lines
+    assert "model.py:3 in forward; rank(s) 1, 2, 3 waiting on a peer" in first[0]
+    assert lines[-1].startswith("training failed: rank 0 stalled (no progress for 5"), lines
+    assert lines[-1].endswith("s); job 42 cancelled")
 
 
 def test_ranks_die_with_a_killed_launcher(job, tmp_path):

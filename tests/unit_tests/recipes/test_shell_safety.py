@@ -182,6 +182,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     env = dict(e.split("=", 1) for e in (stubs / "srun.env").read_text().split("\0") if "=" in e)
     for i in range(len(hostile)):
         assert env[f"HOSTILE_{i}"] == envs[f"HOSTILE_{i}"]
+    # the resume step (the last srun) beats into its own directory, which the script made
+    assert env["MEGATRON_EXT_HEARTBEAT_DIR"] == f"{run_dir.resolve()}/logs/resume/heartbeat"
+    assert Path(env["MEGATRON_EXT_HEARTBEAT_DIR"]).is_dir()
     assert outcome.run_dir == run_dir.resolve()
 
     # command.sh of the same run, with the interpreter replaced by the stub.
