@@ -46,13 +46,12 @@ def _plan(args, mhc: bool):
 
 def _traced_step(args, mhc: bool) -> list:
     """This rank's trace events of one PP=2 training step."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from megatron_ext.config import MHCTransformerConfig
     from megatron_ext.pipeline.trace import Tracer, tracing
     from megatron_ext.testing.distributed import model_parallel
     from megatron_ext.testing.equivalence import (
         build_model_chunks,
+        forward_backward,
         gpt_forward_step,
         gpt_model_factory,
         make_microbatches,
@@ -68,15 +67,7 @@ def _traced_step(args, mhc: bool) -> list:
         data = make_microbatches(plan, 0)[: args.microbatches]
         tracer = Tracer()
         with tracing(tracer):
-            get_forward_backward_func()(
-                forward_step_func=gpt_forward_step,
-                data_iterator=iter(data),
-                model=chunks,
-                num_microbatches=args.microbatches,
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size,
-                forward_only=False,
-            )
+            forward_backward(plan, gpt_forward_step, chunks, iter(data), args.microbatches)
         return tracer.events
 
 

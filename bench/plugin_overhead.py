@@ -126,13 +126,13 @@ def _model_part(args) -> None:
 
 def _pp_part(args) -> None:
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext import registry, runtime
     from megatron_ext.testing.distributed import init_distributed, model_parallel
     from megatron_ext.testing.equivalence import (
         TrainPlan,
         build_model_chunks,
+        forward_backward,
         gpt_forward_step,
         gpt_model_factory,
         make_microbatches,
@@ -160,15 +160,7 @@ def _pp_part(args) -> None:
         data = make_microbatches(plan, 0)[: args.microbatches]
 
         def run():
-            get_forward_backward_func()(
-                forward_step_func=gpt_forward_step,
-                data_iterator=iter(data),
-                model=chunks,
-                num_microbatches=args.microbatches,
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size,
-                forward_only=False,
-            )
+            forward_backward(plan, gpt_forward_step, chunks, iter(data), args.microbatches)
             dist.barrier()
 
         def step() -> tuple[float, float]:

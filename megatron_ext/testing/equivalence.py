@@ -254,11 +254,34 @@ class Reference:
     final_weights: dict[str, torch.Tensor]
 
 
+def forward_backward(plan: TrainPlan, forward_step, model: list, data, num_microbatches: int):
+    """One step's forward and backward passes through megatron-core's schedule for ``model``
+    (its chunks), at the plan's sequence length and micro-batch size; the schedule's reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=plan.seq_length,
+        micro_batch_size=plan.micro_batch_size,
+        forward_only=False,
+    )
+
+
+def raise_differences(problems: list[str], error: type[Exception], reference: str) -> None:
+    """Raise ``error`` listing the first 20 differences from ``reference`` (none: return)."""
+    if not problems:
+        return
+    shown = "\n  ".join(problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise error(f"{len(problems)} differences from {reference}:\n  {shown}{more}")
+
+
 def run_reference(
     plan: TrainPlan, factory: ModelFactory, forward_step, config_class=None
 ) -> Reference:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     with model_parallel(seed=plan.seed):
         config = transformer_config(plan, parallel=False, config_class=config_class)
         model = factory(config, True, True, None)
@@ -272,14 +295,8 @@ def run_reference(
         for step in range(plan.steps):
             optimizer.zero_grad(set_to_none=False)
             microbatches = make_microbatches(plan, step)
-            reports = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(microbatches),
-                model=[model],
-                num_microbatches=len(microbatches),
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size,
-                forward_only=False,
+            reports = forward_backward(
+                plan, forward_step, [model], iter(microbatches), len(microbatches)
             )
             losses.append(sum(r["lm loss"] for r in reports) / len(reports))
             if config.calculate_per_token_loss:
@@ -343,7 +360,6 @@ def run_sharded(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=plan.seed):
         config = transformer_config(plan, parallel=True, config_class=config_class)
@@ -390,15 +406,7 @@ def run_sharded(
             optimizer.zero_grad()
             mine = make_microbatches(plan, step)[dp_rank * n_local : (dp_rank + 1) * n_local]
             data = [iter(mine) for _ in chunks] if plan.vpp else iter(mine)
-            reports = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=data,
-                model=chunks,
-                num_microbatches=n_local,
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size,
-                forward_only=False,
-            )
+            reports = forward_backward(plan, forward_step, chunks, data, n_local)
             if plan.use_distributed_optimizer:
                 _gather_full_grad_buffers(chunks)
             if on_gradients is not None:
@@ -486,10 +494,5 @@ def check_equivalence(
         reference.final_weights,
         plan.param_atol,
     )
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise EquivalenceError(
-            f"{len(problems)} differences from the single-rank reference:\n  {shown}{more}"
-        )
+    raise_differences(problems, EquivalenceError, "the single-rank reference")
     return reference

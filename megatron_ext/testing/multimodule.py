@@ -36,7 +36,7 @@ from megatron_ext.multimodule.vlm import (
     make_forward_step,
     masked_lm_loss,
 )
-from megatron_ext.testing.equivalence import compare_pieces
+from megatron_ext.testing.equivalence import compare_pieces, raise_differences
 from megatron_ext.testing import shards
 from megatron_ext.testing.shards import ShardedParam, full_tensors, load_full_weights, local_pieces
 
@@ -365,10 +365,5 @@ def check_pipeline_equivalence(
         reference.final,
         run.param_atol,
     )
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise PipelineEquivalenceError(
-            f"{len(problems)} differences from the single-process reference:\n  {shown}{more}"
-        )
+    raise_differences(problems, PipelineEquivalenceError, "the single-process reference")
     return reference
