@@ -375,7 +375,7 @@ class HyperConnectionModule(MegatronModule):
         z = self._mapping_logits(x.reshape(-1, x.shape[-1]))
         h_pre = torch.sigmoid(z[:, :n])
         h_post = torch.sigmoid(z[:, n : 2 * n]) * 2.0
-        # Sinkhorn runs token-last: [T, n*n] -> [n, n, T] (a small copy).
+        # Sinkhorn runs token-last: [T, n*n] -> [n, n, T] (it copies this view contiguous).
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 

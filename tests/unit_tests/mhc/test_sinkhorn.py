@@ -4,7 +4,13 @@ and fp32 maths for bf16 inputs."""
 import pytest
 import torch
 
-from megatron_ext.mhc.sinkhorn import SinkhornKnopp, sinkhorn_knopp, sinkhorn_reference
+from megatron_ext.mhc.sinkhorn import (
+    SinkhornKnopp,
+    sinkhorn_forward_token_last,
+    sinkhorn_knopp,
+    sinkhorn_reference,
+    sinkhorn_token_last,
+)
 
 
 def _logits(*shape, dtype=torch.float32, seed=0, scale=3.0):
@@ -100,3 +106,22 @@ def test_iterations_below_one_are_rejected(iterations):
         sinkhorn_knopp(torch.zeros(2, 2), iterations)
     with pytest.raises(ValueError, match="iterations"):
         SinkhornKnopp.apply(torch.zeros(2, 2, requires_grad=True), iterations)
+
+
+def test_token_last_sinkhorn_runs_on_contiguous_token_rows_whatever_the_input_layout():
+    """The maps hand the Sinkhorn a transposed view of [T, n²+2n] logits (token dim strided).
+    Every op would inherit that layout and run ~3× slower in a layer, so the view is copied
+    once: the projection, M0 (what backward keeps) and the result are contiguous token rows."""
+    n, tokens = 4, 64
+    logits = _logits(tokens, n * n + 2 * n, seed=5)
+    view = logits[:, 2 * n :].t().reshape(n, n, -1)
+    assert not view.is_contiguous()
+
+    projected, m0 = sinkhorn_forward_token_last(view, 20)
+    assert projected.is_contiguous() and m0.is_contiguous()
+    torch.testing.assert_close(projected, sinkhorn_forward_token_last(view.contiguous(), 20)[0])
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sinkhorn_token_last(view.clone().requires_grad_(True), 20)
+    assert saved and all(tensor.is_contiguous() for tensor in saved)
