@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_ext.recipes import metrics as met
 
@@ -94,7 +95,12 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
     # What a user finds in the run directory.
     for name in ("recipe.yaml", "command.sh", "metrics.json", "loss.png", "comparison.txt"):
         assert (run_dir / name).is_file(), name
-    assert (run_dir / "logs" / f"rank-{summary['world_size'] - 1}.log").is_file()
+    last_rank_log = (run_dir / "logs" / f"rank-{summary['world_size'] - 1}.log").read_text()
+    eval_interval = (yaml.safe_load((run_dir / "recipe.yaml").read_text())["training"]).get(
+        "eval_interval"
+    )
+    if eval_interval:  # evaluation ran through the (forward-only) pipeline schedule
+        assert f"validation loss at iteration {eval_interval} " in last_rank_log
     metrics = json.loads((run_dir / "metrics.json").read_text())
     expected = {"lm loss"}
     if "multimodule" not in recipe.stem:
