@@ -79,13 +79,18 @@ def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[
 
 def build_fields(config: Any, **run_fields: Any) -> dict[str, Any]:
     """What the stages must agree on before any of them is built: :func:`stage_fields` (the
-    shape is not known yet), whether the tied embedding is all-reduced across them and how big
-    it is (``mtp_num_layers`` adds the MTP stage to that all-reduce), then ``run_fields``
+    shape is not known yet), the MTP depth (it adds the MTP stage to the tied embedding's
+    all-reduce), the layer and virtual-stage counts, then ``run_fields``
     (the caller's: e.g. share_embeddings_and_output_weights, padded_vocab_size, seq_length,
     micro_batch_size, in the order they are to be reported)."""
     fields = stage_fields(config, None)
     del fields["exchanged tensor shape"]
     fields["mtp_num_layers"] = getattr(config, "mtp_num_layers", None) or 0
+    # every stage derives its layers and its schedule's chunks from these global counts
+    fields["num_layers"] = getattr(config, "num_layers", None)
+    fields["virtual_pipeline_model_parallel_size"] = getattr(
+        config, "virtual_pipeline_model_parallel_size", None
+    )
     return {**fields, **run_fields}
 
 

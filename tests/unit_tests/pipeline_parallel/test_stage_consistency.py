@@ -186,6 +186,21 @@ def test_first_difference_names_the_first_field_in_order():
     assert consistency.first_difference([base, unknown]) is None
 
 
+def test_the_fields_agreed_before_build_add_what_the_constructor_and_schedule_share():
+    config = types.SimpleNamespace(hidden_size=32, num_layers=4, mtp_num_layers=None)
+    fields = consistency.build_fields(config, padded_vocab_size=64, seq_length=16)
+    assert "exchanged tensor shape" not in fields  # not known before the first exchange
+    assert list(fields)[0] == "hidden_size" and list(fields)[-2:] == [
+        "padded_vocab_size",
+        "seq_length",
+    ]
+    assert fields["mtp_num_layers"] == 0 and fields["num_layers"] == 4
+    deeper = {**fields, "rank": 1, "num_layers": 8}
+    assert consistency.first_difference([{**fields, "rank": 0}, deeper]).startswith(
+        "pipeline stages disagree on num_layers: stage 0 (rank 0) 4, stage 1 (rank 1) 8."
+    )
+
+
 class _Group:
     def __init__(self, rank: int, size: int):
         self._rank, self._size = rank, size
