@@ -194,12 +194,12 @@ def model_provider(
 
     ``pretrain`` calls it once per model chunk with ``pre_process`` (embedding here) and
     ``post_process`` (output layer and loss here) already set from the stage and the virtual
-    stage, and with ``vp_stage`` under interleaving.
+    stage, and with ``vp_stage`` under interleaving. Its first call agrees the configuration
+    with the other pipeline stages before anything is built (:func:`training_steps.stage_config`).
     """
     args = get_args()
     print_rank_0("building GPT model ...")
-    if config is None:
-        config = transformer_config(args, config_class)
+    config = training_steps.stage_config(args, config, config_class, pg_collection)
     decoder_spec = transformer_layer_spec(args, config, vp_stage)
     return GPTModel(
         config=config,

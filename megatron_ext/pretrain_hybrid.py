@@ -94,11 +94,12 @@ def model_provider(
     config_class: type[TransformerConfig] = TransformerConfig,
 ) -> HybridModel:
     """Build this pipeline stage's (or virtual stage's) HybridModel; ``pretrain`` calls it
-    once per model chunk with ``pre_process`` / ``post_process`` / ``vp_stage`` set."""
+    once per model chunk with ``pre_process`` / ``post_process`` / ``vp_stage`` set; its
+    first call agrees the configuration with the other pipeline stages before anything is
+    built (:func:`training_steps.stage_config`)."""
     args = get_args()
     print_rank_0("building Hybrid model ...")
-    if config is None:
-        config = transformer_config(args, config_class)
+    config = training_steps.stage_config(args, config, config_class, pg_collection)
     return HybridModel(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(args),

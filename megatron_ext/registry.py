@@ -323,7 +323,9 @@ register(
             "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
             "passes through _communicate, the one place both can be widened. The same seam "
             "checks, at a communicator's first exchange, that all stages agree on the fields "
-            "that shape these tensors (pipeline.consistency), and every send's shape."
+            "that shape these tensors (pipeline.consistency; only the shape, once per shape, "
+            "where the entry's model provider agreed on the fields before build), and every "
+            "send's shape."
         ),
     )
 )

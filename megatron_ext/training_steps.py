@@ -37,6 +37,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
 from megatron_ext.models.lm_loss import masked_token_loss
+from megatron_ext.pipeline import consistency
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
 ENTRY_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -185,6 +186,37 @@ def transformer_config(
 
         return core_transformer_config_from_yaml(args, "language_model")
     return core_transformer_config_from_args(args, config_class=config_class)
+
+
+def agreed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags beyond the TransformerConfig that shape the tied embedding (all-reduced across
+    the first and last stages while they are built) and the tensors the stages exchange."""
+    return {
+        "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
+        "padded_vocab_size": args.padded_vocab_size,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+    }
+
+
+def stage_config(
+    args: argparse.Namespace,
+    config: Optional[TransformerConfig],
+    config_class: type[TransformerConfig],
+    pg_collection=None,
+) -> TransformerConfig:
+    """This stage's TransformerConfig (from the flags unless ``pretrain`` passes one), agreed
+    with every other pipeline stage before the model is built (on the provider's first call;
+    see :mod:`megatron_ext.pipeline.consistency`): megatron-core all-reduces the tied
+    embedding inside the constructor, where stages built differently fail without naming
+    who differs. Raises PipelineConsistencyError on every rank of the pipeline group."""
+    if config is None:
+        config = transformer_config(args, config_class)
+    group = getattr(pg_collection, "pp", None)
+    if group is None and mpu.model_parallel_is_initialized():
+        group = mpu.get_pipeline_model_parallel_group()
+    consistency.agree_before_build(config, group, agreed_run_fields(args))
+    return config
 
 
 def language_model_kwargs(

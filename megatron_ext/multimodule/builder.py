@@ -8,8 +8,9 @@ megatron-core 0.19.2 leaves to the user (``notes/multimodule.md`` §1 lists ten)
    or not, in the plan's order (they are collective over the whole world);
 3. fill a ``ProcessGroupCollection`` for each module on this rank;
 4. build this rank's module stages with their factories, each wrapped in megatron-core's DDP
-   with its own groups; build failures and each module's output ndim are then agreed on by all
-   ranks, so a failure raises the same error everywhere;
+   with its own groups; build failures, each module's output ndim and the width each module
+   takes from its bridges (declared, or derived from the built module: :func:`input_width_of`)
+   are then agreed on by all ranks, so a failure raises the same error everywhere;
 5. create the communicator (bridges use the grids' backend) and the
    ``MultiModuleProcessGroupCollection``;
 6. wrap the stages in a :class:`MultiModuleModel` and point the pipeline config's
@@ -61,9 +62,10 @@ class ModuleImpl:
     forward: Optional[StageForward] = None
     config: Any = None
     input_width: Optional[int] = None
-    """The last dim its first stage takes from its bridges (None: not checked). A sender
-    whose output has another width raises BridgeShapeError before sending, instead of the
-    receiver failing (or hanging) inside its forward."""
+    """The last dim its first stage takes from its bridges (None: derived from the built
+    module, see :func:`input_width_of`; a module that receives and shows no width fails the
+    build). A sender whose output has another width raises BridgeShapeError before sending,
+    instead of the receiver failing (or hanging, or silently reshaping) inside its forward."""
 
 
 @dataclass
@@ -170,6 +172,61 @@ def ensure_global_memory_buffer() -> bool:
 def _is_member(group: Any) -> bool:
     non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
     return group is not None and group is not non_member
+
+
+def input_width_of(module: torch.nn.Module) -> Optional[int]:
+    """The last dim ``module`` (a first stage, before DDP) takes from its bridges, as the
+    module shows it: its ``input_width`` attribute; for a megatron language model its
+    hidden_size (its first stage takes the bridged ``decoder_input`` [s, b, h]); else the input
+    features of its first linear layer in registration order (torch's Linear, megatron's
+    Column/RowParallelLinear: ``input_size``, Transformer Engine's: ``in_features``; all full
+    widths, as a bridge delivers). None when it shows none of these."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    declared = getattr(module, "input_width", None)
+    if declared:
+        return int(declared)
+    if isinstance(module, LanguageModule):
+        return int(module.config.hidden_size)
+    for sub in module.modules():
+        if "Linear" not in type(sub).__name__:
+            continue
+        width = getattr(sub, "in_features", None) or getattr(sub, "input_size", None)
+        if isinstance(width, int) and width > 0:
+            return width
+    return None
+
+
+def resolve_input_widths(
+    plan: MultiModulePlan, impls: dict[str, ModuleImpl], shown: list[dict[str, Optional[int]]]
+) -> tuple[dict[str, int], list[str]]:
+    """Every bridge receiver's width: its ``ModuleImpl.input_width``, else what its first-stage
+    ranks derived (``shown``: one {module: width} per rank). Returns (widths, problems): a
+    receiver that shows no width, or different ones on different ranks, is a problem."""
+    widths, problems = {}, []
+    for name in plan.modules:
+        if impls[name].input_width:
+            widths[name] = int(impls[name].input_width)
+            continue
+        if not plan.predecessors(name):
+            continue
+        found = {rank_widths[name] for rank_widths in shown if name in rank_widths}
+        if found == {None} or not found:
+            problems.append(
+                f"module {name!r} receives from {plan.predecessors(name)} but shows no input "
+                "width (no input_width attribute, not a megatron language model, no linear "
+                "layer), so what crosses its bridges cannot be checked; give "
+                f"ModuleImpl(input_width=...) for {name!r} or its module an input_width "
+                "attribute"
+            )
+        elif len(found) > 1:
+            problems.append(
+                f"module {name!r}: its first-stage ranks show different input widths "
+                f"{sorted(found, key=str)}"
+            )
+        else:
+            widths[name] = found.pop()
+    return widths, problems
 
 
 def _agree(problem: Optional[str], what: str) -> None:
@@ -313,7 +370,7 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
     module_pgcs = {n: _pg_collection(n, grids[n], embedding_groups) for n in local_names}
 
     stages, modules, forwards, finalize_pgcs = {}, {}, {}, {}
-    problem, ndims = None, {}
+    problem, ndims, shown_widths = None, {}, {}
     try:
         for name in local_names:
             m = plan.modules[name]
@@ -371,13 +428,16 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
             finalize_pgcs[name] = finalize_pgc
             if stage.post_process and stage.successors:
                 ndims[name] = getattr(core_module(module), "output_ndim", None)
+            if stage.pre_process and stage.predecessors and not impl.input_width:
+                shown_widths[name] = input_width_of(core_module(module))
     except Exception as error:  # agreed on below, so every rank raises it
         problem = "".join(traceback.format_exception_only(type(error), error)).strip()
         problem += "\n" + "".join(traceback.format_tb(error.__traceback__)[-3:])
     _agree(problem, "building the module stages")
 
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ndims)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (ndims, shown_widths))
+    gathered = [rank_ndims for rank_ndims, _ in everyone]
     output_ndim, ndim_problems = {}, []
     for name, m in plan.modules.items():
         inferred = {rank_ndims.get(name) for rank_ndims in gathered} - {None}
@@ -395,8 +455,10 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
         output_ndim[name] = declared or (min(inferred) if inferred else 3)
     _agree("; ".join(ndim_problems) if ndim_problems else None, "checking output ndims")
 
+    input_width, width_problems = resolve_input_widths(plan, impls, [w for _, w in everyone])
+    _agree("; ".join(width_problems) if width_problems else None, "checking input widths")
+
     pg_cache: dict = {}
-    input_width = {n: impl.input_width for n, impl in impls.items() if impl.input_width}
     communicator = MultiModuleCommunicator(
         plan, grids, config, output_ndim, pg_cache, input_width=input_width
     )

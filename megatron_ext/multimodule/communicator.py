@@ -19,8 +19,9 @@ also caches those groups per pipeline rather than per process, so a pipeline's
   ndim its bridges carry (else :class:`OutputNdimError`), and a tensor crossing an
   intra-module P2P link must not be 3-D with a singleton last dim (else
   :class:`AmbiguousShapeError`: it would arrive 2-D), and a tensor crossing a bridge must
-  have the last dim its receiving module declared (``ModuleImpl.input_width``, else
-  :class:`BridgeShapeError` naming both modules and both widths);
+  have the last dim its receiving module takes (``ModuleImpl.input_width``, or what the
+  built module shows: ``builder.input_width_of``), else :class:`BridgeShapeError` naming
+  both modules and both widths;
 - such an error is carried downstream in the first micro-batch: instead of the activation the
   failing rank sends an abort marker (a tensor with no elements whose shape names the error),
   through megatron-core's own shape exchange, so every rank waiting for that micro-batch

@@ -113,15 +113,20 @@ def test_wrong_output_ndim_is_raised_on_every_rank_before_the_first_send():
     assert "received an abort marker from 'enc'" in messages[1]
 
 
-def test_an_encoder_wider_than_the_language_model_is_raised_on_every_rank():
+@pytest.mark.parametrize("width", ["declared", "shown by the built module"])
+def test_an_encoder_wider_than_the_language_model_is_raised_on_every_rank(width):
     """Encoder h=64 -> language model h=32: named at the bridge, on both ranks, before the
     first send (the receiver's concatenation used to fail alone and leave the encoder
-    waiting for a gradient)."""
+    waiting for a gradient). The receiver's width is its ModuleImpl's, or, not declared,
+    the one its built module shows (a megatron language model: its hidden size)."""
     wide = vlm.encoder_impl(vlm.transformer_config(2, 64, 4), PATCH)
+    llm = language_model()
+    if width != "declared":
+        llm.input_width = None
     messages = raises_everywhere(
         BridgeShapeError,
         lambda: pipeline_only(
-            {"enc": M(), "llm": M(first_rank=1)}, ENC_LLM, {"enc": wide, "llm": language_model()}
+            {"enc": M(), "llm": M(first_rank=1)}, ENC_LLM, {"enc": wide, "llm": llm}
         ),
     )
     assert (

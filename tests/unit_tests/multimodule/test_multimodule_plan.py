@@ -210,3 +210,34 @@ def test_ordinary_empty_tensors_are_not_abort_markers():
     assert aborted_with(torch.empty(0, 32)) is None
     assert aborted_with(torch.empty(4, 0, 32)) is None
     assert aborted_with(torch.zeros(3, 2, 1)) is None
+
+
+def test_a_receiver_without_a_declared_width_is_checked_at_the_width_it_shows():
+    """A custom projector or encoder built without ModuleImpl.input_width is still held to
+    a width at its bridges: the one its built module shows, or the build fails naming it."""
+    from megatron_ext.multimodule import ModuleImpl
+    from megatron_ext.multimodule.builder import input_width_of, resolve_input_widths
+
+    class Declares(torch.nn.Module):
+        input_width = 48
+
+    projector = torch.nn.Sequential(
+        torch.nn.LayerNorm(24), torch.nn.Linear(24, 16), torch.nn.Linear(16, 8)
+    )
+    assert input_width_of(Declares()) == 48
+    assert input_width_of(projector) == 24
+    assert input_width_of(torch.nn.Sequential(torch.nn.GELU())) is None
+
+    p = plan({"enc": M(), "proj": M(), "llm": M(first_rank=1)}, {"enc": ["proj"], "proj": ["llm"]})
+    impls = {
+        "enc": ModuleImpl(factory=None),
+        "proj": ModuleImpl(factory=None),
+        "llm": ModuleImpl(factory=None, input_width=32),
+    }
+    # one {module: width shown} per rank; only the receivers' first-stage ranks report
+    assert resolve_input_widths(p, impls, [{"proj": 24}, {}]) == ({"proj": 24, "llm": 32}, [])
+    _, (problem,) = resolve_input_widths(p, impls, [{"proj": None}, {}])
+    assert problem.startswith("module 'proj' receives from ['enc'] but shows no input width")
+    assert "give ModuleImpl(input_width=...) for 'proj'" in problem
+    _, (problem,) = resolve_input_widths(p, impls, [{"proj": 24}, {"proj": 16}])
+    assert "first-stage ranks show different input widths [16, 24]" in problem
