@@ -4,7 +4,8 @@ torch.compile (megatron_ext.launch.startup), side by side in alternating child p
     OMP_NUM_THREADS=1 .venv/bin/python bench/startup_imports.py [--repeats 5]
 
 Each child imports what megatron_ext.pretrain_gpt imports from megatron (megatron.core and
-megatron.training); the "deferred" child applies the start-up patch first. Figures are the
+megatron.training); the "deferred" child applies the start-up patch first, the "entry" child
+also pauses the cyclic garbage collector meanwhile, as the entry points do. Figures are the
 children's user+system CPU seconds (less sensitive to other load than wall time), medians over
 the repeats, and whether torch's compiler got imported. Not a test. Text first; the LAST line is
 one JSON object.
@@ -23,9 +24,13 @@ IMPORTS = "import megatron.core, megatron.training, megatron.training.arguments"
 PROBE = "import sys; print('torch._dynamo' in sys.modules)"
 CHILDREN = {
     "eager": f"{IMPORTS}; {PROBE}",
-    "deferred": (
+    "deferred": (  # torch.compile deferred only
         "from megatron_ext.launch import startup; startup.defer_torch_compile(); "
         f"{IMPORTS}; startup.restore_torch_compile(); {PROBE}"
+    ),
+    "entry": (  # what the entry points do: deferred, and the cyclic GC paused meanwhile
+        "from megatron_ext.launch import startup; startup.begin_entry_imports(); "
+        f"{IMPORTS}; startup.end_entry_imports(); {PROBE}"
     ),
 }
 
@@ -58,7 +63,8 @@ def main() -> None:
             f"(torch._dynamo imported: {compiler_imported[name]})"
         )
     ratio = median["deferred"] / median["eager"]
-    print(f"deferred / eager: {ratio:.2f}")
+    entry_ratio = median["entry"] / median["eager"]
+    print(f"deferred / eager: {ratio:.2f}   entry / eager: {entry_ratio:.2f}")
     print(
         json.dumps(
             {
@@ -66,6 +72,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "median_cpu_s": median,
                 "ratio_deferred_to_eager": round(ratio, 3),
+                "ratio_entry_to_eager": round(entry_ratio, 3),
                 "compiler_imported": compiler_imported,
             }
         )

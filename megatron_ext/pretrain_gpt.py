@@ -43,7 +43,7 @@ _PROGRAM_START_TIME = time.time()  # before the heavy imports, for megatron's st
 from megatron_ext.launch import silence_warnings_off_rank_zero, startup
 
 silence_warnings_off_rank_zero()  # megatron's imports below warn identically on every rank
-startup.defer_torch_compile()  # until the imports below are done: see launch/startup.py
+startup.begin_entry_imports()  # until the imports below are done: see launch/startup.py
 
 import argparse
 from typing import Any, Callable, Optional
@@ -75,7 +75,7 @@ from megatron_ext.training_steps import (  # noqa: F401  (re-exported entry hook
     transformer_config,
 )
 
-startup.restore_torch_compile()
+startup.end_entry_imports()
 
 
 # ---- model ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ _PROGRAM_START_TIME = time.time()  # before the heavy imports, for megatron's st
 from megatron_ext.launch import silence_warnings_off_rank_zero, startup
 
 silence_warnings_off_rank_zero()  # megatron's imports below warn identically on every rank
-startup.defer_torch_compile()  # until the imports below are done: see launch/startup.py
+startup.begin_entry_imports()  # until the imports below are done: see launch/startup.py
 
 import argparse
 from typing import Optional
@@ -47,7 +47,7 @@ from megatron_ext.models.hybrid import (
     get_hybrid_stack_with_transformer_engine_spec,
 )
 
-startup.restore_torch_compile()
+startup.end_entry_imports()
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -48,12 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # megatron-core is chatty about optional dependencies that a CPU machine never has.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|MimoModelConfig).*")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    # Collection imports megatron: without torch's compiler, as the entry points do.
-    startup.defer_torch_compile()
+    # Collection imports megatron: without torch's compiler or the cyclic GC, as the entry points do.
+    startup.begin_entry_imports()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    startup.restore_torch_compile()
+    startup.end_entry_imports()
 
 
 @pytest.fixture(autouse=True)

@@ -12,12 +12,21 @@ decorated function compiles through the real ``torch.compile`` when it is first 
 ``torch.compile`` already compiles lazily on the first call, so what runs is unchanged; only the
 import of the compiler moves to the first call that needs it. Modules and other callables go to
 the real ``torch.compile`` at once. The replacement is the registry's temporary "startup" patch.
+
+The entry points also pause Python's cyclic garbage collector while they import
+(:func:`begin_entry_imports`): the imports create millions of long-lived objects, and the
+collections they trigger walk them again and again for nothing (~0.6 of ~4 CPU-seconds per
+process, measured with ``time.process_time()`` around ``import megatron_ext.pretrain_gpt``).
+Afterwards :func:`end_entry_imports` moves what the imports made out of the collector's sight
+(``gc.freeze()``: it lives as long as the process) and resumes collection, so training steps
+do not walk those objects either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 from typing import Any, Callable, Iterator
 
@@ -56,6 +65,34 @@ def defer_torch_compile() -> None:
 def restore_torch_compile() -> None:
     """Undo it: call once the imports are done (functions decorated meanwhile keep deferring)."""
     registry.undo(STARTUP_GROUP)
+
+
+# Nesting depth of begin_entry_imports, and whether the collector ran before the outermost one.
+_paused_imports = 0
+_collector_was_enabled = False
+
+
+def begin_entry_imports() -> None:
+    """Before an entry point's megatron imports: defer ``torch.compile`` and pause the cyclic
+    garbage collector (nestable; each call needs its :func:`end_entry_imports`)."""
+    global _paused_imports, _collector_was_enabled
+    defer_torch_compile()
+    if _paused_imports == 0:
+        _collector_was_enabled = gc.isenabled()
+        gc.disable()
+    _paused_imports += 1
+
+
+def end_entry_imports() -> None:
+    """After them: ``torch.compile`` restored; the imported objects frozen and collection resumed
+    (by the outermost call)."""
+    global _paused_imports
+    restore_torch_compile()
+    _paused_imports = max(_paused_imports - 1, 0)
+    if _paused_imports == 0:
+        gc.freeze()
+        if _collector_was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
