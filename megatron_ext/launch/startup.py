@@ -17,9 +17,8 @@ The entry points also pause Python's cyclic garbage collector while they import
 (:func:`begin_entry_imports`): the imports create millions of long-lived objects, and the
 collections they trigger walk them again and again for nothing (~0.6 of ~4 CPU-seconds per
 process, measured with ``time.process_time()`` around ``import megatron_ext.pretrain_gpt``).
-Afterwards :func:`end_entry_imports` moves what the imports made out of the collector's sight
-(``gc.freeze()``: it lives as long as the process) and resumes collection, so training steps
-do not walk those objects either.
+:func:`end_entry_imports` resumes collection; whatever garbage the imports left is collected
+then, as usual.
 """
 
 from __future__ import annotations
@@ -84,15 +83,12 @@ def begin_entry_imports() -> None:
 
 
 def end_entry_imports() -> None:
-    """After them: ``torch.compile`` restored; the imported objects frozen and collection resumed
-    (by the outermost call)."""
+    """After them: ``torch.compile`` restored and (by the outermost call) collection resumed."""
     global _paused_imports
     restore_torch_compile()
     _paused_imports = max(_paused_imports - 1, 0)
-    if _paused_imports == 0:
-        gc.freeze()
-        if _collector_was_enabled:
-            gc.enable()
+    if _paused_imports == 0 and _collector_was_enabled:
+        gc.enable()
 
 
 @contextlib.contextmanager

@@ -32,6 +32,12 @@ Typical use::
     losses = pipeline.forward_backward(forward_step, data_iterator, num_microbatches=4)
 """
 
+from megatron_ext.launch import startup
+
+# This package is the multi-module entry's first import of megatron: the entries' start-up
+# measures (launch/startup.py) apply here, ended once the package's imports are done.
+startup.begin_entry_imports()
+
 from megatron_ext.multimodule.builder import ModuleImpl, MultiModulePipeline, build
 from megatron_ext.multimodule.communicator import (
     GridBridgeCommunicator,
@@ -53,6 +59,8 @@ from megatron_ext.multimodule.plan import (
     MultiModulePlan,
     pipeline_config_problems,
 )
+
+startup.end_entry_imports()
 
 __all__ = [
     "AmbiguousShapeError",

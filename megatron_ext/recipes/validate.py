@@ -257,11 +257,12 @@ def _first_line(exc: BaseException) -> str:
 
 def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
     """(extra args provider, parser defaults, config class, config builder) of an entry."""
+    # The entry first: its own start-up measures (launch.startup) then cover megatron's imports.
+    module = importlib.import_module(module_name)
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_ext.config import MHCTransformerConfig
 
-    module = importlib.import_module(module_name)
     provider = getattr(module, "add_megatron_ext_args", None)
     defaults = dict(getattr(module, "ENTRY_DEFAULTS", {}))
     config_class = MHCTransformerConfig
