@@ -452,6 +452,27 @@ register(
 )
 
 
+register(
+    Patch(
+        target=(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue"
+        ),
+        make=lambda original: importlib.import_module(
+            "megatron_ext.checkpoint.sync_save"
+        ).results_queue_for_sync_saves(original),
+        why=(
+            "FileSystemWriterAsync passes every save's write results through a queue of a "
+            "multiprocessing Manager (spawned at a process's first save; it imports torch to "
+            "unpickle them), made for async saves whose writer is another process. A "
+            "synchronous save writes and collects in the rank itself (execute_sync), so while "
+            "megatron.training's args say async_save is off the writer gets an in-process queue: "
+            "the first save of a run no longer waits seconds for the Manager. Looked up by name "
+            "in prepare_write_data at each save."
+        ),
+    )
+)
+
+
 # --------------------------------------------------------------------------------------
 # "fault" patch: applied only in a rank whose MEGATRON_EXT_FAULT asks for kind=kill-while-saving
 # (megatron_ext.launch.faults.arm_save_fault); otherwise nothing is wrapped.

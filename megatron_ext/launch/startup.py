@@ -66,35 +66,3 @@ def torch_compile_deferred() -> Iterator[None]:
         yield
     finally:
         restore_torch_compile()
-
-
-_MAIN_IDENTITY = ("__spec__", "__file__")
-
-
-@contextlib.contextmanager
-def spawned_helpers_skip_main() -> Iterator[None]:
-    """Run a block whose ``spawn`` children do not re-run this process's ``__main__`` module.
-
-    multiprocessing's ``spawn`` start method re-runs the parent's main module in every child
-    (as ``__mp_main__``, found through ``__main__.__spec__`` or ``__file__``) so that objects
-    defined there unpickle. megatron-core's checkpoint writer starts a ``Manager`` process that
-    way at a rank's first ``torch_dist`` save (``filesystem_async.get_write_results_queue``);
-    with a training entry as ``__main__`` that child imports all of megatron before serving one
-    queue (~7 s on this project's CPUs, on the save's critical path, in every run that saves).
-    Nothing a rank hands to such a child is defined in the entry module (megatron's writers
-    and our hooks live in importable modules), so during the block ``__main__`` does not say
-    where it came from, as under ``python -c``, and the child starts in a fraction of a second.
-    """
-    import sys
-
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {name: main.__dict__[name] for name in _MAIN_IDENTITY if name in main.__dict__}
-    main.__spec__ = None
-    main.__dict__.pop("__file__", None)
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)

@@ -279,23 +279,22 @@ def run_pretrain(
     at every training step."""
     from megatron.training import inprocess_restart, pretrain
 
-    from megatron_ext.launch import faults, startup
+    from megatron_ext.launch import faults
 
     faults.fault_from_env()  # a malformed MEGATRON_EXT_FAULT fails here, before training
     store = None
     if getattr(args, "inprocess_restart", False):
         pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    with startup.spawned_helpers_skip_main():  # megatron's checkpoint writer spawns a helper
-        faults.run_failing_fast(
-            pretrain,
-            pretrain_config(args),
-            train_valid_test_datasets_provider,
-            model_type,
-            forward_step_with_faults(forward_step),
-            model_provider=model_provider,
-            store=store,
-            **pretrain_kwargs,
-        )
+    faults.run_failing_fast(
+        pretrain,
+        pretrain_config(args),
+        train_valid_test_datasets_provider,
+        model_type,
+        forward_step_with_faults(forward_step),
+        model_provider=model_provider,
+        store=store,
+        **pretrain_kwargs,
+    )
 
 
 def forward_step_with_faults(forward_step: Callable) -> Callable:

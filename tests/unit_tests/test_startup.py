@@ -57,19 +57,3 @@ def test_the_startup_group_restores_torch_compile_exactly(monkeypatch):
         assert torch.compile is not original
         assert registry.is_applied("torch:compile")
     assert torch.compile is original and not registry.is_applied("torch:compile")
-
-
-def test_spawned_helpers_do_not_rerun_the_main_module():
-    """megatron's checkpoint writer spawns a Manager at the first save: inside the block its
-    child is told of no main module to re-run (an entry's would import all of megatron)."""
-    import sys
-    from multiprocessing import spawn
-
-    main = sys.modules["__main__"]
-    before = {k: main.__dict__.get(k) for k in ("__spec__", "__file__")}
-    told = spawn.get_preparation_data("child")
-    assert "init_main_from_name" in told or "init_main_from_path" in told, "pytest's own main"
-    with startup.spawned_helpers_skip_main():
-        told = spawn.get_preparation_data("child")
-        assert "init_main_from_name" not in told and "init_main_from_path" not in told
-    assert {k: main.__dict__.get(k) for k in ("__spec__", "__file__")} == before
