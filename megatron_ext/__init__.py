@@ -26,10 +26,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo everything megatron-ext applied, the CPU runtime included."""
+    """Undo everything megatron-ext applied, the CPU runtime and an armed fault included."""
     from megatron_ext import runtime
 
     runtime.stop_cpu()
+    registry.undo("fault")
     registry.undo("core")
 
 

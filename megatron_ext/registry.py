@@ -7,7 +7,9 @@ else in the package assigns attributes on foreign modules.
 
 Patches come in groups. ``"core"`` patches are what :func:`megatron_ext.install`
 applies on any machine; ``"cpu"`` patches are the CPU runtime's redirections and are
-applied only by :func:`megatron_ext.runtime.use_cpu`. Applying is idempotent and
+applied only by :func:`megatron_ext.runtime.use_cpu`; ``"trace"``, ``"startup"`` and
+``"fault"`` patches only while tracing, importing megatron, or injecting a checkpoint-save
+fault (``MEGATRON_EXT_FAULT``). Applying is idempotent and
 every original is kept so that it can be restored exactly.
 """
 
@@ -448,6 +450,52 @@ register(
             "to load from. The module does its file I/O through maybe_msc, so a stand-in that "
             "writes the tracker to a temporary file and renames it makes that write atomic."
         ),
+    )
+)
+
+
+register(
+    Patch(
+        target=(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue"
+        ),
+        make=lambda original: importlib.import_module(
+            "megatron_ext.checkpoint.sync_save"
+        ).results_queue_for_sync_saves(original),
+        why=(
+            "FileSystemWriterAsync passes every save's write results through a queue of a "
+            "multiprocessing Manager (spawned at a process's first save; it imports torch to "
+            "unpickle them), made for async saves whose writer is another process. A "
+            "synchronous save writes and collects in the rank itself (execute_sync), so while "
+            "megatron.training's args say async_save is off the writer gets an in-process queue: "
+            "the first save of a run no longer waits seconds for the Manager. Looked up by name "
+            "in prepare_write_data at each save."
+        ),
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# "fault" patch: applied only in a rank whose MEGATRON_EXT_FAULT asks for kind=kill-while-saving
+# (megatron_ext.launch.faults.arm_save_fault); otherwise nothing is wrapped.
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target=(
+            "megatron.core.dist_checkpointing.strategies.state_dict_saver:"
+            "save_state_dict_async_finalize"
+        ),
+        make=lambda original: importlib.import_module(
+            "megatron_ext.launch.faults"
+        ).killing_before_save_finalize(original),
+        why=(
+            "Fault injection inside a checkpoint save, at a fixed point: a synchronous torch_dist "
+            "save calls it on every rank after every rank wrote its shard files (a barrier) and "
+            "before the coordinator writes .metadata, metadata.json and the tracker; the "
+            "strategy looks it up at each save (_import_mcore_async), so the module attribute "
+            "is the seam. Killing a rank there leaves a checkpoint with shards and no metadata."
+        ),
+        group="fault",
     )
 )
 

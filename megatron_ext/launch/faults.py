@@ -1,11 +1,16 @@
 """Fault injection and fail-fast exits for training entry points.
 
-``MEGATRON_EXT_FAULT="rank=R,step=S[,kind=raise|kill|hang]"`` makes global rank ``R`` fail at
-training step ``S`` (1-based, as Megatron's log counts iterations): ``raise`` (default) raises
-:class:`InjectedFault`, ``kill`` sends the rank SIGKILL, ``hang`` sleeps forever (the launcher's stall watchdog, :mod:`megatron_ext.launch.heartbeat`,
-ends the run and names the rank). Unset, nothing
-happens; every training entry (``pretrain_gpt``, ``pretrain_hybrid``,
-``multimodule.train``) calls :func:`at_step` once per step.
+``MEGATRON_EXT_FAULT="rank=R,step=S[,kind=raise|kill|hang|kill-while-saving]"`` makes global
+rank ``R`` fail at training step ``S`` (1-based, as Megatron's log counts iterations): ``raise``
+(default) raises :class:`InjectedFault`, ``kill`` sends the rank SIGKILL, ``hang`` sleeps forever
+(the launcher's stall watchdog, :mod:`megatron_ext.launch.heartbeat`, ends the run and names the
+rank). ``kill-while-saving`` sends the rank SIGKILL inside the first ``torch_dist`` checkpoint
+save at or after step ``S``, at a fixed point: every rank has written its shard files, nothing
+has yet written the checkpoint's metadata (``.metadata``, ``metadata.json``) or the tracker
+``latest_checkpointed_iteration.txt`` (:func:`killing_before_save_finalize`, the registry's
+``fault`` group, applied only when this kind is asked for). Unset, nothing happens; every
+training entry (``pretrain_gpt``, ``pretrain_hybrid``, ``multimodule.train``) calls
+:func:`at_step` once per step.
 
 :func:`run_failing_fast` runs a rank's work so that an exception can never leave the other
 ranks waiting: the traceback and one marker line (:data:`MARKER`, naming the rank, where it
@@ -18,6 +23,7 @@ marker back for ``megatron-ext run`` / ``submit``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -31,7 +37,8 @@ from typing import Any, Callable, Iterable, Optional
 from megatron_ext.launch import heartbeat
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
-KINDS = ("raise", "kill", "hang")
+KILL_WHILE_SAVING = "kill-while-saving"
+KINDS = ("raise", "kill", "hang", KILL_WHILE_SAVING)
 MARKER = "[megatron-ext] rank failed:"
 _MARKER_LINE = re.compile(re.escape(MARKER) + r" rank=(\d+) time=([\d.]+) where=(.*?) error=(.*)$")
 
@@ -53,7 +60,9 @@ def parse_fault(text: str) -> Fault:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in ("rank", "step", "kind"):
-            raise ValueError(f"{FAULT_ENV}={text!r}: expected rank=R,step=S[,kind=raise|kill|hang]")
+            raise ValueError(
+                f"{FAULT_ENV}={text!r}: expected rank=R,step=S[,kind={'|'.join(KINDS)}]"
+            )
         fields[key.strip()] = value.strip()
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
@@ -95,17 +104,66 @@ def at_step(step: int) -> None:
     _current_step = step
     heartbeat.progress(step)
     fault = fault_from_env()
-    if fault is None or _fired or step != fault.step or _global_rank() != fault.rank:
+    if fault is None or fault.kind == KILL_WHILE_SAVING:
+        return
+    if _fired or step != fault.step or _global_rank() != fault.rank:
         return
     _fired = True
     if fault.kind == "kill":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill_self()
     if fault.kind == "hang":
         while True:
             time.sleep(3600)
     raise InjectedFault(f"injected by {FAULT_ENV} on rank {fault.rank} at step {fault.step}")
+
+
+def _kill_self() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_save_fault() -> None:
+    """Wrap the checkpoint save's finalisation (registry group ``fault``) when
+    ``kind=kill-while-saving`` is asked for; otherwise nothing is wrapped."""
+    fault = fault_from_env()
+    if fault is not None and fault.kind == KILL_WHILE_SAVING:
+        from megatron_ext import registry
+
+        registry.apply("fault")
+
+
+def killing_before_save_finalize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's ``save_state_dict_async_finalize``, first killing the faulty rank.
+
+    A synchronous ``torch_dist`` save (``AsyncRequest.execute_sync``) writes every rank's
+    shard files, waits in a barrier, then calls this on every rank: it gathers the write
+    results so that the coordinator writes ``.metadata``; ``metadata.json`` and the tracker
+    follow. Killing a rank here leaves the iteration's directory with all its shards but no
+    metadata: a broken checkpoint that nothing may point at."""
+
+    @functools.wraps(original)
+    def finalize(*args: Any, **kwargs: Any) -> Any:
+        global _fired
+        fault = fault_from_env()
+        if (
+            fault is not None
+            and fault.kind == KILL_WHILE_SAVING
+            and not _fired
+            and _current_step is not None
+            and _current_step >= fault.step
+            and _global_rank() == fault.rank
+        ):
+            _fired = True
+            print(
+                f"[megatron-ext] {FAULT_ENV}: killing rank {fault.rank} while saving the "
+                f"checkpoint of step {_current_step} (shards written, no metadata, no tracker)",
+                file=sys.stderr,
+            )
+            _kill_self()
+        return original(*args, **kwargs)
+
+    return finalize
 
 
 def where(exc: BaseException) -> str:
@@ -133,8 +191,10 @@ def report_failure(exc: BaseException, stream: Any = None) -> str:
 
 def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``work(*args, **kwargs)``; on an exception report it and exit with status 1 at once.
-    Also starts the rank's heartbeat when the launcher watches for stalls."""
+    Also starts the rank's heartbeat when the launcher watches for stalls, and arms a
+    ``kill-while-saving`` fault."""
     heartbeat.start(_global_rank())
+    arm_save_fault()
     try:
         return work(*args, **kwargs)
     except (SystemExit, KeyboardInterrupt):

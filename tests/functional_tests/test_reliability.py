@@ -183,89 +183,133 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
 
 
 # ---- a rank killed while saving: the tracker never points at a broken checkpoint ---------------
+# PP=2 (2 ranks, 1 layer per stage), ckpt-resume's saves (torch_dist, every iterations/2); no data
+# loader workers: a killed rank's forked workers keep its sockets open for up to 5 s.
+SAVING_GPT_PP2 = [
+    "recipes/gpt_tp2_pp2.yaml",
+    "parallelism.tp=1",
+    "model.num_layers=2",
+    "test.type=ckpt-resume",
+    "extra_args={--num-workers: 0}",
+]
+
+
+def _phase_job(overrides: list[str], run_dir: Path, name: str, extra_args: list[str] = ()):
+    """The launcher job of one phase of ``megatron-ext run`` with these overrides (the runner's
+    own command), optionally with more Megatron flags."""
+    from megatron_ext.launch import local
+    from megatron_ext.recipes import loader, plan, runner
+
+    loaded = loader.load(overrides[0], overrides=overrides[1:])
+    phase = next(p for p in runner.phases(loaded, run_dir) if p.name == name)
+    return local.LocalJob(
+        module=loaded.recipe.entry,
+        args=[*phase.args, *extra_args],
+        nproc=loaded.recipe.world_size,
+        log_dir=phase.log_dir,
+        env=plan.run_environment(loaded),
+        cwd=REPO_ROOT,
+        timeout_s=300,
+    )
+
+
+def _resumes_from(ckpt_run: Path, overrides: list[str], iteration: int, run_dir: Path) -> None:
+    """The resume phase of ``ckpt_run``'s checkpoints, as they were left (no clean-up of the
+    tracker or of a broken checkpoint): it loads ``iteration`` and trains the next one."""
+    from megatron_ext.launch import local
+
+    ckpt = ckpt_run / "checkpoints"
+    job = _phase_job(overrides, run_dir, "resume")
+    job.args = [str(ckpt) if a == str(run_dir / "checkpoints") else a for a in job.args]
+    job.args += ["--exit-interval", str(iteration + 1)]
+    result = local.launch(job)
+    log = job.log_path(0).read_text()
+    assert result.ok, (result, log[-3000:])
+    assert f"successfully loaded checkpoint from {ckpt}" in log, log[-3000:]
+    assert f"at iteration {iteration}" in log, log[-3000:]
+    last = job.log_path(job.nproc - 1).read_text()
+    assert f"iteration {iteration + 1:8d}/" in last, last[-3000:]
+
+
+def test_a_rank_killed_inside_a_save_leaves_the_tracker_at_the_complete_checkpoint(tmp_path):
+    """Deterministic (CI): saves at iterations 1 and 2; MEGATRON_EXT_FAULT kills rank 1 inside
+    the save of 2 once every shard file is written, before the checkpoint's metadata and the
+    tracker. The run fails naming rank 1, the tracker names 1 (complete), 2 is on disk without
+    metadata, and the run resumes from 1."""
+    from megatron_ext.launch import faults
+
+    overrides = [*SAVING_GPT_PP2, "training.iterations=2"]
+    run_dir = tmp_path / "run"
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        faults.FAULT_ENV: f"rank=1,step=2,kind={faults.KILL_WHILE_SAVING}",
+    }
+    result = _run_cli(
+        ["run", *overrides, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
+        env,
+        timeout=300,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-4000:]
+    assert "first failure: rank 1 killed by SIGKILL" in out, out[-4000:]
+    assert "killing rank 1 while saving the checkpoint of step 2" in out, "the log tail says so"
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert (ckpt / "iter_0000001" / "metadata.json").exists()
+    broken = ckpt / "iter_0000002"
+    assert list(broken.glob("*.distcp")), "the kill came after the shard files were written"
+    assert not (broken / "metadata.json").exists() and not (broken / ".metadata").exists()
+    _resumes_from(run_dir, overrides, 1, tmp_path / "resume")
+
+
 @pytest.mark.skipif(
     os.environ.get("MEGATRON_EXT_SOAK") != "1", reason="soak only (two runs, ~1-3 min)"
 )
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
-    """PP=2 saves (torch_dist) every iteration; once two saves are done, rank 1 is SIGKILLed as
-    soon as the next iteration's directory appears (a save in progress). The tracker must name a
-    complete checkpoint, and a second run must resume from it."""
-    ckpt = tmp_path / "ckpt"
+    """The racing variant (soak): saves every iteration; once two saves are done, rank 1 is
+    SIGKILLed from outside as soon as the next iteration's directory appears (a save in
+    progress, wherever it is). The tracker must name a complete checkpoint, and a second run
+    must resume from it."""
+    from megatron_ext.launch import local
+
+    overrides = [*SAVING_GPT_PP2, "training.iterations=400"]
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    save = (
-        "extra_args={--attention-backend: unfused, --attention-softmax-in-fp32: true, "
-        f"--save: {ckpt}, --save-interval: 1, --ckpt-format: torch_dist}}"
-    )
-    base = SMALL_GPT_PP2[:2]
-    cli = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.cli",
-            "run",
-            *base,
-            "training.iterations=400",
-            save,
-            "--no-compare",
-            "--skip-megatron-checks",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    job = _phase_job(overrides, run_dir, "train", ["--save-interval", "1"])
     killed_during = None
-    try:
+
+    def kill_rank_1_while_saving():
+        nonlocal killed_during
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and cli.poll() is None:
-            # megatron rewrites the tracker in place (open 'w', write): it can be read empty
+        while time.monotonic() < deadline:
             text = tracker.read_text().strip() if tracker.exists() else ""
             done = int(text) if text.isdigit() else 0
             if done >= 2 and (ckpt / f"iter_{done + 1:07d}").exists():
-                ranks = [
-                    p
-                    for p in psutil.Process(cli.pid).children()
-                    if "RANK=1"
-                    in " ".join(f"{k}={v}" for k, v in p.environ().items() if k == "RANK")
-                ]
-                ranks[0].kill()
-                killed_during = done + 1
-                break
+                for proc in psutil.process_iter(["pid"]):
+                    with contextlib.suppress(psutil.Error):
+                        environ = proc.environ()
+                        if environ.get("RANK") == "1" and environ.get(
+                            "MEGATRON_EXT_HEARTBEAT_DIR"
+                        ) == str(job.heartbeat_dir):
+                            proc.kill()
+                            killed_during = done + 1
+                            return
             time.sleep(0.005)
-        out, _ = cli.communicate(timeout=120)
-    finally:
-        if cli.poll() is None:
-            cli.send_signal(signal.SIGTERM)
-            cli.communicate(timeout=60)
-    assert killed_during is not None, out[-3000:]
-    assert cli.returncode == 3 and "rank 1 killed by SIGKILL" in out, out[-3000:]
+
+    import threading
+
+    killer = threading.Thread(target=kill_rank_1_while_saving, daemon=True)
+    killer.start()
+    result = local.launch(job)
+    killer.join(timeout=10)
+    assert killed_during is not None, job.log_path(0).read_text()[-3000:]
+    assert result.failed_rank == 1 and result.rank_codes[1] == -signal.SIGKILL, result
+    assert "rank 1 killed by SIGKILL" in local.failure_summary(job, result)
     last = int(tracker.read_text())
     assert last in (killed_during - 1, killed_during), (last, killed_during)
     assert (ckpt / f"iter_{last:07d}" / "metadata.json").exists(), (
         "the tracker names a complete checkpoint"
     )
-    # the same schedule (megatron refuses another iteration count), one more step, then exit
-    resume = _run_cli(
-        [
-            "run",
-            *base,
-            "training.iterations=400",
-            f"extra_args={{--attention-backend: unfused, --attention-softmax-in-fp32: true, "
-            f"--load: {ckpt}, --ckpt-format: torch_dist, --exit-interval: {last + 1}}}",
-            "--no-compare",
-            "--skip-megatron-checks",
-            "--run-dir",
-            str(tmp_path / "resume"),
-        ],
-        env,
-        timeout=300,
-    )
-    log = (tmp_path / "resume" / "logs" / "rank-0.log").read_text()
-    assert resume.returncode == 0, (resume.stdout + resume.stderr)[-3000:]
-    assert f"successfully loaded checkpoint from {ckpt}" in log and f"at iteration {last}" in log, (
-        log[-3000:]
-    )
+    _resumes_from(run_dir, overrides, last, tmp_path / "resume")

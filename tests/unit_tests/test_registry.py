@@ -20,7 +20,7 @@ def test_every_patch_names_target_versions_and_reason():
         assert ":" in patch.target
         assert patch.verified and all(v.count(".") == 2 for v in patch.verified)
         assert len(patch.why) > 20
-        assert patch.group in {"core", "cpu", "trace", "startup"}
+        assert patch.group in {"core", "cpu", "trace", "startup", "fault"}
 
 
 def test_install_is_idempotent_and_uninstall_restores(clean_registry):

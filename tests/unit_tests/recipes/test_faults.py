@@ -31,6 +31,7 @@ def test_parse():
         "rank=a,step=1",
         "rank=1,step=0",
         "rank=1,step=1,kind=explode",
+        "rank=1,step=1,kind=kill-while-loading",
         "rank=1,step=1,when=now",
         "garbage",
     ):
@@ -90,3 +91,35 @@ def test_fail_fast_exits_at_once_with_the_marker(tmp_path):
 def test_describe_exit():
     assert faults.describe_exit(-9) == "killed by SIGKILL"
     assert faults.describe_exit(3) == "exited with 3"
+
+
+def test_kill_while_saving_fires_in_the_save_finalisation_only(monkeypatch):
+    """kind=kill-while-saving never fires at a step; armed, it wraps megatron's save
+    finalisation (registry group "fault"), which kills the rank in the first save at or after
+    its step, before the wrapped original runs."""
+    from megatron_ext import registry
+
+    target = registry.patches("fault")[0].target
+    monkeypatch.setenv("RANK", "1")
+    faults.arm_save_fault()
+    assert not registry.is_applied(target), "not asked for: nothing wrapped"
+    monkeypatch.setattr(faults, "_fault_read", False)
+    monkeypatch.setenv(faults.FAULT_ENV, "rank=1,step=2,kind=kill-while-saving")
+    assert faults.parse_fault(faults.os.environ[faults.FAULT_ENV]).kind == "kill-while-saving"
+    kills, finalised = [], []
+    monkeypatch.setattr(faults, "_kill_self", lambda: kills.append(faults._current_step))
+    finalize = faults.killing_before_save_finalize(lambda *a: finalised.append(a))
+    for step in (1, 2, 3):
+        faults.at_step(step)  # never fires at a step
+        finalize(step)
+    assert kills == [2] and finalised == [(1,), (2,), (3,)]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(faults, "_fired", False)
+    finalize(4)
+    assert kills == [2], "another rank's saves are untouched"
+    try:
+        faults.arm_save_fault()
+        assert registry.is_applied(target)
+    finally:
+        registry.undo("fault")
+    assert not registry.is_applied(target)
