@@ -1040,6 +1040,15 @@ declare(
 # ---- attributes rewritten on objects megatron built -------------------------------------
 declare(
     Seam(
+        "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
+        "object_attribute",
+        "Tests empty a finished DDP's grad_accs (each parameter's grad-accumulator node, whose "
+        "hook refers back to the DDP): that cycle runs through C++, so Python's collector never "
+        "frees the model, its optimizer or its process groups (and their gloo threads).",
+    )
+)
+declare(
+    Seam(
         "argparse:Action",
         "object_attribute",
         "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "

@@ -9,6 +9,7 @@ test runs once, in the world it was written for, and none is reported as skipped
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -54,6 +55,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     startup.end_entry_imports()
+    # What collection imported lives as long as the session: frozen, the collections that
+    # release each multi-rank test's process groups walk only what the tests made.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
