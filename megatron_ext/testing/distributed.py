@@ -70,7 +70,8 @@ def _drop_finished_ddp_hooks() -> None:
     from megatron.core.distributed import DistributedDataParallel
 
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        # type(), not isinstance(): a dead weakref.proxy among the objects raises on the latter
+        if issubclass(type(obj), DistributedDataParallel):
             registry.assign(obj, "grad_accs", [], seam=_DDP_SEAM)
             vars(obj).clear()  # and whatever else anchors it: nothing of it is used again
 
