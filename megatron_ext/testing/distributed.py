@@ -61,7 +61,7 @@ def _live_process_groups() -> set:
 _DDP_SEAM = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 
 
-def _drop_finished_ddp_hooks() -> None:
+def _release_finished_ddps() -> None:
     """megatron-core's DDP keeps every parameter's grad-accumulator node (``grad_accs``) and
     hangs on each a hook that refers back to the DDP. The cycle runs through C++, where Python's
     collector cannot see it, so a finished test's model, optimizer, process-group collection
@@ -104,7 +104,7 @@ def releasing_new_process_groups() -> Iterator[None]:
             dist.destroy_process_group(group)
             _destroyed_since_collection = True
         if _release_depth == 0 and _destroyed_since_collection:
-            _drop_finished_ddp_hooks()
+            _release_finished_ddps()
             # A destroyed gloo group's transport threads end only when its C++ object is freed,
             # and the models, optimizers and collections that refer to it sit in reference
             # cycles (one through DDP's hooks, above) until a full collection. So the outermost
