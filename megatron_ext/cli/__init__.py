@@ -1,0 +1,91 @@
+"""The ``megatron-ext`` command: one module per sub-command, each with ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``main(args) -> exit status``; ``COMMANDS`` lists them in the
+order ``--help`` shows them. A new command is a new module and one line in ``COMMANDS``.
+The text below ``--help`` shows is ``DESCRIPTION``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_ext.cli import (
+    compare,
+    convert,
+    doctor,
+    import_case,
+    run,
+    schedule,
+    submit,
+    validate,
+)
+from megatron_ext.launch.startup import torch_compile_deferred
+
+COMMANDS = (doctor, run, validate, compare, import_case, submit, convert, schedule)
+
+DESCRIPTION = """\
+- ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
+- ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
+- ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
+- ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
+  comparison failed, 2: an input cannot be read);
+- ``megatron-ext import PATH/model_config.yaml [-o RECIPE.yaml]``: a Megatron-LM test case as
+  a recipe (``run`` and ``validate`` also take such a file directly);
+- ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;
+- ``megatron-ext convert-checkpoint IN OUT --model M --to T``: mHC keys upstream <-> megatron-ext.
+- ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
+  megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
+  bytes per pipeline edge, without starting anything.
+
+Recipes and their schema: recipes/README.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import megatron_ext
+
+    parser = argparse.ArgumentParser(
+        prog="megatron-ext",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"megatron-ext {megatron_ext.__version__}"
+    )
+    commands = parser.add_subparsers(dest="command")
+    for command in COMMANDS:
+        sub = commands.add_parser(command.NAME, help=command.HELP)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
+    # such late positionals unparsed, so they join the targets here.
+    args, rest = parser.parse_known_args(argv)
+    late = [token for token in rest if not token.startswith("-")]
+    if len(late) != len(rest) or (late and not hasattr(args, "targets")):
+        parser.error(
+            f"unrecognized arguments: {' '.join(t for t in rest if t not in late) or ' '.join(rest)}"
+        )
+    if late:
+        args.targets += late
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0
+    if handler is doctor.main:
+        return handler(args)
+    try:
+        with torch_compile_deferred():  # the commands import megatron but never compile
+            return handler(args)
+    except KeyboardInterrupt as exc:  # the launchers have stopped their ranks / left the job
+        signum = getattr(exc, "signum", None)  # SIGTERM/SIGHUP (launch.local.Interrupted)
+        print(f"megatron-ext: {exc or 'interrupted'}", file=sys.stderr)
+        return 128 + signum if signum else 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

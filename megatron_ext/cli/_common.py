@@ -1,0 +1,40 @@
+"""What several commands share: recipe targets and overrides, and loading a recipe."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def split_targets(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """Positional tokens: KEY=VALUE / ~KEY are overrides, the rest are recipe files."""
+    overrides = [t for t in tokens if "=" in t or t.startswith("~")]
+    return [t for t in tokens if t not in overrides], overrides
+
+
+def load(recipe: str, platform: str, overrides: list[str], device: str | None):
+    """Load a recipe; ``--device`` becomes a launch.device override only when it changes it."""
+    from megatron_ext.recipes import load as load_recipe
+
+    loaded = load_recipe(recipe, platform, overrides)
+    if device and device != loaded.recipe.launch.device:
+        loaded = load_recipe(recipe, platform, [*overrides, f"launch.device={device}"])
+    return loaded
+
+
+def add_recipe_args(parser: argparse.ArgumentParser, default_platform: str | None = "cpu") -> None:
+    parser.add_argument(
+        "targets",
+        nargs="+",
+        metavar="RECIPE [KEY=VALUE ...]",
+        help="recipe YAML, then overrides such as parallelism.pp=4 training.iterations=20",
+    )
+    parser.add_argument(
+        "--platform",
+        default=default_platform,
+        help="platform overlay of the recipe (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        help="override launch.device (cpu: gloo and the CPU runtime, GPUs hidden)",
+    )

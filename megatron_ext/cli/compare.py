@@ -1,0 +1,121 @@
+"""``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
+comparison failed, 2: an input cannot be read)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+NAME = "compare"
+HELP = "compare a run with golden values (Megatron's rules)"
+
+
+class _BadInput(Exception):
+    """An input `compare` cannot read: one line, exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="a run directory (or a metrics JSON file)")
+    parser.add_argument("golden", help="golden-value JSON")
+    parser.add_argument(
+        "--metrics", nargs="+", help="metrics to check (default: the run's test.metrics)"
+    )
+    parser.add_argument("--rtol", type=float, help="replace every approximate check's rtol")
+    parser.add_argument("--approximate-only", action="store_true", help="skip the exact checks")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        help="whose default rules apply (default: the run's recipe, else gpu = Megatron's)",
+    )
+
+
+def _read_metrics_file(path, what: str):
+    import json
+
+    from megatron_ext.recipes import metrics as met
+
+    try:
+        return met.read_golden(path)
+    except FileNotFoundError:
+        raise _BadInput(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise _BadInput(f"{what} {path} is a directory, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadInput(f"{what} {path} is not JSON: {exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise _BadInput(
+            f"{what} {path} is not golden-value JSON ({{metric: {{start_step, end_step, "
+            f"step_interval, values}}}}): {exc}"
+        ) from None
+    except OSError as exc:
+        raise _BadInput(f"{what} {path} cannot be read: {exc.strerror}") from None
+
+
+def _run_metrics(source):
+    from megatron_ext.recipes import metrics as met
+
+    if not source.exists():
+        raise _BadInput(f"{source} does not exist (give a run directory or a metrics JSON file)")
+    if not source.is_dir():
+        return _read_metrics_file(source, "metrics file")
+    metrics_file = source / "metrics.json"
+    if metrics_file.exists():
+        return _read_metrics_file(metrics_file, "metrics file")
+    return met.read_run_metrics(source)[0]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit 0: every check passed; 1: a comparison failed; 2: an input cannot be read."""
+    try:
+        return _compare(args)
+    except _BadInput as exc:
+        print(f"megatron-ext compare: {exc}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes import compare as cmp
+
+    source = Path(args.run)
+    actual = _run_metrics(source)
+    if not actual:
+        raise _BadInput(
+            f"no metrics in {source} (no metrics.json, TensorBoard files or iteration lines)"
+        )
+    golden = _read_metrics_file(Path(args.golden), "golden values")
+    device, tolerances = args.device, {}
+    recipe_file = source / "recipe.yaml" if source.is_dir() else None
+    if recipe_file is not None and recipe_file.exists():
+        from megatron_ext.recipes import load
+
+        try:
+            recipe = load(recipe_file).recipe
+        except RecipeError as exc:
+            raise _BadInput(
+                f"the run's recipe {recipe_file} does not load: {exc.problems[0]}"
+            ) from None
+        device = device or recipe.launch.device
+        tolerances = recipe.test.tolerances
+        names = args.metrics or recipe.test.metrics
+    else:
+        names = args.metrics or [m for m in golden if m in actual]
+    rules = cmp.rules_for(names, device or "gpu", tolerances)
+    if args.rtol is not None:
+        rules = {
+            m: dataclasses.replace(r, rtol=args.rtol) if r.rtol is not None else r
+            for m, r in rules.items()
+        }
+    report = cmp.compare(
+        actual,
+        golden,
+        rules,
+        title=f"{source} vs {args.golden}",
+        approximate_only=args.approximate_only,
+    )
+    print(f"rules: {cmp.RULE_SOURCES['cpu' if device == 'cpu' else 'gpu']}")
+    print("\n".join(report.lines()))
+    return 0 if report.passed else 1

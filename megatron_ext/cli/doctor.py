@@ -1,0 +1,81 @@
+"""``megatron-ext doctor``: versions, devices, optional packages and active patches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+from importlib import metadata
+
+NAME = "doctor"
+HELP = "report versions, devices, optional packages and active patches"
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def doctor_report() -> list[str]:
+    """What megatron-ext runs on, and what it changed: one fact per line."""
+    import torch
+
+    import megatron_ext
+    from megatron_ext import registry, runtime
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        # What a launcher would do on this machine: the CPU runtime, then the report.
+        runtime.use_cpu()
+    else:
+        megatron_ext.install()
+    lines = [
+        f"megatron-ext      {megatron_ext.__version__}",
+        f"megatron-core     {_package_version('megatron-core')} "
+        f"(verified: {', '.join(registry.VERIFIED_MEGATRON_CORE)})",
+        f"megatron-core code {registry.imported_megatron_core().describe()}",
+        f"torch             {torch.__version__}",
+        f"python            {platform.python_version()}",
+        f"gpu               {torch.cuda.get_device_name(0) if gpu else 'none'}",
+        f"backend           {'nccl' if gpu else 'gloo'}",
+        f"transformer-engine {'present' if _importable('transformer_engine') else 'absent'}",
+        f"apex              {'present' if _importable('apex') else 'absent'}",
+        f"cpu runtime       {'active' if runtime.cpu_active() else 'off'}",
+        "patch registry:",
+    ]
+    for patch in registry.patches():
+        state = "active" if registry.is_applied(patch.target) else "inactive"
+        verified = ", ".join(patch.verified)
+        lines.append(f"  [{patch.group:4}] {state:8} {patch.target} (verified on {verified})")
+        lines.append(f"         why: {patch.why}")
+    lines.append("private seams (depended on, not replaced; checked by install()):")
+    for seam in registry.seams():
+        problem = registry.seam_problem(seam)
+        state = "ok" if problem is None else "BROKEN"
+        verified = f"{seam.package} {', '.join(seam.verified)}"
+        lines.append(f"  [{seam.kind}] {state} {seam.target} (verified on {verified})")
+        lines.append(f"         why: {seam.why}" if problem is None else f"         {problem}")
+    if runtime.cpu_active():
+        lines.append(
+            "cpu runtime also pushes: CudaToCpuMode (device='cuda' -> cpu, Tensor.cuda(), Tensor.type())"
+        )
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # doctor takes no arguments
+
+
+def main(args: argparse.Namespace) -> int:
+    del args
+    print("\n".join(doctor_report()))
+    return 0

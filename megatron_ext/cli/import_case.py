@@ -1,0 +1,62 @@
+"""``megatron-ext import PATH/model_config.yaml [-o RECIPE.yaml]``: a Megatron-LM test case as a
+recipe (``run`` and ``validate`` also take such a file directly)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "import"
+HELP = "write a Megatron-LM test case (model_config.yaml) as a recipe"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("test_case", help="PATH/model_config.yaml (or its directory)")
+    parser.add_argument("-o", "--output", help="recipe file to write (default: print it)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """A Megatron-LM test case (model_config.yaml) as a megatron-ext recipe YAML."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_ext.recipes import upstream
+    from megatron_ext.recipes.loader import parse_yaml
+
+    source = Path(args.test_case)
+    if source.is_dir():
+        source = source / upstream.TEST_CASE_FILE
+    try:
+        raw = parse_yaml(source.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        print(f"megatron-ext import: cannot read {source}: {exc}", file=sys.stderr)
+        return 2
+    if not upstream.is_test_case(raw):
+        print(
+            f"megatron-ext import: {source} is not a Megatron-LM test case (no MODEL_ARGS)",
+            file=sys.stderr,
+        )
+        return 2
+    conversion = upstream.convert(raw, source.resolve().parent)
+    for problem in conversion.problems:
+        print(f"{source}: {problem}", file=sys.stderr)
+    if conversion.problems:
+        return 2
+    recipe = conversion.recipe
+    out = Path(args.output) if args.output else None
+    if out is not None:  # golden files stay beside the test case
+        base = os.path.relpath(source.resolve().parent, out.resolve().parent)
+        recipe["test"]["golden_values"] = os.path.join(base, recipe["test"]["golden_values"])
+        for overlay in recipe["platforms"].values():
+            overlay["test"]["golden_values"] = os.path.join(base, overlay["test"]["golden_values"])
+    notes = [*conversion.notes.get("mapping", []), *conversion.notes.get("cpu", [])]
+    text = "\n".join([f"# Imported by megatron-ext from {source}", *[f"# {n}" for n in notes]])
+    text += "\n" + yaml.safe_dump(recipe, sort_keys=False, width=100)
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text)
+        print(f"wrote {out} ({len(notes)} note(s); `megatron-ext validate {out}`)")
+    return 0

@@ -1,0 +1,84 @@
+"""``megatron-ext run RECIPE [KEY=VALUE ...]``: validate a recipe and train it on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_ext.cli._common import add_recipe_args, load, split_targets
+
+NAME = "run"
+HELP = "validate a recipe and train it on this machine"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_recipe_args(parser)
+    parser.add_argument(
+        "--run-dir", help="the run directory (default: RUNS_ROOT/<name>-<platform>-<time>)"
+    )
+    parser.add_argument(
+        "--runs-root", default="runs", help="where run directories go (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--no-compare", action="store_true", help="do not compare with golden values"
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare with golden values even when overrides change the recipe",
+    )
+    parser.add_argument(
+        "--write-golden",
+        action="store_true",
+        help="write this run's metrics as the recipe's golden values for the platform",
+    )
+    parser.add_argument(
+        "--skip-megatron-checks",
+        action="store_true",
+        help="validate the plan only (skip Megatron's argument checks and the guards)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, then print the plan and the exact commands; start no rank",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="record every rank's pipeline schedule: trace.json, timeline.png and the "
+        "measured vs theoretical bubble in the summary",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError, runner
+
+    recipes, overrides = split_targets(args.targets)
+    if len(recipes) != 1:
+        print(f"megatron-ext run: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
+        return runner.EXIT_INVALID
+    try:
+        loaded = load(recipes[0], args.platform, overrides, args.device)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return runner.EXIT_INVALID
+    if args.dry_run:
+        return runner.dry_run(
+            loaded,
+            run_dir=Path(args.run_dir) if args.run_dir else None,
+            runs_root=Path(args.runs_root),
+            megatron_checks=not args.skip_megatron_checks,
+        ).exit_code
+    outcome = runner.run(
+        loaded,
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        runs_root=Path(args.runs_root),
+        compare_golden=not args.no_compare,
+        force_compare=args.compare,
+        write_golden=args.write_golden,
+        megatron_checks=not args.skip_megatron_checks,
+        trace=args.trace,
+    )
+    return outcome.exit_code

@@ -1,0 +1,87 @@
+"""``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job, waited on and
+compared."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_ext.cli._common import add_recipe_args, load, split_targets
+
+NAME = "submit"
+HELP = "run a recipe as a Slurm job, wait and compare"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_recipe_args(parser, default_platform=None)
+    parser.add_argument(
+        "--slurm", action="store_true", help="submit with sbatch (the supported scheduler)"
+    )
+    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--partition")
+    parser.add_argument("--account")
+    parser.add_argument("--time", help="job time limit, e.g. 00:30:00")
+    parser.add_argument("--container-image", help="run the steps in this image (pyxis)")
+    parser.add_argument("--container-mounts", help="comma-separated SRC:DST mounts")
+    parser.add_argument(
+        "--python", help="interpreter on the nodes (default: this one; 'python' in a container)"
+    )
+    parser.add_argument("--run-dir", help="run directory, on a file system the nodes share")
+    parser.add_argument("--runs-root", default="runs")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch script and stop")
+    parser.add_argument("--no-wait", action="store_true", help="return after sbatch")
+    parser.add_argument("--no-compare", action="store_true")
+    parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--skip-megatron-checks", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.runner import EXIT_INVALID
+    from megatron_ext.recipes.submit import SlurmOptions, submit
+
+    if not args.slurm:
+        print("megatron-ext submit: only --slurm is supported; pass it explicitly", file=sys.stderr)
+        return EXIT_INVALID
+    recipes, overrides = split_targets(args.targets)
+    if len(recipes) != 1:
+        print(f"megatron-ext submit: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
+        return EXIT_INVALID
+    platform = args.platform
+    if platform is None:
+        try:
+            raw = parse_yaml(Path(recipes[0]).read_text()) or {}
+        except Exception:
+            raw = {}
+        platform = "gpu-cluster" if "gpu-cluster" in (raw.get("platforms") or {}) else "cpu"
+    try:
+        loaded = load(recipes[0], platform, overrides, args.device)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_INVALID
+    options = SlurmOptions(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        account=args.account,
+        time=args.time,
+        container_image=args.container_image,
+        container_mounts=args.container_mounts.split(",") if args.container_mounts else None,
+        python=args.python,
+    )
+    outcome = submit(
+        loaded,
+        options,
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        runs_root=Path(args.runs_root),
+        dry_run=args.dry_run,
+        wait=not args.no_wait,
+        compare_golden=not args.no_compare,
+        force_compare=args.compare,
+        megatron_checks=not args.skip_megatron_checks,
+    )
+    return outcome.exit_code
