@@ -151,7 +151,10 @@ class LoadedRecipe:
         pattern = self.recipe.test.golden_values
         if not pattern:
             return None
-        path = Path(pattern.format(name=self.name, platform=self.platform))
+        try:
+            path = Path(pattern.format(name=self.name, platform=self.platform))
+        except (KeyError, IndexError, ValueError, AttributeError):  # refused by validation
+            path = Path(pattern)
         return path if path.is_absolute() else self.base_dir / path
 
 

@@ -312,6 +312,15 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
+def cannot_write(exc: OSError, run_dir: Path) -> str:
+    """One line for a failed write under the run directory (disk full, read-only, not a dir)."""
+    where = exc.filename or run_dir
+    return (
+        f"cannot write {where}: {exc.strerror or exc}; free space there or choose another "
+        "directory with --run-dir / --runs-root"
+    )
+
+
 def _stall_environment_problem() -> Optional[str]:
     """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
     from megatron_ext.launch import heartbeat
@@ -353,6 +362,9 @@ def run(
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    if write_golden and (why := safety.golden_write_problem(loaded)):
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     if write_golden and loaded.numerics_overridden:
         why = (
             "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
@@ -361,7 +373,12 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    write_run_files(loaded, run_dir)
+    try:
+        write_run_files(loaded, run_dir)
+    except OSError as exc:
+        why = cannot_write(exc, run_dir)
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     echo(f"  run directory {run_dir}")
     results: list[dict] = []
     try:
@@ -574,7 +591,7 @@ def finalize(
     elif loaded.numerics_overridden and not force_compare:
         echo(
             f"  golden values: not compared, the overrides change the recipe "
-            f"({' '.join(loaded.overrides)}); --compare forces it"
+            f"({' '.join(_shown_overrides(loaded))}); --compare forces it"
         )
     else:
         golden = met.read_golden(golden_path)
@@ -783,4 +800,7 @@ def _write_summary(
     }
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:  # disk full: the verdict still reaches the console and exit status
+        print(f"megatron-ext run: no summary.json: {cannot_write(exc, run_dir)}", file=sys.stderr)

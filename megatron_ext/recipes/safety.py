@@ -11,8 +11,10 @@ where quoting cannot help, rejected here before anything is written:
 - ``#SBATCH`` lines are comments to bash but would end at a line break, so no value placed
   on one may hold a line break or NUL.
 
-Secrets: an environment variable whose name contains KEY, TOKEN, SECRET or PASSWORD (e.g.
-``WANDB_API_KEY``) is never written into a script, the resolved recipe or the summary
+Secrets: an environment variable whose name contains KEY, TOKEN, SECRET, PASSWORD, PASSWD or
+CREDENTIAL, or has PAT, PASS, PWD or AUTH as one of its ``_``-separated words (e.g.
+``WANDB_API_KEY``, ``MY_DB_PASSWD``, ``GH_PAT``; not ``PATH`` or the shell's ``PWD``) is never
+written into a script, the resolved recipe or the summary
 (:func:`redact_env`); the ranks get it through the launcher's environment, and a generated
 script expects it in the environment it is run from (:func:`secret_check_line`).
 """
@@ -32,12 +34,36 @@ ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LINE_BREAKING = re.compile(r"[\n\r\x00\x0b\x0c\x85\u2028\u2029]")
 
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# Short words that name a secret only as a whole word: GH_PAT, DB_PASS, MY_PWD, HTTP_AUTH.
+SECRET_WORDS = frozenset({"PAT", "PASS", "PWD", "AUTH", "PASSPHRASE", "PW"})
+NOT_SECRET = frozenset({"PWD", "OLDPWD"})  # the shell's working directories
 REDACTED = "<redacted>"
 
 
 def is_secret(name: object) -> bool:
-    return bool(SECRET_NAME.search(str(name)))
+    text = str(name)
+    if text.upper() in NOT_SECRET:
+        return False
+    words = set(re.split(r"[^A-Za-z0-9]+", text.upper()))
+    return bool(SECRET_NAME.search(text)) or bool(words & SECRET_WORDS)
+
+
+def _redact_tree(value: object) -> tuple[object, bool]:
+    """``value`` with every mapping entry under a secret name redacted, and whether any was."""
+    if isinstance(value, dict):
+        out, hidden = {}, False
+        for key, item in value.items():
+            if is_secret(key):
+                out[key], hidden = REDACTED, True
+            else:
+                out[key], inner = _redact_tree(item)
+                hidden = hidden or inner
+        return out, hidden
+    if isinstance(value, list):
+        items = [_redact_tree(item) for item in value]
+        return [item for item, _ in items], any(h for _, h in items)
+    return value, False
 
 
 def redact_env(env: dict) -> dict:
@@ -47,8 +73,23 @@ def redact_env(env: dict) -> dict:
 
 def redact_override(override: str) -> str:
     """A KEY=VALUE override with the value hidden when the key names a secret."""
-    key, sep, _ = override.partition("=")
-    return f"{key}={REDACTED}" if sep and is_secret(key.rsplit(".", 1)[-1]) else override
+    key, sep, value = override.partition("=")
+    if not sep:
+        return override
+    if is_secret(key.rsplit(".", 1)[-1]):
+        return f"{key}={REDACTED}"
+    if not any(is_secret(word) for word in re.split(r"[^A-Za-z0-9_]+", value)):
+        return override  # no secret name inside: keep the user's text as written
+    import yaml
+
+    try:  # the mapping form, launch.env={HF_TOKEN: x} or launch={env: {HF_TOKEN: x}}
+        parsed = yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return f"{key}={REDACTED}"  # unreadable, and it names a secret: show none of it
+    redacted, hidden = _redact_tree(parsed)
+    if not hidden:
+        return override
+    return f"{key}={yaml.safe_dump(redacted, default_flow_style=True, width=10**6).strip()}"
 
 
 def secret_check_line(name: str) -> str:
@@ -85,6 +126,7 @@ def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
         name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
         name_problem("platform", loaded.platform),
     ]
+    problems.append(golden_values_problem(loaded))
     for key in recipe.launch.env:
         if not ENV_KEY.match(str(key)):
             problems.append(
@@ -102,6 +144,59 @@ def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
     for i, value in enumerate([*slurm.container_mounts]):
         problems.append(directive_problem(f"launch.slurm.container_mounts[{i}]", value))
     return [p for p in problems if p is not None]
+
+
+def golden_values_problem(loaded: LoadedRecipe) -> Optional[Problem]:
+    """``test.golden_values``: a ``.json`` pattern with no placeholder but {name} and {platform}."""
+    pattern = loaded.recipe.test.golden_values
+    if not pattern:
+        return None
+    try:
+        text = pattern.format(name=loaded.name, platform=loaded.platform)
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return Problem(
+            "test.golden_values",
+            f"{pattern!r} may hold only the placeholders {{name}} and {{platform}}; "
+            "escape other braces as {{ and }}",
+        )
+    if not text.endswith(".json") or LINE_BREAKING.search(text):
+        return Problem(
+            "test.golden_values",
+            f"{text!r} is not a golden-value file: give a path ending in .json, "
+            "e.g. golden/{name}/golden_values_{platform}.json",
+        )
+    return None
+
+
+def golden_write_problem(loaded: LoadedRecipe) -> Optional[str]:
+    """Why ``--write-golden`` may not write the recipe's golden values: only below the recipe's
+    own directory, and never over a file that is not golden-value JSON (a recipe someone sent
+    could point test.golden_values at any file of yours)."""
+    import json
+
+    golden = loaded.golden_path()
+    if golden is None:
+        return "test.golden_values is null: set it to a .json path beside the recipe"
+    if not inside(loaded.base_dir, golden):
+        return (
+            f"test.golden_values {golden} is outside the recipe's directory {loaded.base_dir}; "
+            "--write-golden writes only below it (e.g. golden/{name}/golden_values_{platform}.json)"
+        )
+    if golden.is_symlink() or (golden.exists() and not golden.is_file()):
+        return (
+            f"test.golden_values {golden} is not a regular file; --write-golden will not replace it"
+        )
+    if golden.exists():
+        try:
+            data = json.loads(golden.read_text())
+        except (OSError, ValueError, RecursionError):
+            data = None
+        if not isinstance(data, dict):
+            return (
+                f"test.golden_values {golden} exists and is not golden-value JSON; "
+                "--write-golden will not overwrite it: move it away first"
+            )
+    return None
 
 
 def check_directives(values: Iterable[tuple[str, object]]) -> None:
