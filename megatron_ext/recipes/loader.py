@@ -106,6 +106,27 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
     return " ".join(f"{what}{where}".split())
 
 
+# The largest shipped recipe is ~3 KiB and Megatron-LM's test cases ~10 KiB; a file far beyond
+# that is not a recipe, and parsing tens of megabytes of YAML takes minutes.
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def _read_recipe_text(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            str(path),
+            [
+                Problem(
+                    "",
+                    f"{size} bytes, more than a recipe's limit of {MAX_RECIPE_BYTES} (1 MiB): "
+                    "is this the right file?",
+                )
+            ],
+        )
+    return path.read_text(encoding="utf-8")
+
+
 def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
@@ -394,7 +415,7 @@ def load(
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)
     try:
-        raw = parse_yaml(path.read_text(encoding="utf-8"))
+        raw = parse_yaml(_read_recipe_text(path))
     except OSError as exc:
         raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:

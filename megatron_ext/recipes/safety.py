@@ -139,6 +139,10 @@ def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name)))
+    from megatron_ext.launch.slurm import time_problem
+
+    if isinstance(slurm.time, str) and (problem := time_problem(slurm.time)):
+        problems.append(Problem("launch.slurm.time", problem))
     for i, value in enumerate([*slurm.sbatch_args]):
         problems.append(directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
     for i, value in enumerate([*slurm.container_mounts]):

@@ -31,6 +31,9 @@ DEFAULT_PLATFORM = "cpu"
 """The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them)."""
 
 
+MAX_PROBLEM_CHARS = 400
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a recipe: where (dotted path, or "" for the whole recipe) and what."""
@@ -40,6 +43,8 @@ class Problem:
 
     def __str__(self) -> str:
         text = f"{self.where}: {self.what}" if self.where else self.what
+        if len(text) > MAX_PROBLEM_CHARS:  # a 100 KB value is not echoed back in full
+            text = f"{text[: MAX_PROBLEM_CHARS - 40]}... ({len(text)} characters)"
         # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
         return "".join(
             ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
