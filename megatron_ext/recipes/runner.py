@@ -296,10 +296,39 @@ def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) ->
         for problem in validation.problems:
             echo(f"{loaded.source}: {problem}")
         return f"{len(validation.problems)} problem(s) in the recipe"
+    fault = fault_problem(loaded)
+    if fault is not None:
+        return fault
     if not entry_importable(loaded.recipe.entry):
         return (
             f"the entry module {loaded.recipe.entry} is not importable (model.type "
             f"{loaded.recipe.model.type}); install it or set model.entry"
+        )
+    return None
+
+
+def fault_problem(loaded: LoadedRecipe) -> Optional[str]:
+    """A malformed MEGATRON_EXT_FAULT (the environment's or launch.env's), or one naming a rank
+    the run does not have, found here rather than by every rank after start-up."""
+    from megatron_ext.launch import faults
+
+    text = loaded.recipe.launch.env.get(faults.FAULT_ENV, os.environ.get(faults.FAULT_ENV))
+    if not text:
+        return None
+    try:
+        fault = faults.parse_fault(str(text))
+    except ValueError as exc:
+        return f"{exc}; fix it or unset {faults.FAULT_ENV}"
+    if fault.rank >= loaded.recipe.world_size:
+        return (
+            f"{faults.FAULT_ENV}={text!r}: rank {fault.rank} does not exist in a run of "
+            f"{loaded.recipe.world_size} ranks; give rank=0..{loaded.recipe.world_size - 1}"
+        )
+    if fault.step > loaded.recipe.training.iterations:
+        return (
+            f"{faults.FAULT_ENV}={text!r}: step {fault.step} is past the run's "
+            f"{loaded.recipe.training.iterations} iterations; give step=1.."
+            f"{loaded.recipe.training.iterations}"
         )
     return None
 

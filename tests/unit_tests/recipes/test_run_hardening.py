@@ -102,3 +102,28 @@ def test_a_full_disk_ends_in_one_line_not_a_traceback(write_recipe, tmp_path, mo
     err = capsys.readouterr().err.strip()
     assert status == runner.EXIT_TRAINING_FAILED and err.count("\n") == 0, err
     assert err.startswith("megatron-ext run: cannot write runs/x/summary.json: No space left")
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("rank=1,stp=2", "expected rank=R,step=S"),
+        ("rank=x,step=2", "must be integers"),
+        ("rank=9,step=1", "rank 9 does not exist in a run of 4 ranks"),
+        ("rank=1,step=99", "past the run's 8 iterations"),
+    ],
+)
+def test_a_malformed_fault_is_named_before_any_rank_starts(
+    write_recipe, monkeypatch, fault, expected
+):
+    from megatron_ext.launch import faults
+
+    monkeypatch.setenv(faults.FAULT_ENV, fault)
+    loaded = load(write_recipe(MINIMAL))
+    why = runner.preflight(loaded, print, megatron_checks=False)
+    assert why and expected in why and "\n" not in why, why
+    monkeypatch.delenv(faults.FAULT_ENV)
+    from_recipe = load(
+        write_recipe(MINIMAL + f"launch: {{env: {{{faults.FAULT_ENV}: '{fault}'}}}}\n")
+    )
+    assert expected in runner.preflight(from_recipe, print, megatron_checks=False)
