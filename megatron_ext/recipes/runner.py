@@ -402,6 +402,29 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
+    from megatron_ext.recipes import run_lock
+
+    try:
+        with run_lock.holding(run_dir):
+            return _run_in(
+                loaded, run_dir, started, compare_golden, force_compare, write_golden, echo, trace
+            )
+    except run_lock.RunDirectoryBusy as exc:
+        echo(f"cannot run: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
+
+
+def _run_in(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    started: float,
+    compare_golden: bool,
+    force_compare: bool,
+    write_golden: bool,
+    echo: Echo,
+    trace: bool,
+) -> Outcome:
+    """:func:`run` once the run directory is held."""
     try:
         write_run_files(loaded, run_dir)
     except OSError as exc:

@@ -127,3 +127,17 @@ def test_a_malformed_fault_is_named_before_any_rank_starts(
         write_recipe(MINIMAL + f"launch: {{env: {{{faults.FAULT_ENV}: '{fault}'}}}}\n")
     )
     assert expected in runner.preflight(from_recipe, print, megatron_checks=False)
+
+
+def test_a_run_directory_in_use_is_refused_before_anything_is_written(write_recipe, tmp_path):
+    from megatron_ext.recipes import run_lock
+
+    loaded = load(write_recipe(MINIMAL))
+    run_dir = tmp_path / "shared-run"
+    with run_lock.holding(run_dir):  # another run holds it (flock: per open file, not per pid)
+        outcome = runner.run(loaded, run_dir=run_dir, megatron_checks=False, echo=print)
+        assert outcome.exit_code == runner.EXIT_INVALID, outcome
+        assert "in use by another megatron-ext run" in outcome.message
+        assert sorted(p.name for p in run_dir.iterdir()) == [run_lock.LOCK_NAME]
+    with run_lock.holding(run_dir):  # released when the holder ends
+        pass
