@@ -196,7 +196,9 @@ def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     heartbeat.start(_global_rank())
     arm_save_fault()
     try:
-        return work(*args, **kwargs)
+        result = work(*args, **kwargs)
+        heartbeat.finished()  # what follows is teardown: never a stall
+        return result
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - any error must end this rank, not hang it
