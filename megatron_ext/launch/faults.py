@@ -178,11 +178,31 @@ def where(exc: BaseException) -> str:
     return f"{step}, {place}"
 
 
+MAX_ERROR_CHARS = 500
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` in one line. A distributed-checkpoint failure (torch's
+    CheckpointException: every rank's traceback in one message) is described by its first
+    failing rank's own error ("Size mismatch ... for key ...") instead of the flattened text."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures, key=lambda r: (not isinstance(r, int), r if isinstance(r, int) else 0))
+        inner = failures[rank]
+        inner = getattr(inner, "exc", inner)  # torch wraps each rank's error (WrappedException)
+        if isinstance(inner, BaseException):
+            return f"{type(exc).__name__} (checkpoint rank {rank}): {describe_error(inner)}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(" ".join(lines).split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def report_failure(exc: BaseException, stream: Any = None) -> str:
     """Write the traceback and the marker line; returns the marker line."""
     stream = stream or sys.stderr
-    first_line = " ".join((str(exc).strip() or "").split())
-    error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    error = describe_error(exc)
     line = f"{MARKER} rank={_global_rank()} time={time.time():.3f} where={where(exc)} error={error}"
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     print(line, file=stream, flush=True)

@@ -530,14 +530,17 @@ def _run_phases(
         )
         echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
         if not result.ok:
-            rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
+            named = local.failing_rank(job, result)
+            rank = named if named is not None else recipe.world_size - 1
+            reason = local.failure_summary(job, result)
             what = (
                 f"timed out after {recipe.launch.timeout_s} s"
                 if result.timed_out
                 else f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)"
                 if result.stall
-                else f"rank {rank} exited with {result.returncode}"
+                else reason or f"rank {rank} exited with {result.returncode}"
             )
+            results[-1].update({"failed_rank": rank, "reason": reason or what})
             _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):

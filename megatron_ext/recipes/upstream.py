@@ -217,6 +217,17 @@ def _data_paths(value: Any) -> list[str]:
     return words
 
 
+def _integer(value: Any, where: str, conversion: "Conversion") -> Optional[int]:
+    """An integer flag value, or None and a problem naming the flag."""
+    try:
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        conversion.problems.append(Problem(where, f"{str(value)[:60]!r} is not an integer"))
+        return None
+
+
 def _field_value(flag: str, value: Any) -> tuple[str, Any]:
     """(field path, value) of a flag that a schema field writes."""
     path = FIELD_FLAGS[flag]
@@ -267,7 +278,7 @@ def model_args_to_sections(
         elif flag == "--recompute-hyper-connections":
             recompute_modules = (recompute_modules or []) + ["mhc"]
         elif flag == "--num-layers-per-virtual-pipeline-stage":
-            layers_per_virtual_stage = int(value)
+            layers_per_virtual_stage = _integer(value, where, conversion)
         elif flag == "--group-query-attention":
             continue  # implied by model.num_query_groups
         elif flag == "--hybrid-layer-pattern":
