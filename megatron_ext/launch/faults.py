@@ -189,7 +189,8 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         rank = min(failures, key=lambda r: (not isinstance(r, int), r if isinstance(r, int) else 0))
         inner = failures[rank]
-        inner = getattr(inner, "exc", inner)  # torch wraps each rank's error (WrappedException)
+        if isinstance(inner, tuple) and inner:  # torch keeps (exception, traceback) per rank
+            inner = inner[0]
         if isinstance(inner, BaseException):
             return f"{type(exc).__name__} (checkpoint rank {rank}): {describe_error(inner)}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -147,7 +147,9 @@ test_case = st.fixed_dictionaries(
     {"MODEL_ARGS": st.one_of(model_args, json_values)},
     optional={
         "ENV_VARS": st.one_of(st.dictionaries(text, scalars, max_size=3), json_values),
-        "TEST_TYPE": st.one_of(st.sampled_from(["regular", "ckpt-resume", "frozen-start"]), scalars),
+        "TEST_TYPE": st.one_of(
+            st.sampled_from(["regular", "ckpt-resume", "frozen-start"]), scalars
+        ),
         "MODE": st.one_of(st.sampled_from(["pretraining", "inference", "rl"]), scalars),
         "LAUNCHER": st.one_of(st.sampled_from(["ft_launcher", "torchrun"]), scalars),
         "METRICS": json_values,
@@ -203,7 +205,8 @@ def test_compare(tmp_path_factory, capsys, run, golden, metrics, rtol):
     (directory / "golden.json").write_text(golden)
     argv = ["compare", str(directory / "run.json"), str(directory / "golden.json")]
     if metrics:
-        argv += ["--metrics", *[m for m in metrics if not m.startswith("-")] or ["lm loss"]]
+        chosen = [m for m in metrics if not m.startswith("-")] or ["lm loss"]
+        argv += ["--metrics", *chosen]
     if rtol is not None:
         argv.append(f"--rtol={rtol}")
     _tool(capsys, argv)
