@@ -357,6 +357,42 @@ def model_args_to_sections(
     return data
 
 
+# Sizes the world-size arithmetic and the cpu overlay compare with numbers.
+NUMERIC_PATHS = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.seq_length",
+    "parallelism.tp",
+    "parallelism.pp",
+    "parallelism.vpp",
+    "parallelism.cp",
+    "parallelism.ep",
+    "parallelism.dp",
+    "training.micro_batch_size",
+    "training.global_batch_size",
+    "training.iterations",
+    "training.eval_interval",
+    "data.tokenizer.vocab_size",
+    "extra_args.--moe-ffn-hidden-size",
+)
+
+
+def _drop_non_numbers(full: dict, conversion: "Conversion") -> None:
+    """A size flag whose value is not a number is a problem naming the flag, and is left out
+    so that the arithmetic below never meets it."""
+    flags = {path: flag for flag, path in FIELD_FLAGS.items()}
+    for path in NUMERIC_PATHS:
+        value = _get(full, path)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None or (number and math.isfinite(value)):
+            continue
+        where = f"MODEL_ARGS.{flags.get(path, path.rsplit('.', 1)[-1])}"
+        conversion.problems.append(Problem(where, f"{str(value)[:60]!r} is not a number"))
+        *parents, leaf = path.split(".")
+        del _get(full, ".".join(parents))[leaf]
+
+
 # ---- the cpu overlay -------------------------------------------------------------------------------
 def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     """The case shrunk for a CPU (the ``cpu`` platform) and one line per change."""
@@ -523,6 +559,7 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
             "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad"
         )
 
+    _drop_non_numbers(full, conversion)
     ep = _get(full, "parallelism.ep", 1)
     model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
     if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs
