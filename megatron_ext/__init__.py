@@ -2,7 +2,8 @@
 
 ``install()`` applies the plugin's patches to megatron-core (idempotently) and
 ``uninstall()`` restores every original. The patches themselves are declared, with their
-reasons and verified versions, in :mod:`megatron_ext.registry`.
+reasons and verified versions, in :mod:`megatron_ext.declarations` (applied by the machinery
+of :mod:`megatron_ext.registry`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def install() -> None:
 
     With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
     records its pipeline schedule (:mod:`megatron_ext.pipeline.trace`)."""
+    from megatron_ext import declarations  # noqa: F401  (every Patch and Seam)
+
     registry.apply("core")
     registry.verify_seams()
     from megatron_ext.pipeline.trace import start_from_environment
