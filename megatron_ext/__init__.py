@@ -18,12 +18,12 @@ def install() -> None:
     the private seams it depends on (once per process).
 
     With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
-    records its pipeline schedule (:mod:`megatron_ext.pipeline.trace`)."""
+    records its pipeline schedule (:mod:`megatron_ext.schedules.trace`)."""
     from megatron_ext import declarations  # noqa: F401  (every Patch and Seam)
 
     registry.apply("core")
     registry.verify_seams()
-    from megatron_ext.pipeline.trace import start_from_environment
+    from megatron_ext.schedules.trace import start_from_environment
 
     start_from_environment()
 

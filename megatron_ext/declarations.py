@@ -99,14 +99,14 @@ register(
 
 
 # --------------------------------------------------------------------------------------
-# "trace" patches: applied only inside megatron_ext.pipeline.trace.tracing() (megatron-ext
+# "trace" patches: applied only inside megatron_ext.schedules.trace.tracing() (megatron-ext
 # run --trace); outside it nothing is wrapped, so tracing off costs nothing.
 # --------------------------------------------------------------------------------------
 def _trace(attribute: str, maker: str, why: str) -> None:
     register(
         Patch(
             target=f"megatron.core.pipeline_parallel.schedules:{attribute}",
-            replacement=f"megatron_ext.pipeline.trace:{maker}",
+            replacement=f"megatron_ext.schedules.trace:{maker}",
             why=why,
             group="trace",
         )
