@@ -11,21 +11,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from megatron_ext import registry
-
-
-def install() -> None:
-    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly) and check
-    the private seams it depends on (once per process).
-
-    With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
-    records its pipeline schedule (:mod:`megatron_ext.schedules.trace`)."""
-    from megatron_ext import declarations  # noqa: F401  (every Patch and Seam)
-
-    registry.apply("core")
-    registry.verify_seams()
-    from megatron_ext.schedules.trace import start_from_environment
-
-    start_from_environment()
+from megatron_ext.installer import install as install
+from megatron_ext.installer import installed as installed
 
 
 def uninstall() -> None:
@@ -35,7 +22,3 @@ def uninstall() -> None:
     runtime.stop_cpu()
     registry.undo("fault")
     registry.undo("core")
-
-
-def installed() -> bool:
-    return all(registry.is_applied(p.target) for p in registry.patches("core"))

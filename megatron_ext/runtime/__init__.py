@@ -39,7 +39,7 @@ def use_cpu() -> None:
             "redirections would shadow the real GPU calls. Hide the GPUs "
             "(CUDA_VISIBLE_DEVICES='') to train on CPU, or drop use_cpu() to train on the GPU."
         )
-    from megatron_ext import install
+    from megatron_ext.installer import install
 
     install()
     registry.apply("cpu")
