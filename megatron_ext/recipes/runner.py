@@ -251,7 +251,7 @@ class Progress:
             return
         text = line.strip()
         plain = PLAIN_PROGRESS.match(text)
-        if plain:  # an entry's own progress line (multimodule.train): shown as it is
+        if plain:  # an entry's own progress line (pretrain_multimodule): shown as it is
             self.training_seen = True
             self.echo(f"  iteration {int(plain.group(1)):>4}/{plain.group(2)} | {plain.group(3)}")
             return

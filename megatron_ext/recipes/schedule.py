@@ -23,12 +23,12 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
     """:func:`plan_from_recipe` for an already loaded recipe."""
     r = loaded.recipe
     if r.model.type == "multimodule":
-        from megatron_ext.multimodule.train import read_recipe
+        from megatron_ext.recipes.multimodule import num_microbatches, plan_of
 
-        mm = read_recipe(_raw_recipe(loaded))
+        plan = plan_of(r)
         # Encoder outputs and image lengths vary per micro-batch (shapes are exchanged with
         # every message), so there is no fixed message size to report.
-        return SchedulePlan(microbatches=mm.num_microbatches(), multimodule=mm.plan), None
+        return SchedulePlan(microbatches=num_microbatches(r, plan), multimodule=plan), None
     p = r.parallelism
     microbatches = r.training.global_batch_size // (r.training.micro_batch_size * p.dp)
     size = MessageSize(
@@ -42,9 +42,3 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
         sequence_parallel=p.sp,
     )
     return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches), size
-
-
-def _raw_recipe(loaded: Any) -> dict:
-    from megatron_ext.recipes.loader import dump, parse_yaml
-
-    return parse_yaml(dump(loaded))

@@ -234,11 +234,11 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
 def multimodule_problems(loaded: LoadedRecipe) -> list[Problem]:
     """The multi-module plan (grids, topology, batch sizes) of a multimodule recipe, as its
     entry will read it, checked without a process."""
-    from megatron_ext.multimodule.train import recipe_problems
+    from megatron_ext.recipes.multimodule import recipe_problems
 
     return [
         Problem("model.modules", p)
-        for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)
+        for p in recipe_problems(loaded.recipe, loaded.recipe.world_size)
     ]
 
 
