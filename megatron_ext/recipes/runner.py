@@ -41,7 +41,7 @@ from typing import Callable, Optional
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
-from megatron_ext.recipes import safety
+from megatron_ext.recipes import golden_paths, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -251,7 +251,7 @@ class Progress:
             return
         text = line.strip()
         plain = PLAIN_PROGRESS.match(text)
-        if plain:  # an entry's own progress line (multimodule.train): shown as it is
+        if plain:  # an entry's own progress line (pretrain_multimodule): shown as it is
             self.training_seen = True
             self.echo(f"  iteration {int(plain.group(1)):>4}/{plain.group(2)} | {plain.group(3)}")
             return
@@ -391,7 +391,7 @@ def run(
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
-    if write_golden and (why := safety.golden_write_problem(loaded)):
+    if write_golden and (why := golden_paths.golden_write_problem(loaded)):
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
     if write_golden and loaded.numerics_overridden:
@@ -503,7 +503,7 @@ def _run_phases(
         )
         env = plan.run_environment(loaded)
         if trace:
-            from megatron_ext.pipeline import run_trace
+            from megatron_ext.recipes import run_trace
 
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(
@@ -546,7 +546,7 @@ def _run_phases(
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
             if trace:
-                from megatron_ext.pipeline import run_trace
+                from megatron_ext.recipes import run_trace
 
                 where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
                 if where:
@@ -669,7 +669,7 @@ def finalize(
         echo(f"  {line}")
     pipeline = None
     if trace:
-        from megatron_ext.pipeline import run_trace
+        from megatron_ext.recipes import run_trace
 
         pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)

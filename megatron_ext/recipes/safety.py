@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import Problem
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
@@ -116,90 +115,6 @@ def directive_problem(where: str, value: object) -> Optional[Problem]:
             f"{str(value)!r} holds a line break or NUL, which would end the "
             "#SBATCH line and run the rest as shell; remove it",
         )
-    return None
-
-
-def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
-    """Every value of the recipe that no quoting can make safe."""
-    recipe = loaded.recipe
-    problems: list[Optional[Problem]] = [
-        name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
-        name_problem("platform", loaded.platform),
-    ]
-    problems.append(golden_values_problem(loaded))
-    for key in recipe.launch.env:
-        if not ENV_KEY.match(str(key)):
-            problems.append(
-                Problem(
-                    f"launch.env.{key}",
-                    f"{str(key)!r} is not an environment "
-                    "variable name: use letters, digits and _, not starting with a digit",
-                )
-            )
-    slurm = recipe.launch.slurm
-    for field_name in ("partition", "account", "time", "container_image"):
-        problems.append(directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name)))
-    from megatron_ext.launch.slurm import time_problem
-
-    if isinstance(slurm.time, str) and (problem := time_problem(slurm.time)):
-        problems.append(Problem("launch.slurm.time", problem))
-    for i, value in enumerate([*slurm.sbatch_args]):
-        problems.append(directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
-    for i, value in enumerate([*slurm.container_mounts]):
-        problems.append(directive_problem(f"launch.slurm.container_mounts[{i}]", value))
-    return [p for p in problems if p is not None]
-
-
-def golden_values_problem(loaded: LoadedRecipe) -> Optional[Problem]:
-    """``test.golden_values``: a ``.json`` pattern with no placeholder but {name} and {platform}."""
-    pattern = loaded.recipe.test.golden_values
-    if not pattern:
-        return None
-    try:
-        text = pattern.format(name=loaded.name, platform=loaded.platform)
-    except (KeyError, IndexError, ValueError, AttributeError):
-        return Problem(
-            "test.golden_values",
-            f"{pattern!r} may hold only the placeholders {{name}} and {{platform}}; "
-            "escape other braces as {{ and }}",
-        )
-    if not text.endswith(".json") or LINE_BREAKING.search(text):
-        return Problem(
-            "test.golden_values",
-            f"{text!r} is not a golden-value file: give a path ending in .json, "
-            "e.g. golden/{name}/golden_values_{platform}.json",
-        )
-    return None
-
-
-def golden_write_problem(loaded: LoadedRecipe) -> Optional[str]:
-    """Why ``--write-golden`` may not write the recipe's golden values: only below the recipe's
-    own directory, and never over a file that is not golden-value JSON (a recipe someone sent
-    could point test.golden_values at any file of yours)."""
-    import json
-
-    golden = loaded.golden_path()
-    if golden is None:
-        return "test.golden_values is null: set it to a .json path beside the recipe"
-    if not inside(loaded.base_dir, golden):
-        return (
-            f"test.golden_values {golden} is outside the recipe's directory {loaded.base_dir}; "
-            "--write-golden writes only below it (e.g. golden/{name}/golden_values_{platform}.json)"
-        )
-    if golden.is_symlink() or (golden.exists() and not golden.is_file()):
-        return (
-            f"test.golden_values {golden} is not a regular file; --write-golden will not replace it"
-        )
-    if golden.exists():
-        try:
-            data = json.loads(golden.read_text())
-        except (OSError, ValueError, RecursionError):
-            data = None
-        if not isinstance(data, dict):
-            return (
-                f"test.golden_values {golden} exists and is not golden-value JSON; "
-                "--write-golden will not overwrite it: move it away first"
-            )
     return None
 
 

@@ -6,12 +6,13 @@ line, the summary and the "first failure" all name the rank that reported first.
 from __future__ import annotations
 
 import io
+import traceback
 
 from megatron_ext.launch import faults, local
 
 
 def _checkpoint_exception():
-    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         raise RuntimeError(
@@ -19,7 +20,7 @@ def _checkpoint_exception():
             "current torch.Size([32]) for key decoder.layers.0.mlp.linear_fc1.weight\\nmore"
         )
     except RuntimeError as exc:
-        wrapped = _wrap_exception(exc)
+        wrapped = (exc, traceback.extract_tb(exc.__traceback__))  # torch's per-rank pair
     return CheckpointException(
         "CheckpointException ranks:dict_keys([1, 0])", {1: wrapped, 0: wrapped}
     )

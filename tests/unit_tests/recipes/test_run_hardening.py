@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megatron_ext.recipes import load, runner, safety
+from megatron_ext.recipes import golden_paths, load, runner, safety
 from megatron_ext.recipes.loader import dump
 
 from conftest import MINIMAL
@@ -68,11 +68,11 @@ def test_write_golden_never_writes_outside_the_recipe_or_over_another_file(write
     victim = tmp_path.parent / f"{tmp_path.name}-victim.json"
     victim.write_text('{"not": "golden"}')
     outside = load(write_recipe(MINIMAL + f"test: {{golden_values: '{victim}'}}\n"))
-    assert "outside the recipe's directory" in safety.golden_write_problem(outside)
+    assert "outside the recipe's directory" in golden_paths.golden_write_problem(outside)
     mine = tmp_path / "golden.json"
     mine.write_text("root:x:0:0")
     inside = load(write_recipe(MINIMAL + "test: {golden_values: golden.json}\n"))
-    assert "not golden-value JSON" in safety.golden_write_problem(inside)
+    assert "not golden-value JSON" in golden_paths.golden_write_problem(inside)
     outcome = runner.run(inside, run_dir=tmp_path / "run", write_golden=True, megatron_checks=False)
     assert outcome.exit_code == runner.EXIT_INVALID and not (tmp_path / "run").exists()
     assert mine.read_text() == "root:x:0:0" and victim.read_text() == '{"not": "golden"}'
