@@ -17,6 +17,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    # PEP 561: the package's own annotations are what type checkers should read.
+    package_data={"megatron_ext": ["py.typed"]},
     install_requires=[
         # Ranges, not pins: pip keeps the megatron-core (a wheel or an editable Megatron-LM
         # checkout) and torch the user already has. The registry refuses megatron-core code it

@@ -37,6 +37,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
 from megatron_ext.models.lm_loss import masked_token_loss
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.pipeline import consistency
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
@@ -62,10 +63,7 @@ stimer = StragglerDetector()
 
 # ---- extra arguments ------------------------------------------------------------------------------
 # Upstream dev's (and DeepSeek-V4 configs') spellings of the same two fields, accepted as aliases.
-FLAG_ALIASES = {
-    "--enable-mhc-connections": ("--enable-hyper-connections",),
-    "--mhc-num-residual-streams": ("--num-residual-streams",),
-}
+FLAG_ALIASES = {alias.main_flag: (alias.dev_flag,) for alias in MHC_ALIASES}
 
 
 def _add_flag(parser: argparse.ArgumentParser, group, flag: str, **kwargs) -> None:

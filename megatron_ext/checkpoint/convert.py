@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from megatron_ext.errors import MegatronExtError
+
 # Where each source's checkpoints come from (the CLI's --source).
 SOURCES = ("main", "pr6401", "dev", "megatron-ext")
 
@@ -53,7 +55,7 @@ UPSTREAM_INNER = "inner_layer"
 _LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.(?P<index>\d+)\.)(?P<rest>.+)$")
 
 
-class ConversionError(ValueError):
+class ConversionError(MegatronExtError, ValueError):
     """The state dict is not in the layout the conversion reads."""
 
 

@@ -7,11 +7,13 @@ import argparse
 import dataclasses
 import sys
 
+from megatron_ext.errors import MegatronExtError
+
 NAME = "compare"
 HELP = "compare a run with golden values (Megatron's rules)"
 
 
-class _BadInput(Exception):
+class _BadInput(MegatronExtError):
     """An input `compare` cannot read: one line, exit status 2."""
 
 

@@ -15,6 +15,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.errors import MegatronExtError
+
+__all__ = ["GUARDS", "Guard", "UnsupportedCombinationError", "by_stage"]
+
 
 @dataclass(frozen=True)
 class Guard:
@@ -26,7 +30,7 @@ class Guard:
     rejects: str
 
 
-class UnsupportedCombinationError(NotImplementedError):
+class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
     """A combination of settings that megatron-ext rejects (a NotImplementedError)."""
 
 

@@ -19,11 +19,13 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
+from megatron_ext.errors import MegatronExtError
+
 ALLOW_ENV = "MEGATRON_EXT_ALLOW_CKPT_MISMATCH"
 MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams")
 
 
-class CheckpointMismatchError(AssertionError):
+class CheckpointMismatchError(MegatronExtError, AssertionError):
     """The checkpoint was written for a model this run would build differently."""
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.launch import heartbeat
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
@@ -43,7 +44,7 @@ MARKER = "[megatron-ext] rank failed:"
 _MARKER_LINE = re.compile(re.escape(MARKER) + r" rank=(\d+) time=([\d.]+) where=(.*?) error=(.*)$")
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MegatronExtError, RuntimeError):
     """The failure MEGATRON_EXT_FAULT asked for."""
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.launch import heartbeat
 
 POLL_S = 2.0
@@ -201,7 +202,7 @@ def sbatch_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
-class SlurmError(RuntimeError):
+class SlurmError(MegatronExtError, RuntimeError):
     pass
 
 

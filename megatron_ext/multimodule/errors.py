@@ -9,8 +9,10 @@ rank that finds them and carried downstream to every rank waiting for that micro
 
 from __future__ import annotations
 
+from megatron_ext.errors import MegatronExtError
 
-class MultiModuleError(RuntimeError):
+
+class MultiModuleError(MegatronExtError, RuntimeError):
     """Base class of everything this package raises on purpose."""
 
 

@@ -242,9 +242,9 @@ class MultiModulePlan:
             problems.append("the plan has no modules")
         for name, m in self.modules.items():
             for bad in m.parallel.size_problems():
-                value = getattr(m, bad.field)
+                value = getattr(m, bad.where)
                 problems.append(
-                    f"module {name!r}: {bad.field}={value!r} must be a positive integer"
+                    f"module {name!r}: {bad.where}={value!r} must be a positive integer"
                 )
             if not isinstance(m.first_rank, int) or m.first_rank < 0:
                 problems.append(f"module {name!r}: first_rank={m.first_rank!r} must be >= 0")

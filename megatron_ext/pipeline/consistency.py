@@ -28,6 +28,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Sequence
 
+from megatron_ext.errors import MegatronExtError
+
 # What each communicator's stages agreed on (the exchanged shape, None when nothing is held to
 # one), kept beside megatron's communicators rather than as attributes on them.
 _agreed_shapes: "weakref.WeakKeyDictionary[Any, Optional[list[int]]]" = weakref.WeakKeyDictionary()
@@ -39,7 +41,7 @@ _NO_SHAPE_YET = object()
 _agreed_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-class PipelineConsistencyError(RuntimeError):
+class PipelineConsistencyError(MegatronExtError, RuntimeError):
     """Two pipeline stages were built to exchange different tensors."""
 
 

@@ -264,7 +264,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     m = r.model
 
     for problem in parallel_plan(r).size_problems():
-        add(f"parallelism.{problem.field}", problem.message)
+        add(f"parallelism.{problem.where}", problem.what)
     if problems:
         return problems
 
@@ -460,8 +460,8 @@ def _check_parallel_plan(r: Recipe, add) -> None:
     plan = parallel_plan(r)
     for problem in plan.problems():
         add(
-            "launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
-            problem.message,
+            "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
+            problem.what,
         )
     if p.cp > 1:
         _check_context_parallel(r, add)

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from megatron_ext.errors import MegatronExtError, Problem
+from megatron_ext.mhc_flags import MHC_DEFAULTS
 from megatron_ext.parallel_plan import ParallelPlan
 
 SCHEMA_VERSION = 1
@@ -31,22 +33,7 @@ DEFAULT_PLATFORM = "cpu"
 """The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them)."""
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a recipe: where (dotted path, or "" for the whole recipe) and what."""
-
-    where: str
-    what: str
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.what}" if self.where else self.what
-        # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
-        return "".join(
-            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
-        )
-
-
-class RecipeError(ValueError):
+class RecipeError(MegatronExtError, ValueError):
     """A recipe that cannot be used; ``problems`` lists every reason, one per line."""
 
     def __init__(self, source: str, problems: list[Problem]):
@@ -64,17 +51,27 @@ def _doc(text: str, **kwargs: Any) -> Any:
 class MHC:
     """Manifold-constrained hyper-connections (upstream Megatron-LM's mHC flags)."""
 
-    enabled: bool = _doc("--enable-mhc-connections", default=False)
-    num_residual_streams: int = _doc("--mhc-num-residual-streams (n)", default=4)
-    sinkhorn_iterations: int = _doc("--mhc-sinkhorn-iterations", default=20)
-    init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
+    # Defaults: MHCTransformerConfig's, from the one declaration both read.
+    enabled: bool = _doc("--enable-mhc-connections", default=MHC_DEFAULTS["enable_mhc_connections"])
+    num_residual_streams: int = _doc(
+        "--mhc-num-residual-streams (n)", default=MHC_DEFAULTS["mhc_num_residual_streams"]
+    )
+    sinkhorn_iterations: int = _doc(
+        "--mhc-sinkhorn-iterations", default=MHC_DEFAULTS["mhc_sinkhorn_iterations"]
+    )
+    init_gating_factor: float = _doc(
+        "--mhc-init-gating-factor", default=MHC_DEFAULTS["mhc_init_gating_factor"]
+    )
     recompute: bool = _doc(
         "--recompute-granularity selective --recompute-modules mhc", default=False
     )
     recompute_layer_num: Optional[int] = _doc(
-        "--mhc-recompute-layer-num (None: one group per stage)", default=None
+        "--mhc-recompute-layer-num (None: one group per stage)",
+        default=MHC_DEFAULTS["mhc_recompute_layer_num"],
     )
-    fused: bool = _doc("--use-fused-mhc (Triton kernels; CUDA only)", default=False)
+    fused: bool = _doc(
+        "--use-fused-mhc (Triton kernels; CUDA only)", default=MHC_DEFAULTS["use_fused_mhc"]
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
@@ -67,11 +68,9 @@ RUN_DIR_PLACEHOLDERS = {
 }
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
+# Both upstream spellings of the aliased mHC flags -> the model.mhc field they set.
 MHC_FLAGS = {
-    "--enable-hyper-connections": "enabled",
-    "--enable-mhc-connections": "enabled",
-    "--num-residual-streams": "num_residual_streams",
-    "--mhc-num-residual-streams": "num_residual_streams",
+    flag: alias.recipe_field for alias in MHC_ALIASES for flag in (alias.dev_flag, alias.main_flag)
 }
 
 # Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory

@@ -25,9 +25,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.testing.configs import CPU_SAFE_FIELDS
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import (
     Piece,
@@ -40,7 +41,7 @@ from megatron_ext.testing.shards import (
 ModelFactory = Callable[..., torch.nn.Module]  # (config, pre_process, post_process, vp_stage)
 
 
-class EquivalenceError(AssertionError):
+class EquivalenceError(MegatronExtError, AssertionError):
     """The sharded run differs from the single-rank reference."""
 
 
@@ -357,8 +358,11 @@ def run_sharded(
     on_gradients: Optional[Callable[[int, list], None]] = None,
 ) -> tuple[list[StepRecord], list[Piece]]:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=plan.seed):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.multimodule.builder import ModuleImpl, build, ensure_global_memory_buffer
 from megatron_ext.multimodule.model import StageContext
 from megatron_ext.multimodule.plan import MultiModulePipelineConfig, MultiModulePlan
@@ -36,12 +37,12 @@ from megatron_ext.multimodule.vlm import (
     make_forward_step,
     masked_lm_loss,
 )
-from megatron_ext.testing.equivalence import compare_pieces, raise_differences
 from megatron_ext.testing import shards
+from megatron_ext.testing.equivalence import compare_pieces, raise_differences
 from megatron_ext.testing.shards import ShardedParam, full_tensors, load_full_weights, local_pieces
 
 
-class PipelineEquivalenceError(AssertionError):
+class PipelineEquivalenceError(MegatronExtError, AssertionError):
     """The multi-module pipeline differs from the single-process reference."""
 
 
