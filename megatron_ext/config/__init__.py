@@ -59,13 +59,11 @@ class MHCTransformerConfig(TransformerConfig):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
         # back afterwards. Work on a copy: the caller's list is not ours to mutate.
-        wants_mhc_recompute = (
-            self.recompute_modules is not None and MHC_RECOMPUTE_MODULE in self.recompute_modules
-        )
-        if self.recompute_modules is not None:
-            self.recompute_modules = [
-                m for m in self.recompute_modules if m != MHC_RECOMPUTE_MODULE
-            ]
+        # (TransformerConfig is Any to the type checker: megatron-core ships no stubs.)
+        requested: Optional[list[str]] = getattr(self, "recompute_modules")
+        wants_mhc_recompute = requested is not None and MHC_RECOMPUTE_MODULE in requested
+        if requested is not None:
+            self.recompute_modules = [m for m in requested if m != MHC_RECOMPUTE_MODULE]
         super().__post_init__()
         if wants_mhc_recompute:
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)

@@ -37,7 +37,7 @@ keeps the straightforward formulas as the reference.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -261,7 +261,12 @@ def keep_fp32_when_halving(fn):
 HC_HEAD_PARAMETERS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
-class KeepsHCHeadFP32:
+# For the type checker a mixin is the nn.Module it is mixed into; at runtime it adds no base
+# (the module's own megatron base class brings nn.Module, after the mixin in the MRO).
+_ModuleMixin = torch.nn.Module if TYPE_CHECKING else object
+
+
+class KeepsHCHeadFP32(_ModuleMixin):  # type: ignore[misc,valid-type]
     """Mixin for a module that owns ``hc_head_*`` parameters directly: a cast to bf16/fp16
     leaves those fp32 (as :meth:`HyperConnectionModule._apply` does for the maps' parameters;
     upstream: ``mark_keep_in_fp32``). Only those tensors (and their grads) are exempt; the

@@ -11,6 +11,8 @@ GPT mHC block share one implementation. The maths itself is
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,12 @@ class LearnedContraction(KeepsHCHeadFP32):
     """Mixin for a block with ``config`` and ``num_residual_streams`` that contracts its streams
     with learned ``hc_head_*`` parameters (kept fp32 under a bf16/fp16 cast). Put it before the
     megatron base class."""
+
+    # Provided by the block this is mixed into (megatron's TransformerBlock, HybridStack, MTP
+    # layer); annotations only, for the type checker.
+    config: Any
+    num_residual_streams: int
+    tp_group: Any
 
     def _build_learned_contraction(self) -> None:
         n, h = self.num_residual_streams, self.config.hidden_size

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -129,12 +129,13 @@ class _Checkpoint:
     """One function whose outputs are discarded after forward and rebuilt on demand."""
 
     def __init__(self, function: Callable):
-        self.function = function
-        self.rng_states = _rng_states()
-        self.ctx = None
+        # function and rng_states are dropped (None) once recompute() has used them.
+        self.function: Any = function
+        self.rng_states: Any = _rng_states()
+        self.ctx: Any = None  # the autograd context, set by _OutputDiscardingFunction.forward
         self._input_storages: set[int] = set()
         self.outputs: tuple[torch.Tensor, ...] = ()
-        self.replay = None
+        self.replay: Optional[tuple[tuple, tuple]] = None
 
     def run(self, *args):
         self._input_storages = {

@@ -353,6 +353,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         if ends_group:
+            assert group is not None  # only a layer in a recompute group ends one
             group.discard_and_recompute_on_backward(output)
         return output
 

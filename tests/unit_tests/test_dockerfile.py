@@ -116,7 +116,7 @@ def test_dockerfile_parses_and_pins_a_megatron_core_that_setup_py_admits():
         "recipes",
         "tests",
         "Makefile",
-        "pytest.ini",
+        "pyproject.toml",
         "scripts",
         "bench",
     ):

@@ -46,7 +46,7 @@ from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext import registry
-from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, learned_contract
+from megatron_ext.mhc.learned_contraction import LearnedContraction
 
 
 def _mhc_enabled(config) -> bool:
@@ -62,7 +62,7 @@ class HyperConnectionMTPLayerSubmodules(MultiTokenPredictionLayerSubmodules):
     h_proj: Union[ModuleSpec, type] = None
 
 
-class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
+class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
     """megatron-core's Hybrid MTP layer; with mHC it carries n streams (see the module doc).
 
     Same constructor as ``MultiTokenPredictionLayer``. Without mHC it is that class.
@@ -115,18 +115,10 @@ class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
         self.submodules = submodules
         self.eh_proj = None
         self.num_residual_streams = config.mhc_num_residual_streams
-        h = config.hidden_size
         self.e_proj = self._build_projection(submodules.e_proj, "mtp_e_proj", pg_collection)
         self.h_proj = self._build_projection(submodules.h_proj, "mtp_h_proj", pg_collection)
 
-        n = self.num_residual_streams
-        self.hc_head_fn = torch.nn.Parameter(torch.empty(n, n * h))
-        self.hc_head_base = torch.nn.Parameter(torch.zeros(n))
-        self.hc_head_scale = torch.nn.Parameter(torch.ones(1))
-        torch.nn.init.xavier_uniform_(self.hc_head_fn)
-        for param in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+        self._build_learned_contraction()
 
     def _build_projection(self, spec, buffer_name: str, pg_collection):
         h = self.config.hidden_size
@@ -182,14 +174,7 @@ class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
     def contract_for_loss(self, streams: Tensor) -> Tensor:
         """``[s, b, n*h] -> [s, b, h]``: this depth's learned contraction, then its final
         layernorm (eps = layernorm eps)."""
-        contracted = learned_contract(
-            streams,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            self.num_residual_streams,
-            self.config.layernorm_epsilon,
-        )
+        contracted = self.contract_streams(streams)
         normalised = apply_module(self.final_layernorm)(contracted)
         return make_viewless_tensor(inp=normalised, requires_grad=True, keep_graph=True)
 
