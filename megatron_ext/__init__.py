@@ -2,10 +2,10 @@
 
 ``install()`` applies the plugin's patches to megatron-core (idempotently) and
 ``uninstall()`` restores every original. The patches themselves are declared, with their
-reasons and verified versions, in :mod:`megatron_ext.registry`. :class:`MegatronExtError` is
-the root of every error megatron-ext raises on purpose; :class:`Problem` is one finding of a
-check (where, what). The stable API is ``__all__`` here and in the subpackages the README's
-"Stable API" section lists.
+reasons and verified versions, in :mod:`megatron_ext.declarations` (applied by the machinery
+of :mod:`megatron_ext.registry`). :class:`MegatronExtError` is the root of every error
+megatron-ext raises on purpose; :class:`Problem` is one finding of a check (where, what). The
+stable API is ``__all__`` here and in the subpackages the README's "Stable API" section lists.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ __version__ = "0.2.0"
 
 from megatron_ext import registry
 from megatron_ext.errors import MegatronExtError, Problem
+from megatron_ext.installer import install as install
+from megatron_ext.installer import installed as installed
 
 # The stable API (README, "Stable API"): these names, and the ``__all__`` of the public
 # subpackages listed there. Everything else is internal and may change between releases.
@@ -27,19 +29,6 @@ __all__ = [
 ]
 
 
-def install() -> None:
-    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly) and check
-    the private seams it depends on (once per process).
-
-    With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
-    records its pipeline schedule (:mod:`megatron_ext.pipeline.trace`)."""
-    registry.apply("core")
-    registry.verify_seams()
-    from megatron_ext.pipeline.trace import start_from_environment
-
-    start_from_environment()
-
-
 def uninstall() -> None:
     """Undo everything megatron-ext applied, the CPU runtime and an armed fault included."""
     from megatron_ext import runtime
@@ -47,8 +36,3 @@ def uninstall() -> None:
     runtime.stop_cpu()
     registry.undo("fault")
     registry.undo("core")
-
-
-def installed() -> bool:
-    """Whether every core patch is applied."""
-    return all(registry.is_applied(p.target) for p in registry.patches("core"))
