@@ -85,7 +85,7 @@ def time_limit_seconds(text: str) -> int:
 
 def _check_directive_values(job: SlurmJob) -> None:
     """#SBATCH lines cannot be quoted for bash (they are comments); refuse line breaks."""
-    from megatron_ext.recipes.safety import check_directives
+    from megatron_ext.launch.shell import check_directives
 
     check_directives(
         [
@@ -102,7 +102,7 @@ def _check_directive_values(job: SlurmJob) -> None:
 
 def sbatch_script(job: SlurmJob) -> str:
     """The batch script. Every value that reaches shell is quoted; values on #SBATCH lines
-    are checked (:class:`megatron_ext.recipes.safety.UnsafeValueError`)."""
+    are checked (:class:`megatron_ext.launch.shell.UnsafeValueError`)."""
     q = shlex.quote
     _check_directive_values(job)
     run_dir = str(job.run_dir)
@@ -133,7 +133,7 @@ def sbatch_script(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
     ]
-    from megatron_ext.recipes.safety import is_secret, secret_check_line
+    from megatron_ext.launch.shell import is_secret, secret_check_line
 
     # Secrets reach the job through sbatch's environment (--export=ALL), never the script.
     lines += [secret_check_line(k) for k in job.env if is_secret(k)]
@@ -156,7 +156,7 @@ def sbatch_script(job: SlurmJob) -> str:
             f"--container-mounts={','.join(mounts)}",
             f"--container-workdir={job.workdir}",
         ]
-    from megatron_ext.recipes.safety import ENV_KEY, UnsafeValueError
+    from megatron_ext.launch.shell import ENV_KEY, UnsafeValueError
 
     for key in job.env:
         if not ENV_KEY.match(str(key)):

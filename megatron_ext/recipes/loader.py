@@ -444,7 +444,7 @@ def platforms_of(path: str | Path) -> list[str]:
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
-    from megatron_ext.recipes.safety import redact_env, redact_override
+    from megatron_ext.launch.shell import redact_env, redact_override
 
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name

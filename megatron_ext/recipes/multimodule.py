@@ -89,7 +89,7 @@ def recipe_problems(recipe: Recipe, world_size: Optional[int] = None) -> list[st
         plan = plan_of(recipe, world_size)
     except (ValueError, TypeError) as error:
         return [str(error)]
-    problems = plan.problems() + module_problems(recipe, plan)
+    problems = [str(p) for p in plan.problems()] + module_problems(recipe, plan)
     if recipe.training.lr_schedule != "constant":
         problems.append(
             f"training.lr_schedule={recipe.training.lr_schedule!r}: this entry trains "

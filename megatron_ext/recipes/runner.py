@@ -41,6 +41,7 @@ from typing import Callable, Optional
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
 from megatron_ext.recipes import plan
+from megatron_ext.launch import shell
 from megatron_ext.recipes import safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
@@ -137,21 +138,21 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        safety.comment(
+        shell.comment(
             f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
             + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
             + ")"
         ),
-        safety.comment(f"# {plan.describe(loaded)}"),
+        shell.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
     for key in env:
-        if not safety.ENV_KEY.match(str(key)):
-            raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
-    lines += [safety.secret_check_line(k) for k in env if safety.is_secret(k)]
-    plain = {k: v for k, v in env.items() if not safety.is_secret(k)}
+        if not shell.ENV_KEY.match(str(key)):
+            raise shell.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
+    lines += [shell.secret_check_line(k) for k in env if shell.is_secret(k)]
+    plain = {k: v for k, v in env.items() if not shell.is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
     for i, phase in enumerate(phases(loaded, run_dir)):
@@ -173,7 +174,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
 
 
 def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
-    return [safety.redact_override(o) for o in loaded.overrides]
+    return [shell.redact_override(o) for o in loaded.overrides]
 
 
 def dry_run(
@@ -278,10 +279,10 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     for where, value in (("name", loaded.name), ("platform", loaded.platform)):
         problem = safety.name_problem(where, value)
         if problem is not None:
-            raise safety.UnsafeValueError(str(problem))
+            raise shell.UnsafeValueError(str(problem))
     base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
     if not safety.inside(root, base):
-        raise safety.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
+        raise shell.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
         n += 1

@@ -16,9 +16,10 @@ from typing import Optional
 
 from megatron_ext.launch import slurm
 from megatron_ext.launch.local import LogFollower
-from megatron_ext.recipes import plan, runner, safety
+from megatron_ext.launch import shell
+from megatron_ext.recipes import plan, runner
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.safety import UnsafeValueError
+from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 
@@ -144,7 +145,7 @@ def submit(
     watch.clear()
     try:
         job_id = slurm.submit(
-            script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)}
+            script_path, env={k: v for k, v in job.env.items() if shell.is_secret(k)}
         )
     except (slurm.SlurmError, FileNotFoundError) as exc:
         echo(f"cannot submit: {exc}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from megatron_ext import registry
+from megatron_ext.launch import shell
 from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
@@ -167,15 +168,16 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
 
 
 def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
-    """Every value of the recipe that no quoting can make safe (:mod:`~megatron_ext.recipes.safety`'s
-    rules, applied to the recipe's names, environment keys and Slurm directives)."""
+    """Every value of the recipe that no quoting can make safe (the rules of
+    :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
+    recipe's names, environment keys and Slurm directives)."""
     recipe = loaded.recipe
     problems: list[Optional[Problem]] = [
         safety.name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
         safety.name_problem("platform", loaded.platform),
     ]
     for key in recipe.launch.env:
-        if not safety.ENV_KEY.match(str(key)):
+        if not shell.ENV_KEY.match(str(key)):
             problems.append(
                 Problem(
                     f"launch.env.{key}",
@@ -186,12 +188,12 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(
-            safety.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
+            shell.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
         )
     for i, value in enumerate([*slurm.sbatch_args]):
-        problems.append(safety.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
+        problems.append(shell.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
     for i, value in enumerate([*slurm.container_mounts]):
-        problems.append(safety.directive_problem(f"launch.slurm.container_mounts[{i}]", value))
+        problems.append(shell.directive_problem(f"launch.slurm.container_mounts[{i}]", value))
     return [p for p in problems if p is not None]
 
 

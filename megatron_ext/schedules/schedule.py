@@ -36,6 +36,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+from megatron_ext.errors import MegatronExtError, Problem
+
 # The order megatron-ext's batched P2P posts one call's messages (megatron_ext.pipeline.p2p).
 DIRECTIONS = ("send_next", "recv_prev", "send_prev", "recv_next")
 # What each direction carries: activations travel forward, gradients backward.
@@ -114,32 +116,43 @@ class SchedulePlan:
     def group_size(self) -> int:
         return self.microbatch_group_size or self.pp
 
-    def problems(self) -> list[str]:
-        """Why megatron-core would refuse this plan (one line each, with the fix)."""
-        problems = []
+    def problems(self) -> list[Problem]:
+        """Why megatron-core would refuse this plan (one each, with the fix)."""
+        problems: list[Problem] = []
         if self.multimodule is not None:
             return problems
         if self.pp < 1:
-            problems.append(f"--pp {self.pp}: the pipeline needs at least one stage")
+            problems.append(Problem(f"--pp {self.pp}", "the pipeline needs at least one stage"))
         if self.microbatches < 1:
-            problems.append(f"--microbatches {self.microbatches}: at least one micro-batch")
+            problems.append(
+                Problem(f"--microbatches {self.microbatches}", "at least one micro-batch")
+            )
         if self.vpp is not None and self.vpp < 1:
-            problems.append(f"--vpp {self.vpp}: at least one chunk per rank (or leave it out)")
+            problems.append(
+                Problem(f"--vpp {self.vpp}", "at least one chunk per rank (or leave it out)")
+            )
         if problems or self.vpp is None:
             return problems
         if self.pp == 1:
-            problems.append("--vpp needs --pp > 1: megatron interleaves chunks only across stages")
+            problems.append(
+                Problem("--vpp", "needs --pp > 1: megatron interleaves chunks only across stages")
+            )
         g, m = self.group_size, self.microbatches
         if g > m or g < self.pp:
             problems.append(
-                f"microbatch_group_size_per_vp_stage={g} must lie in [pp={self.pp}, "
-                f"microbatches={m}] (megatron-core raises otherwise); use at least {self.pp} "
-                "micro-batches"
+                Problem(
+                    f"microbatch_group_size_per_vp_stage={g}",
+                    f"must lie in [pp={self.pp}, microbatches={m}] (megatron-core raises "
+                    f"otherwise); use at least {self.pp} micro-batches",
+                )
             )
         elif 0 < m % g < self.pp:
             problems.append(
-                f"{m} micro-batches leave a last group of {m % g} < pp={self.pp} (megatron-core "
-                f"raises: dependency bubbles); use a multiple of {g} or a remainder >= {self.pp}"
+                Problem(
+                    f"--microbatches {m}",
+                    f"leaves a last group of {m % g} < pp={self.pp} (megatron-core raises: "
+                    f"dependency bubbles); use a multiple of {g} or a remainder >= {self.pp}",
+                )
             )
         return problems
 
@@ -405,7 +418,7 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
     """Every rank's steps for ``plan`` (raises ValueError when megatron-core would refuse it)."""
     problems = plan.problems()
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError("; ".join(map(str, problems)))
     m = plan.microbatches
     if plan.multimodule is not None:
         mm = plan.multimodule
@@ -502,7 +515,7 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / (self.ranks * span)
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlock(MegatronExtError, RuntimeError):
     """No rank can take its next step: the schedule waits on itself."""
 
 
@@ -694,7 +707,7 @@ def compare(
     return mismatches
 
 
-class ScheduleMismatch(AssertionError):
+class ScheduleMismatch(MegatronExtError, AssertionError):
     """A recorded order differs from megatron-core's rules."""
 
 

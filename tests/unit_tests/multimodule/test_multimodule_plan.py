@@ -94,7 +94,7 @@ def test_pipeline_config_problems_name_every_setting():
         pipeline_dtype=None, variable_seq_lengths=False, virtual_pipeline_model_parallel_size=None
     )
     found = pipeline_config_problems(config)
-    assert len(found) == 2 and "pipeline_dtype is None" in found[1]
+    assert len(found) == 2 and "pipeline_dtype is None" in str(found[1])
 
 
 def test_successors_at_different_depths_are_rejected_with_the_reason():
