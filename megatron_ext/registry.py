@@ -157,7 +157,7 @@ def imported_megatron_core() -> MegatronCoreCode:
     version = ".".join(str(part) for part in package_info.VERSION[:3]) + str(
         package_info.VERSION[3]
     )
-    path = os.path.dirname(os.path.abspath(package_info.__file__))
+    path = os.path.dirname(os.path.abspath(str(package_info.__file__)))
     try:
         distribution = metadata.distribution("megatron-core")
     except metadata.PackageNotFoundError:

@@ -166,8 +166,9 @@ class _RankBuilder:
 
     def __init__(self) -> None:
         self.steps: list[Step] = []
-        self._received = {"F": {}, "B": {}}  # kind -> chunk -> tensors received so far
-        self._consumed = {"F": {}, "B": {}}
+        # kind -> chunk -> tensors received (consumed) so far
+        self._received: dict[str, dict[int, int]] = {"F": {}, "B": {}}
+        self._consumed: dict[str, dict[int, int]] = {"F": {}, "B": {}}
 
     def compute(self, kind: str, microbatch: int, chunk: int) -> None:
         self.steps.append(Compute(kind, microbatch, chunk))
@@ -699,6 +700,8 @@ def compare(
 ) -> list[Mismatch]:
     """The first difference on each rank between two orders (empty: identical)."""
     mismatches = []
+    want: Sequence[Step]
+    got: Sequence[Step]
     for rank, (want, got) in enumerate(itertools.zip_longest(expected, actual, fillvalue=[])):
         for index, (a, b) in enumerate(itertools.zip_longest(want, got)):
             if a != b:

@@ -77,6 +77,8 @@ class Event:
 
     def step(self) -> Step:
         if self.call is None:
+            # A pass: _event(kind=..., microbatch=...) set both.
+            assert self.kind is not None and self.microbatch is not None
             return Compute(self.kind, self.microbatch, self.chunk or 0)
         return Exchange(
             self.call, tuple(Message(m.direction, m.microbatch, m.chunk) for m in self.messages)
@@ -111,7 +113,9 @@ class Tracer:
         self.events: list[Event] = []
         self.iteration = -1
         self._index = 0
-        self._produced: dict[int, tuple[Any, int, int]] = {}  # id -> (object, mb, chunk)
+        self._produced: dict[
+            int, tuple[Any, Optional[int], Optional[int]]
+        ] = {}  # id -> (object, mb, chunk)
         self._received: dict[int, tuple[Any, _Message]] = {}  # id -> (object, its message)
         self.module: Optional[str] = None  # multi-module: the rank's module names
         self.pipeline_rank: Optional[int] = None  # the theory's rank (world rank if multi-module)
@@ -129,7 +133,7 @@ class Tracer:
         self.events.append(event)
         return event
 
-    def _remember(self, obj: Any, microbatch: int, chunk: int) -> None:
+    def _remember(self, obj: Any, microbatch: Optional[int], chunk: Optional[int]) -> None:
         for item in _flatten(obj):
             self._produced[id(item)] = (item, microbatch, chunk)
 
@@ -140,7 +144,7 @@ class Tracer:
                 return mb, chunk
         return None, None
 
-    def _consume(self, obj: Any, microbatch: int, chunk: int) -> None:
+    def _consume(self, obj: Any, microbatch: Optional[int], chunk: Optional[int]) -> None:
         """A pass takes ``obj``: label the message that brought it."""
         for item in _flatten(obj):
             entry = self._received.pop(id(item), None)
@@ -170,8 +174,8 @@ class Tracer:
     def annotate(self, error: BaseException, event: Event) -> None:
         if getattr(error, "_megatron_ext_step", None) is not None:
             return  # an inner step already named itself
-        error._megatron_ext_step = self.where(event)
-        note = f"pipeline step: {error._megatron_ext_step}"
+        error._megatron_ext_step = self.where(event)  # type: ignore[attr-defined]  # our mark
+        note = f"pipeline step: {error._megatron_ext_step}"  # type: ignore[attr-defined]
         if self.schedule is not None and self._rank() < len(self.schedule.ranks):
             note += f"\nrank {self._rank()}'s schedule (megatron-core's rules):\n"
             note += format_steps(self.schedule, self._rank(), mark=event.index)
@@ -334,7 +338,7 @@ def traced_backward_step(original: Callable) -> Callable:
 # How each communicator call says what it sends and receives: argument positions (and
 # names) of the activation sent, the gradient sent, the receive flags and the end-of-model
 # flags that suppress the whole call.
-_CALLS = {
+_CALLS: dict[str, dict[str, Any]] = {
     "recv_forward": dict(first=(1, "is_first_stage"), recv=("recv_prev",)),
     "recv_backward": dict(last=(1, "is_last_stage"), recv=("recv_next",)),
     "send_forward": dict(out=(0, "output_tensors"), last=(1, "is_last_stage")),
