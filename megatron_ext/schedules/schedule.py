@@ -135,7 +135,7 @@ class SchedulePlan:
             return problems
         if self.pp == 1:
             problems.append(
-                Problem("--vpp", "needs --pp > 1: megatron interleaves chunks only across stages")
+                Problem("--vpp needs --pp > 1", "megatron interleaves chunks only across stages")
             )
         g, m = self.group_size, self.microbatches
         if g > m or g < self.pp:
