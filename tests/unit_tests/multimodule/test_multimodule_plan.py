@@ -238,6 +238,6 @@ def test_a_receiver_without_a_declared_width_is_checked_at_the_width_it_shows():
     assert resolve_input_widths(p, impls, [{"proj": 24}, {}]) == ({"proj": 24, "llm": 32}, [])
     _, (problem,) = resolve_input_widths(p, impls, [{"proj": None}, {}])
     assert str(problem).startswith("module 'proj' receives from ['enc'] but shows no input width")
-    assert "give ModuleImpl(input_width=...) for 'proj'" in problem
+    assert "give ModuleImpl(input_width=...) for 'proj'" in str(problem)
     _, (problem,) = resolve_input_widths(p, impls, [{"proj": 24}, {"proj": 16}])
-    assert "first-stage ranks show different input widths [16, 24]" in problem
+    assert "first-stage ranks show different input widths [16, 24]" in str(problem)
