@@ -14,8 +14,7 @@ __version__ = "0.2.0"
 
 from megatron_ext import registry
 from megatron_ext.errors import MegatronExtError, Problem
-from megatron_ext.installer import install as install
-from megatron_ext.installer import installed as installed
+from megatron_ext.installer import install as install, installed as installed
 
 # The stable API (README, "Stable API"): these names, and the ``__all__`` of the public
 # subpackages listed there. Everything else is internal and may change between releases.

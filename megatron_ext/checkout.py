@@ -19,7 +19,7 @@ import argparse
 import importlib
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.mhc_flags import ENABLE_ALIAS

@@ -13,7 +13,6 @@ checked without them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ext.errors import Problem
 
@@ -27,12 +26,12 @@ class ParallelPlan:
 
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None  # virtual stages per pipeline rank; None or 1: none
+    vpp: int | None = None  # virtual stages per pipeline rank; None or 1: none
     cp: int = 1
     ep: int = 1
     sp: bool = False
-    dp_size: Optional[int] = None
-    world: Optional[int] = None
+    dp_size: int | None = None
+    world: int | None = None
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -131,7 +130,7 @@ class ParallelPlan:
     def world_from_sizes(self) -> int:
         return self.model_parallel_size * self.dp
 
-    def seq_length_problem(self, seq_length: int) -> Optional[str]:
+    def seq_length_problem(self, seq_length: int) -> str | None:
         """Why ``seq_length`` does not split as this plan needs (None when it does)."""
         if seq_length % self.seq_len_divisor == 0:
             return None
@@ -151,7 +150,7 @@ class ParallelPlan:
             "splits it over"
         )
 
-    def layers_problem(self, num_layers: int) -> Optional[str]:
+    def layers_problem(self, num_layers: int) -> str | None:
         """Why ``num_layers`` does not split evenly over the model chunks (None when it does)."""
         if num_layers % self.model_chunks == 0:
             return None
@@ -160,7 +159,7 @@ class ParallelPlan:
             f"= {self.model_chunks} model chunks"
         )
 
-    def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> Optional[str]:
+    def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> str | None:
         """Why the global batch does not split into micro-batches over the DP replicas."""
         if global_batch_size % (micro_batch_size * self.dp) == 0:
             return None
@@ -169,7 +168,7 @@ class ParallelPlan:
             f"* dp({self.dp})"
         )
 
-    def check(self) -> "ParallelPlan":
+    def check(self) -> ParallelPlan:
         """Raise ``ValueError`` listing every problem; returns the plan."""
         problems = self.problems()
         if problems:

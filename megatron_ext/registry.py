@@ -22,9 +22,10 @@ import contextlib
 import importlib
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterator
+from typing import Any
 
 # The one product import: the root error class (megatron_ext.errors imports nothing).
 from megatron_ext.errors import MegatronExtError

@@ -24,7 +24,8 @@ hyper connection a layer has follows from its inner parameters.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from megatron_ext.errors import MegatronExtError
 

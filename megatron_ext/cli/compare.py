@@ -79,8 +79,7 @@ def main(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import RecipeError
-    from megatron_ext.recipes import compare as cmp
+    from megatron_ext.recipes import RecipeError, compare as cmp
 
     source = Path(args.run)
     actual = _run_metrics(source)

@@ -11,7 +11,6 @@ behaves exactly like ``TransformerConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -39,7 +38,7 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_init_gating_factor: float = MHC_DEFAULTS["mhc_init_gating_factor"]  # type: ignore[assignment]
     """Initial value of alpha_pre, alpha_post and alpha_res (the dynamic-part gates)."""
 
-    mhc_recompute_layer_num: Optional[int] = MHC_DEFAULTS["mhc_recompute_layer_num"]  # type: ignore[assignment]
+    mhc_recompute_layer_num: int | None = MHC_DEFAULTS["mhc_recompute_layer_num"]  # type: ignore[assignment]
     """Layers per mHC recompute block when 'mhc' is in recompute_modules; None makes the
     whole local block one group."""
 
@@ -60,7 +59,7 @@ class MHCTransformerConfig(TransformerConfig):
         # its own names and would reject "mhc", so hide it from the base validation and put it
         # back afterwards. Work on a copy: the caller's list is not ours to mutate.
         # (TransformerConfig is Any to the type checker: megatron-core ships no stubs.)
-        requested: Optional[list[str]] = getattr(self, "recompute_modules")
+        requested: list[str] | None = getattr(self, "recompute_modules")  # noqa: B009 (mypy)
         wants_mhc_recompute = requested is not None and MHC_RECOMPUTE_MODULE in requested
         if requested is not None:
             self.recompute_modules = [m for m in requested if m != MHC_RECOMPUTE_MODULE]

@@ -52,7 +52,9 @@ def check_mhc_recompute(config: Any) -> None:
         )
     if not config.mhc_recompute_enabled:
         if config.enable_mhc_connections:
-            warnings.warn(
+            # No stacklevel: the caller is MHCTransformerConfig.__post_init__, deep in a dataclass
+            # constructor; the guard's own line names the rule.
+            warnings.warn(  # noqa: B028
                 "enable_mhc_connections=True without mHC recompute: each layer keeps its "
                 "n-stream activations. Consider recompute_granularity='selective' with "
                 "'mhc' in recompute_modules."

@@ -22,7 +22,7 @@ the run directory) are :mod:`megatron_ext.recipes.safety`'s.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from megatron_ext.errors import MegatronExtError, Problem
 
@@ -57,7 +57,7 @@ class UnsafeValueError(MegatronExtError, ValueError):
     """A value that cannot be placed into a generated script safely."""
 
 
-def directive_problem(where: str, value: object) -> Optional[Problem]:
+def directive_problem(where: str, value: object) -> Problem | None:
     """A value for an ``#SBATCH`` line: anything but a line break (sbatch reads the line
     itself; bash must keep seeing one comment)."""
     if value is not None and LINE_BREAKING.search(str(value)):

@@ -43,7 +43,7 @@ class LearnedContraction(KeepsHCHeadFP32):
         torch.nn.init.xavier_uniform_(self.hc_head_fn)
         for param in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", self.config.sequence_parallel)
+            param.sequence_parallel = self.config.sequence_parallel
 
     def contract_streams(self, hidden_states: Tensor) -> Tensor:
         """``[s, b, n*h] -> [s, b, h]`` with the learned contraction (eps = layernorm eps)."""

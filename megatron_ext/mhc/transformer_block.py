@@ -26,7 +26,8 @@ directly works as well.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -83,7 +84,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
         self._setup_streams()
 
     @classmethod
-    def adopt(cls, block: TransformerBlock) -> "HyperConnectionTransformerBlock":
+    def adopt(cls, block: TransformerBlock) -> HyperConnectionTransformerBlock:
         """Make a just-built megatron-core ``TransformerBlock`` this class, in place."""
         registry.adopt(block, cls)  # (refuses anything but a plain TransformerBlock)
         block._setup_streams()
@@ -155,7 +156,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
             )
         group = MHCRecomputeGroup()
         ends = plan_recompute_groups(len(self.layers), self.config.mhc_recompute_layer_num)
-        for layer, ends_group in zip(self.layers, ends):
+        for layer, ends_group in zip(self.layers, ends, strict=True):
             layer.mhc_recompute = LayerRecompute(group, ends_group)
             if ends_group:
                 group = MHCRecomputeGroup()

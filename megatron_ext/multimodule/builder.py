@@ -25,15 +25,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext import registry
-from megatron_ext.multimodule.communicator import MultiModuleCommunicator
 from megatron_ext.errors import Problem
+from megatron_ext.multimodule.communicator import MultiModuleCommunicator
 from megatron_ext.multimodule.errors import MultiModuleBuildError, MultiModulePlanError
 from megatron_ext.multimodule.grads import finalize_multimodule_grads
 from megatron_ext.multimodule.model import (
@@ -60,9 +61,9 @@ class ModuleImpl:
     """
 
     factory: Callable[[StageContext], torch.nn.Module]
-    forward: Optional[StageForward] = None
+    forward: StageForward | None = None
     config: Any = None
-    input_width: Optional[int] = None
+    input_width: int | None = None
     """The last dim its first stage takes from its bridges (None: derived from the built
     module, see :func:`input_width_of`; a module that receives and shows no width fails the
     build). A sender whose output has another width raises BridgeShapeError before sending,
@@ -175,7 +176,7 @@ def _is_member(group: Any) -> bool:
     return group is not None and group is not non_member
 
 
-def input_width_of(module: torch.nn.Module) -> Optional[int]:
+def input_width_of(module: torch.nn.Module) -> int | None:
     """The last dim ``module`` (a first stage, before DDP) takes from its bridges, as the
     module shows it: its ``input_width`` attribute; for a megatron language model its
     hidden_size (its first stage takes the bridged ``decoder_input`` [s, b, h]); else the input
@@ -199,7 +200,7 @@ def input_width_of(module: torch.nn.Module) -> Optional[int]:
 
 
 def resolve_input_widths(
-    plan: MultiModulePlan, impls: dict[str, ModuleImpl], shown: list[dict[str, Optional[int]]]
+    plan: MultiModulePlan, impls: dict[str, ModuleImpl], shown: list[dict[str, int | None]]
 ) -> tuple[dict[str, int], list[Problem]]:
     """Every bridge receiver's width: its ``ModuleImpl.input_width``, else what its first-stage
     ranks derived (``shown``: one {module: width} per rank). Returns (widths, problems): a
@@ -235,7 +236,7 @@ def resolve_input_widths(
     return widths, problems
 
 
-def _agree(problem: Optional[str], what: str) -> None:
+def _agree(problem: str | None, what: str) -> None:
     """Raise the same error on every rank if any rank has a problem."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem)

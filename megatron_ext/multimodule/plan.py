@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -50,7 +50,7 @@ class ModulePlan:
     dp: int = 1
     cp: int = 1
     first_rank: int = 0
-    output_ndim: Optional[int] = None
+    output_ndim: int | None = None
 
     @property
     def parallel(self) -> ParallelPlan:
@@ -91,8 +91,8 @@ class MultiModulePlan:
     modules: dict[str, ModulePlan]
     topology: dict[str, list[str]]
     language_model: str
-    world_size: Optional[int] = None
-    backend: Optional[str] = None  # of every grid and bridge group; None: the default group's
+    world_size: int | None = None
+    backend: str | None = None  # of every grid and bridge group; None: the default group's
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -232,7 +232,7 @@ class MultiModulePlan:
             problems += pipeline_config_problems(config)
         return problems
 
-    def validate(self, config: Any = None) -> "MultiModulePlan":
+    def validate(self, config: Any = None) -> MultiModulePlan:
         """Raise :class:`MultiModulePlanError` listing every problem; returns the plan."""
         problems = self.problems(config)
         if problems:
@@ -297,7 +297,7 @@ class MultiModulePlan:
         if problems:
             return problems
         try:
-            self.topological_order
+            self.topological_order  # noqa: B018 (evaluated for the cycle check it raises)
         except MultiModulePlanError as error:
             return error.problems
         if self.successors(self.language_model):

@@ -22,13 +22,12 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from megatron_ext.recipes import schema, upstream
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
-
 
 MAX_ALIASES = 32
 """Anchors and aliases are fine for sharing a block; nested alias bombs (a 1.3 KB document
@@ -115,7 +114,7 @@ class LoadedRecipe:
     """A recipe ready to run: the typed recipe plus where it came from."""
 
     recipe: Recipe
-    source: Optional[Path]
+    source: Path | None
     platform: str
     overrides: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -147,7 +146,7 @@ class LoadedRecipe:
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)
 
-    def golden_path(self) -> Optional[Path]:
+    def golden_path(self) -> Path | None:
         pattern = self.recipe.test.golden_values
         if not pattern:
             return None
@@ -179,7 +178,7 @@ def _known_keys_at(path: list[str]) -> list[str]:
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
 
 
-def _check_key(parts: list[str]) -> Optional[str]:
+def _check_key(parts: list[str]) -> str | None:
     """None when the dotted key names a schema field, else why not."""
     for depth in range(1, len(parts) + 1):
         prefix = parts[:depth]

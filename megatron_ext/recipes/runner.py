@@ -34,15 +34,12 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
-from megatron_ext.recipes import compare as cmp
-from megatron_ext.recipes import metrics as met
-from megatron_ext.recipes import plan
 from megatron_ext.launch import shell
-from megatron_ext.recipes import safety
+from megatron_ext.recipes import compare as cmp, metrics as met, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -155,7 +152,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     plain = {k: v for k, v in env.items() if not shell.is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
-    for i, phase in enumerate(phases(loaded, run_dir)):
+    for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
@@ -179,7 +176,7 @@ def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
 
 def dry_run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
@@ -222,7 +219,7 @@ PLAIN_PROGRESS = re.compile(r"^multimodule: iteration (\d+)/(\d+) \| (.*)$")
 class Progress:
     """Turns the followed rank's log lines into one short line per event."""
 
-    def __init__(self, echo: Echo, phase: str, start: Optional[float] = None):
+    def __init__(self, echo: Echo, phase: str, start: float | None = None):
         """``start``: when the ranks were started (None: at the first line seen, as for a
         Slurm job whose start the submitter does not see)."""
         self.echo, self.phase, self.start = echo, phase, start
@@ -268,7 +265,7 @@ class Progress:
 @dataclass
 class Outcome:
     exit_code: int
-    run_dir: Optional[Path]
+    run_dir: Path | None
     reports: list[cmp.Report] = field(default_factory=list)
     seconds: float = 0.0
     message: str = ""
@@ -290,7 +287,7 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     return candidate
 
 
-def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> Optional[str]:
+def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> str | None:
     """Why this recipe cannot start here (None: it can). Prints the problems."""
     validation = validate(loaded, megatron_checks=megatron_checks)
     if validation.problems:
@@ -313,7 +310,7 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
-def _stall_environment_problem() -> Optional[str]:
+def _stall_environment_problem() -> str | None:
     """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
     from megatron_ext.launch import heartbeat
 
@@ -326,7 +323,7 @@ def _stall_environment_problem() -> Optional[str]:
 
 def run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     compare_golden: bool = True,
     force_compare: bool = False,
@@ -696,7 +693,7 @@ def versions() -> dict:
 
     import megatron_ext
 
-    def version(name: str) -> Optional[str]:
+    def version(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -759,9 +756,9 @@ def _write_summary(
     phase_results: list[dict],
     reports: list[cmp.Report],
     seconds: float,
-    pipeline: Optional[dict] = None,
-    performance: Optional[dict] = None,
-    metrics_source: Optional[str] = None,
+    pipeline: dict | None = None,
+    performance: dict | None = None,
+    metrics_source: str | None = None,
 ) -> None:
     golden = loaded.golden_path()
     summary = {

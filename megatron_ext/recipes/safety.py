@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
 
 from megatron_ext.errors import Problem
 
@@ -20,7 +19,7 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 SAFE_NAME_TEXT = "1-100 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
 
 
-def name_problem(where: str, value: str) -> Optional[Problem]:
+def name_problem(where: str, value: str) -> Problem | None:
     if SAFE_NAME.match(value or ""):
         return None
     return Problem(where, f"{value!r} is not a safe name: use {SAFE_NAME_TEXT}")

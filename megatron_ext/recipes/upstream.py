@@ -30,9 +30,10 @@ import copy
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
@@ -243,7 +244,7 @@ def model_args_to_sections(
     }
     notes = conversion.notes.setdefault("mapping", [])
     runner_owned, layers_per_virtual_stage = [], None
-    recompute_modules: Optional[list[str]] = None
+    recompute_modules: list[str] | None = None
     granularity = None
     for flag, raw_value in args.items():
         where = f"MODEL_ARGS.{flag}"
@@ -452,7 +453,7 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
 
 
 # ---- the whole case ------------------------------------------------------------------------------
-def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) -> Conversion:
+def convert(raw: dict, case_dir: Path, env: Mapping[str, str] | None = None) -> Conversion:
     """A Megatron-LM test case as a recipe mapping (see the module docstring)."""
     env = os.environ if env is None else env
     case_dir = Path(case_dir)

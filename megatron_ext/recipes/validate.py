@@ -25,8 +25,9 @@ import re
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from megatron_ext import registry
 from megatron_ext.launch import shell
@@ -50,7 +51,7 @@ class Validation:
         return not self.problems
 
 
-def entry_importable(module: Optional[str]) -> bool:
+def entry_importable(module: str | None) -> bool:
     """Whether ``python -m module`` would find it (finding it imports its parent packages,
     whose import-time warnings are not this question's business)."""
     if not module:
@@ -172,7 +173,7 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
     recipe's names, environment keys and Slurm directives)."""
     recipe = loaded.recipe
-    problems: list[Optional[Problem]] = [
+    problems: list[Problem | None] = [
         safety.name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
         safety.name_problem("platform", loaded.platform),
     ]
@@ -311,7 +312,7 @@ _MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu"
 
 
 def megatron_problems(
-    loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None
+    loaded: LoadedRecipe, module_name: str, notes: list[str] | None = None
 ) -> list[Problem]:
     """Megatron's argument validation, the config's checks and the guards, for rank 0 of the
     recipe's world. At most one problem: Megatron stops at its first.
@@ -335,7 +336,7 @@ def argv_problems(
     world_size: int,
     device: str = "cpu",
     model_type: str = "gpt",
-    notes: Optional[list[str]] = None,
+    notes: list[str] | None = None,
 ) -> list[Problem]:
     """:func:`megatron_problems` for a command line of Megatron flags (what the entry
     ``module_name`` would parse on rank 0 of ``world_size`` ranks), without a recipe."""

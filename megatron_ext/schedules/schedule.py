@@ -33,8 +33,9 @@ steps from a real run; :func:`compare` says where they differ.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from megatron_ext.errors import MegatronExtError, Problem
 
@@ -62,8 +63,8 @@ class Message:
     (on this rank) that produced it (sends) or will consume it (receives)."""
 
     direction: str  # one of DIRECTIONS
-    microbatch: Optional[int]
-    chunk: Optional[int]
+    microbatch: int | None
+    chunk: int | None
 
     def label(self, chunks: int = 1) -> str:
         verb = "s" if self.direction.startswith("send") else "r"
@@ -85,7 +86,7 @@ class Exchange:
         return "+".join(m.label(chunks) for m in self.messages) or "-"
 
 
-Step = Union[Compute, Exchange]
+Step = Compute | Exchange
 
 
 def step_label(step: Step, chunks: int = 1) -> str:
@@ -103,9 +104,9 @@ class SchedulePlan:
     megatron's ``microbatch_group_size_per_vp_stage`` (None: ``pp``, megatron's default)."""
 
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     microbatches: int = 1
-    microbatch_group_size: Optional[int] = None
+    microbatch_group_size: int | None = None
     multimodule: Any = None
 
     @property
@@ -612,7 +613,7 @@ def message_bytes(
 # Text
 # ---------------------------------------------------------------------------------------------
 def format_timeline(
-    timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: Optional[tuple[int, int]] = None
+    timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: tuple[int, int] | None = None
 ) -> str:
     """The ranks x time-slots grid: one column per ``unit`` of time, each compute step's label
     in its first column and ``~`` in the rest, ``.`` where the rank idles. ``mark``:
@@ -637,7 +638,7 @@ def format_timeline(
 
 
 def format_steps(
-    schedule: Schedule, rank: int, mark: Optional[int] = None, detail: bool = True
+    schedule: Schedule, rank: int, mark: int | None = None, detail: bool = True
 ) -> str:
     """One rank's steps, numbered; ``mark`` flags one of them (as PyTorch pipelining does)."""
     lines = []
@@ -658,8 +659,8 @@ def format_steps(
 class Mismatch:
     rank: int
     index: int
-    expected: Optional[Step]
-    actual: Optional[Step]
+    expected: Step | None
+    actual: Step | None
     chunks: int = 1
 
     def __str__(self) -> str:
@@ -680,7 +681,7 @@ class Mismatch:
 
 
 def describe_step(
-    rank: int, index: int, step: Optional[Step], chunks: int = 1, module: Optional[str] = None
+    rank: int, index: int, step: Step | None, chunks: int = 1, module: str | None = None
 ) -> str:
     """ "rank 2, chunk 1, step 7: B3" -- where a step sits in the schedule."""
     parts = [f"rank {rank}"]

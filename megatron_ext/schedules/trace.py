@@ -30,9 +30,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from megatron_ext import registry
 from megatron_ext.schedules.schedule import (
@@ -55,8 +56,8 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 @dataclass
 class _Message:
     direction: str
-    microbatch: Optional[int] = None
-    chunk: Optional[int] = None
+    microbatch: int | None = None
+    chunk: int | None = None
     nbytes: int = 0  # of the tensors a send carries (0 for receives)
 
 
@@ -68,12 +69,12 @@ class Event:
     index: int
     start_ns: int
     end_ns: int = 0
-    kind: Optional[str] = None
-    microbatch: Optional[int] = None
-    chunk: Optional[int] = None
-    call: Optional[str] = None
+    kind: str | None = None
+    microbatch: int | None = None
+    chunk: int | None = None
+    call: str | None = None
     messages: list[_Message] = field(default_factory=list)
-    error: Optional[str] = None  # the exception this step raised
+    error: str | None = None  # the exception this step raised
 
     def step(self) -> Step:
         if self.call is None:
@@ -99,7 +100,7 @@ class Event:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Event":
+    def from_dict(cls, data: dict) -> Event:
         messages = [_Message(*m) for m in data.pop("messages")]
         return cls(**data, messages=messages)
 
@@ -107,18 +108,18 @@ class Event:
 class Tracer:
     """This rank's recording. ``schedule``: the theory, to mark a failing step in errors."""
 
-    def __init__(self, rank: Optional[int] = None, schedule: Optional[Schedule] = None) -> None:
+    def __init__(self, rank: int | None = None, schedule: Schedule | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.events: list[Event] = []
         self.iteration = -1
         self._index = 0
         self._produced: dict[
-            int, tuple[Any, Optional[int], Optional[int]]
+            int, tuple[Any, int | None, int | None]
         ] = {}  # id -> (object, mb, chunk)
         self._received: dict[int, tuple[Any, _Message]] = {}  # id -> (object, its message)
-        self.module: Optional[str] = None  # multi-module: the rank's module names
-        self.pipeline_rank: Optional[int] = None  # the theory's rank (world rank if multi-module)
+        self.module: str | None = None  # multi-module: the rank's module names
+        self.pipeline_rank: int | None = None  # the theory's rank (world rank if multi-module)
 
     # ------------------------------------------------------------------ bookkeeping
     def begin_iteration(self) -> None:
@@ -133,18 +134,18 @@ class Tracer:
         self.events.append(event)
         return event
 
-    def _remember(self, obj: Any, microbatch: Optional[int], chunk: Optional[int]) -> None:
+    def _remember(self, obj: Any, microbatch: int | None, chunk: int | None) -> None:
         for item in _flatten(obj):
             self._produced[id(item)] = (item, microbatch, chunk)
 
-    def _origin(self, obj: Any) -> tuple[Optional[int], Optional[int]]:
+    def _origin(self, obj: Any) -> tuple[int | None, int | None]:
         for item in _flatten(obj):
             if id(item) in self._produced:
                 _, mb, chunk = self._produced[id(item)]
                 return mb, chunk
         return None, None
 
-    def _consume(self, obj: Any, microbatch: Optional[int], chunk: Optional[int]) -> None:
+    def _consume(self, obj: Any, microbatch: int | None, chunk: int | None) -> None:
         """A pass takes ``obj``: label the message that brought it."""
         for item in _flatten(obj):
             entry = self._received.pop(id(item), None)
@@ -214,16 +215,16 @@ def _nbytes(obj: Any) -> int:
     )
 
 
-_ACTIVE: Optional[Tracer] = None
+_ACTIVE: Tracer | None = None
 _ENVIRONMENT_BLOCK: Any = None
 
 
-def active() -> Optional[Tracer]:
+def active() -> Tracer | None:
     return _ACTIVE
 
 
 @contextlib.contextmanager
-def tracing(tracer: Optional[Tracer] = None) -> Iterator[Tracer]:
+def tracing(tracer: Tracer | None = None) -> Iterator[Tracer]:
     """Record every pipelined schedule run inside the block (see the module docstring)."""
     global _ACTIVE
     if _ACTIVE is not None:
@@ -237,7 +238,7 @@ def tracing(tracer: Optional[Tracer] = None) -> Iterator[Tracer]:
         _ACTIVE = None
 
 
-def start_from_environment() -> Optional[Tracer]:
+def start_from_environment() -> Tracer | None:
     """With ``MEGATRON_EXT_TRACE_DIR`` set: trace for the rest of the process and write
     ``trace-rank-N.json`` there at exit. Does nothing otherwise."""
     directory = os.environ.get(TRACE_ENV)

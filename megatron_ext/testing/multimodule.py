@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -251,8 +252,8 @@ def _run_reference(run: PipelineRun, seed: int) -> Reference:
 # ---------------------------------------------------------------------------------------------
 def run_pipeline(
     run: PipelineRun,
-    initial: Optional[dict[str, torch.Tensor]] = None,
-    on_gradients: Optional[Callable[[int, Any], None]] = None,
+    initial: dict[str, torch.Tensor] | None = None,
+    on_gradients: Callable[[int, Any], None] | None = None,
 ) -> tuple[list[list[dict]], list[list], list]:
     """The multi-module pipeline from ``initial``: (loss reports, gradient pieces per step,
     final weight pieces) of this rank."""
@@ -318,7 +319,7 @@ def _broadcast(obj: Any) -> Any:
 
 
 def check_pipeline_equivalence(
-    run: PipelineRun, on_gradients: Optional[Callable[[int, Any], None]] = None
+    run: PipelineRun, on_gradients: Callable[[int, Any], None] | None = None
 ) -> Reference:
     """Raise :class:`PipelineEquivalenceError` on every rank if the pipeline's losses,
     gradients (every step) or final weights differ from the reference."""

@@ -7,6 +7,7 @@ from operator import attrgetter
 
 import pytest
 import torch
+
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MHCTransformerConfig

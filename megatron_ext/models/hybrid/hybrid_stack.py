@@ -34,14 +34,14 @@ With mHC (``enable_mhc_connections=True``, and mHC layers from the spec):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
 from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.inference.utils import InferenceMode
-from megatron.core.models.hybrid.hybrid_block import HybridStack as _CoreHybridStack
 from megatron.core.models.hybrid.hybrid_block import (
+    HybridStack as _CoreHybridStack,
     HybridStackSubmodules as _CoreHybridStackSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -57,7 +57,7 @@ class HybridStackSubmodules(_CoreHybridStackSubmodules):
     """megatron-core's ``HybridStackSubmodules`` plus the final norm (megatron-core's choice,
     TENorm, by default; local specs use :class:`~megatron_ext.models.norms.LocalNorm`)."""
 
-    final_norm: Union[ModuleSpec, type] = TENorm
+    final_norm: ModuleSpec | type = TENorm
 
 
 def _mhc_enabled(config) -> bool:
@@ -72,7 +72,7 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         config,
         submodules: _CoreHybridStackSubmodules,
         pre_process: bool = True,
-        layer_type_list: Optional[list[str]] = None,
+        layer_type_list: list[str] | None = None,
         pp_layer_offset: int = 0,
         post_layer_norm: bool = True,
         post_process: bool = True,
@@ -80,7 +80,7 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         dtype=None,
         pg_collection=None,
         is_mtp_layer: bool = False,
-        name: Optional[str] = None,
+        name: str | None = None,
     ) -> None:
         # The base class would build a TENorm; build ours from the spec instead.
         super().__init__(
@@ -115,7 +115,7 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         self.returns_streams_for_mtp = False
         # During one forward that hands its streams to MTP: where the final norm's pre-hook
         # leaves the n-stream state it contracted.
-        self._streams_for_mtp: Optional[list] = None
+        self._streams_for_mtp: list | None = None
         self.mhc_recompute_enabled = self.carries_streams and bool(
             getattr(config, "mhc_recompute_enabled", False)
         )
@@ -149,7 +149,7 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         layers = [layer for layer in self.layers if hasattr(layer, "mhc_recompute")]
         group = MHCRecomputeGroup()
         ends = plan_recompute_groups(len(layers), self.config.mhc_recompute_layer_num)
-        for layer, ends_group in zip(layers, ends):
+        for layer, ends_group in zip(layers, ends, strict=True):
             layer.mhc_recompute = LayerRecompute(group, ends_group)
             if ends_group:
                 group = MHCRecomputeGroup()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,8 +58,8 @@ class HyperConnectionMTPLayerSubmodules(MultiTokenPredictionLayerSubmodules):
     """MTP layer submodules plus the two per-stream projections used with mHC (``eh_proj`` is
     used only without mHC)."""
 
-    e_proj: Union[ModuleSpec, type] = None
-    h_proj: Union[ModuleSpec, type] = None
+    e_proj: ModuleSpec | type = None
+    h_proj: ModuleSpec | type = None
 
 
 class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
@@ -73,12 +73,12 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
         config,
         submodules: MultiTokenPredictionLayerSubmodules,
         layer_number: int = 1,
-        vp_stage: Optional[int] = None,
+        vp_stage: int | None = None,
         pg_collection=None,
-        mtp_layer_pattern: Optional[str] = None,
+        mtp_layer_pattern: str | None = None,
         hybrid_submodules=None,
         mamba_submodules=None,
-        name: Optional[str] = None,
+        name: str | None = None,
     ):
         carries_streams = _mhc_enabled(config)
         base_submodules = submodules
@@ -197,7 +197,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
     """
 
     @classmethod
-    def adopt(cls, block: MultiTokenPredictionBlock) -> "HyperConnectionMTPBlock":
+    def adopt(cls, block: MultiTokenPredictionBlock) -> HyperConnectionMTPBlock:
         if type(block) is not MultiTokenPredictionBlock:
             registry.adopt(block, cls)  # raises: only a plain MultiTokenPredictionBlock
         plain = [
@@ -220,17 +220,17 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
         position_ids: Tensor,
         hidden_states,
         attention_mask: Tensor,
-        padding_mask: Optional[Tensor] = None,
-        context: Optional[Tensor] = None,
-        context_mask: Optional[Tensor] = None,
-        rotary_pos_emb: Optional[Tensor] = None,
-        rotary_pos_cos: Optional[Tensor] = None,
-        rotary_pos_sin: Optional[Tensor] = None,
-        attention_bias: Optional[Tensor] = None,
+        padding_mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | None = None,
+        rotary_pos_cos: Tensor | None = None,
+        rotary_pos_sin: Tensor | None = None,
+        attention_bias: Tensor | None = None,
         inference_params=None,
         packed_seq_params=None,
-        sequence_len_offset: Optional[Tensor] = None,
-        extra_block_kwargs: Optional[dict] = None,
+        sequence_len_offset: Tensor | None = None,
+        extra_block_kwargs: dict | None = None,
         embedding=None,
     ) -> Tensor:
         """``hidden_states = (main [s, b, h], streams [s, b, n*h])`` -> ``[(1+D)*s, b, h]``:
