@@ -42,8 +42,9 @@ class LearnedContraction(KeepsHCHeadFP32):
         self.hc_head_scale = torch.nn.Parameter(torch.ones(1))
         torch.nn.init.xavier_uniform_(self.hc_head_fn)
         for param in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            param.sequence_parallel = self.config.sequence_parallel
+            # Read by finalize_model_grads: sum this parameter's grad over TP under SP (an
+            # attribute megatron attaches to parameters, unknown to torch's type stubs).
+            param.sequence_parallel = self.config.sequence_parallel  # type: ignore[attr-defined]
 
     def contract_streams(self, hidden_states: Tensor) -> Tensor:
         """``[s, b, n*h] -> [s, b, h]`` with the learned contraction (eps = layernorm eps)."""
