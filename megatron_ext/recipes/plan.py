@@ -207,6 +207,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     _flag(args, "--tokenizer-model", d.tokenizer.model)
     _flag(args, "--vocab-file", d.tokenizer.vocab_file)
     _flag(args, "--merge-file", d.tokenizer.merge_file)
+    if r.test.ckpt_format != "torch_dist":  # megatron's default; ckpt-resume passes it anyway
+        _flag(args, "--ckpt-format", r.test.ckpt_format)
     # Every iteration logged: the metrics and golden values are per step.
     _flag(args, "--log-interval", 1)
     _flag(args, "--log-num-zeros-in-grad", "num-zeros" in r.test.metrics)

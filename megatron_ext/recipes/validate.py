@@ -281,6 +281,17 @@ def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
 _MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu", re.IGNORECASE)
 
 
+def _machine_dependent(exc: BaseException, message: str) -> bool:
+    """Whether a check failed for want of this machine's libraries rather than for the recipe.
+    A combination megatron-ext rejects (e.g. mHC with CUDA graphs) is the recipe's, whatever
+    words its message uses."""
+    from megatron_ext.guards import UnsupportedCombinationError
+
+    if isinstance(exc, UnsupportedCombinationError):
+        return False
+    return bool(_MACHINE_DEPENDENT.search(message))
+
+
 def megatron_problems(
     loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None
 ) -> list[Problem]:
@@ -385,7 +396,7 @@ def argv_problems(
     ) as exc:
         message = _first_line(exc)
         elsewhere = recipe.launch.device == "gpu" and not torch.cuda.is_available()
-        if elsewhere and _MACHINE_DEPENDENT.search(message) and stage != "guard":
+        if elsewhere and _machine_dependent(exc, message) and stage != "guard":
             if notes is not None:
                 notes.append(
                     f"{stage} could not be checked on this machine (it lacks the GPU "
