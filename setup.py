@@ -40,5 +40,5 @@ setup(
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:console_main"]},
 )

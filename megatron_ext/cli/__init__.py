@@ -7,6 +7,8 @@ The text below ``--help`` shows is ``DESCRIPTION``.
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 
 from megatron_ext.cli import (
@@ -87,5 +89,28 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum if signum else 130
 
 
+def exit_now(status: int | None) -> None:
+    """End the process with ``status`` once the work is done: the exit handlers run and the
+    output is flushed, then ``os._exit`` skips the interpreter's teardown. After megatron is
+    imported (~2,900 modules) that teardown - clearing every module and a last garbage
+    collection - took 3.5-5.6 s of a 19-26 s ``validate`` on a loaded 2-core machine and did
+    nothing anyone waits for: files are written through ``with`` blocks, children are reaped,
+    and ``atexit`` work (logging, tempfile cleanup) still runs here."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to deliver
+            pass
+    os._exit(status or 0)
+
+
+def console_main() -> None:
+    """The ``megatron-ext`` program (console script and ``python -m megatron_ext.cli``):
+    :func:`main`, then :func:`exit_now`. An exception still ends the normal way, with its
+    traceback."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
