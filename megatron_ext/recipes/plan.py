@@ -348,6 +348,13 @@ def _check_model(r: Recipe, add) -> None:
             "model.num_attention_heads",
             f"{m.num_attention_heads} heads do not split over tp={p.tp}",
         )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+        # Megatron finds this only when it builds the MLP, a minute into start-up.
+        add(
+            "model.ffn_hidden_size",
+            f"{m.ffn_hidden_size} does not split over tp={p.tp} (the MLP's columns are "
+            "divided between the tensor-parallel ranks)",
+        )
     if m.num_query_groups is not None and (
         m.num_attention_heads % m.num_query_groups or m.num_query_groups % p.tp
     ):
