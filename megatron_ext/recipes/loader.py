@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes import schema, upstream
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
 
@@ -280,21 +281,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 
 
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
-# (DeepSeek-V4 configs) and the TransformerConfig field names of both.
-MHC_EXTRA_ARG_ALIASES = {
-    "enabled": (
-        "--enable-mhc-connections",
-        "--enable-hyper-connections",
-        "enable_mhc_connections",
-        "enable_hyper_connections",
-    ),
-    "num_residual_streams": (
-        "--mhc-num-residual-streams",
-        "--num-residual-streams",
-        "mhc_num_residual_streams",
-        "num_residual_streams",
-    ),
-}
+# (DeepSeek-V4 configs) and the TransformerConfig field names of both (the one alias table).
+MHC_EXTRA_ARG_ALIASES = {alias.recipe_field: alias.spellings for alias in MHC_ALIASES}
 
 
 def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:

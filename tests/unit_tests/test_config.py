@@ -56,7 +56,7 @@ def test_recipe_schema_mhc_defaults_are_the_configs():
 def test_every_mhc_flag_spelling_comes_from_one_alias_table():
     from megatron_ext import checkout, training_steps
     from megatron_ext.mhc_flags import MHC_ALIASES
-    from megatron_ext.recipes import upstream
+    from megatron_ext.recipes import loader, upstream
 
     main = {a.main_flag: a for a in MHC_ALIASES}
     assert set(main) == {"--enable-mhc-connections", "--mhc-num-residual-streams"}
@@ -69,6 +69,20 @@ def test_every_mhc_flag_spelling_comes_from_one_alias_table():
         "--enable-mhc-connections": "enabled",
         "--num-residual-streams": "num_residual_streams",
         "--mhc-num-residual-streams": "num_residual_streams",
+    }
+    assert loader.MHC_EXTRA_ARG_ALIASES == {
+        "enabled": (
+            "--enable-mhc-connections",
+            "--enable-hyper-connections",
+            "enable_mhc_connections",
+            "enable_hyper_connections",
+        ),
+        "num_residual_streams": (
+            "--mhc-num-residual-streams",
+            "--num-residual-streams",
+            "mhc_num_residual_streams",
+            "num_residual_streams",
+        ),
     }
     assert checkout.UPSTREAM_MHC_FIELDS == {
         "enable_mhc_connections": "--enable-mhc-connections",
