@@ -20,7 +20,7 @@ import math
 import re
 import string
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
@@ -79,7 +79,7 @@ def hybrid_layer_count(pattern: str) -> int:
     return sum(len(s) for s in hybrid_segments(pattern)[0])
 
 
-def virtual_stages(recipe: Recipe) -> Optional[int]:
+def virtual_stages(recipe: Recipe) -> int | None:
     """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
     model, par = recipe.model, recipe.parallelism
     stages = None
@@ -266,7 +266,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     m = r.model
 
     for problem in parallel_plan(r).size_problems():
-        add(f"parallelism.{problem.field}", problem.message)
+        add(f"parallelism.{problem.where}", problem.what)
     if problems:
         return problems
 
@@ -469,8 +469,8 @@ def _check_parallel_plan(r: Recipe, add) -> None:
     plan = parallel_plan(r)
     for problem in plan.problems():
         add(
-            "launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
-            problem.message,
+            "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
+            problem.what,
         )
     if p.cp > 1:
         _check_context_parallel(r, add)
@@ -635,7 +635,7 @@ def _check_test(r: Recipe, add) -> None:
             add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
 
 
-def _tolerance_problem(key: str, value: Any) -> Optional[str]:
+def _tolerance_problem(key: str, value: Any) -> str | None:
     """What is wrong with one test.tolerances value (compare.py reads them as they are)."""
     if key == "deterministic":
         return None if isinstance(value, bool) else f"is true or false, got {value!r}"
