@@ -5,14 +5,13 @@ point it at any file of yours)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
+from megatron_ext.errors import Problem
+from megatron_ext.launch.shell import LINE_BREAKING
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.safety import LINE_BREAKING, inside
-from megatron_ext.recipes.schema import Problem
+from megatron_ext.recipes.safety import inside
 
 
-def golden_values_problem(loaded: LoadedRecipe) -> Optional[Problem]:
+def golden_values_problem(loaded: LoadedRecipe) -> Problem | None:
     """``test.golden_values``: a ``.json`` pattern with no placeholder but {name} and {platform}."""
     pattern = loaded.recipe.test.golden_values
     if not pattern:
@@ -34,7 +33,7 @@ def golden_values_problem(loaded: LoadedRecipe) -> Optional[Problem]:
     return None
 
 
-def golden_write_problem(loaded: LoadedRecipe) -> Optional[str]:
+def golden_write_problem(loaded: LoadedRecipe) -> str | None:
     """Why ``--write-golden`` may not write the recipe's golden values: only below the recipe's
     own directory, and never over a file that is not golden-value JSON (a recipe someone sent
     could point test.golden_values at any file of yours)."""

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from megatron_ext.recipes import golden_paths, load, runner, safety
+from megatron_ext.launch import shell
+from megatron_ext.recipes import golden_paths, load, runner
 from megatron_ext.recipes.loader import dump
 
 from conftest import MINIMAL
@@ -37,16 +38,16 @@ def test_secrets_in_any_override_form_are_not_written(write_recipe, tmp_path, ov
         + (run_dir / "summary.json").read_text()
     )
     assert not [v for v in SECRET_VALUES if v in written], written
-    assert safety.REDACTED in written
+    assert shell.REDACTED in written
     if "PLAIN" in override:
         assert "PLAIN: ok" in json.loads((run_dir / "summary.json").read_text())["overrides"][0]
 
 
 def test_secret_names_are_words_not_substrings_of_path():
     for name in ("MY_DB_PASSWD", "GH_PAT", "DB_PASS", "HTTP_AUTH", "AWS_SECRET_ACCESS_KEY"):
-        assert safety.is_secret(name), name
+        assert shell.is_secret(name), name
     for name in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PWD", "OMP_NUM_THREADS", "PASSES"):
-        assert not safety.is_secret(name), name
+        assert not shell.is_secret(name), name
 
 
 @pytest.mark.parametrize(
