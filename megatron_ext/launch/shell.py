@@ -49,7 +49,8 @@ def is_secret(name: object) -> bool:
 def _redact_tree(value: object) -> tuple[object, bool]:
     """``value`` with every mapping entry under a secret name redacted, and whether any was."""
     if isinstance(value, dict):
-        out, hidden = {}, False
+        out: dict[object, object] = {}
+        hidden = False
         for key, item in value.items():
             if is_secret(key):
                 out[key], hidden = REDACTED, True
