@@ -22,6 +22,9 @@ class MegatronExtError(Exception):
     """Base class of every error megatron-ext raises on purpose."""
 
 
+MAX_PROBLEM_CHARS = 400
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong: where (field, flag or dotted path; "" for the whole input) and what."""
@@ -31,6 +34,8 @@ class Problem:
 
     def __str__(self) -> str:
         text = f"{self.where}: {self.what}" if self.where else self.what
+        if len(text) > MAX_PROBLEM_CHARS:  # a 100 KB value is not echoed back in full
+            text = f"{text[: MAX_PROBLEM_CHARS - 40]}... ({len(text)} characters)"
         # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
         return "".join(
             ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text

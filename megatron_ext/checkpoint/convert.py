@@ -176,13 +176,109 @@ def _model_entries(checkpoint: Mapping[str, Any]) -> list[str]:
     )
 
 
-def convert_file(source_path: str, target_path: str, model: str, to: str, source: str) -> list[str]:
-    """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
-    checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
-    Returns the notes a user should read (see :func:`notes_for`)."""
+TRUST_FLAG = "--trust-pickle"
+
+
+def _unsafe_global(exc: Exception) -> str:
+    """The global torch's weights-only unpickler refused, out of its multi-line message."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found[1] if found else "an object that is not a tensor or a plain container"
+
+
+def load_checkpoint(path: str, trust_pickle: bool = False) -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors, containers and megatron-core's own
+    safe types, :data:`megatron.core.safe_globals.SAFE_GLOBALS`): a pickle that names any other
+    global is refused, since unpickling it could run code. ``trust_pickle`` (the CLI's
+    ``--trust-pickle``) is the explicit opt-in for a legacy file the user trusts."""
+    import pickle
+
     import torch
 
-    checkpoint = torch.load(source_path, map_location="cpu", weights_only=False)
+    try:
+        if trust_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        from megatron.core.safe_globals import SAFE_GLOBALS
+
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" not in str(exc):
+            raise ConversionError(f"{path} is not a torch.save file ({_first_line(exc)})") from None
+        raise ConversionError(
+            f"{path} holds {_unsafe_global(exc)}, which loading could use to run code; it was not "
+            f"loaded. If you made this file or trust its source, rerun with {TRUST_FLAG}"
+        ) from None
+    except (IsADirectoryError, FileNotFoundError, PermissionError) as exc:
+        raise ConversionError(f"{path} cannot be read: {exc.strerror}") from None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, ValueError... on junk
+        raise ConversionError(
+            f"{path} is not a torch.save file ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, EOFError):
+        return "the file is empty or truncated"
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+def _check_keys(state_dict: Mapping[Any, Any], where: str) -> None:
+    bad = [k for k in state_dict if not isinstance(k, str)]
+    if bad:
+        raise ConversionError(
+            f"{where} has {len(bad)} keys that are not strings (e.g. {bad[0]!r}); a model state "
+            "dict maps parameter names to tensors"
+        )
+
+
+def _save_atomically(obj: Any, target_path: str) -> None:
+    """Write beside the target and rename, so a failed write leaves no half file and never
+    replaces the previous one."""
+    import os
+    import tempfile
+
+    import torch
+
+    directory = os.path.dirname(os.path.abspath(target_path))
+    if os.path.isdir(target_path):
+        raise ConversionError(f"output {target_path} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise ConversionError(f"output directory {directory} does not exist; create it first")
+    try:
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".convert-", suffix=".pt")
+    except OSError as exc:
+        raise ConversionError(f"cannot write in {directory}: {exc.strerror}") from None
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            torch.save(obj, stream)
+        os.replace(temporary, target_path)
+    except (OSError, RuntimeError) as exc:
+        os.unlink(temporary)
+        raise ConversionError(f"cannot write {target_path}: {_first_line(exc)}") from None
+
+
+def convert_file(
+    source_path: str,
+    target_path: str,
+    model: str,
+    to: str,
+    source: str,
+    trust_pickle: bool = False,
+) -> list[str]:
+    """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
+    checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
+    Returns the notes a user should read (see :func:`notes_for`). The input is read with
+    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`)."""
+    import os
+
+    if (
+        os.path.exists(source_path)
+        and os.path.exists(target_path)
+        and os.path.samefile(source_path, target_path)
+    ):
+        raise ConversionError(f"output {target_path} is the input; give another file name")
+    checkpoint = load_checkpoint(source_path, trust_pickle)
     if not isinstance(checkpoint, Mapping):
         raise ConversionError(
             f"{source_path}: expected a state dict or a Megatron checkpoint, got {type(checkpoint).__name__}"
@@ -192,10 +288,12 @@ def convert_file(source_path: str, target_path: str, model: str, to: str, source
     if entries:
         converted = dict(checkpoint)
         for entry in entries:
+            _check_keys(checkpoint[entry], f"{source_path}'s {entry!r}")
             notes += notes_for(source, model, checkpoint[entry])
             converted[entry] = convert_state_dict(checkpoint[entry], model, to)
     else:
+        _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
         converted = convert_state_dict(checkpoint, model, to)
-    torch.save(converted, target_path)
+    _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))

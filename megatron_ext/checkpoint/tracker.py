@@ -70,3 +70,25 @@ class AtomicTrackerStorage:
             return inner_open(path, mode, *args, **kwargs)
 
         return open_
+
+
+def tracker_problem(load_dir: str) -> str | None:
+    """Why ``load_dir``'s tracker cannot be resumed from (None: it can, or there is none).
+
+    megatron 0.19.2's ``read_metadata`` answers a tracker that is neither an iteration number
+    nor ``release`` with ``sys.exit()``: status 0 on every rank, nothing trained, and a launcher
+    that reports success. Checked before ``pretrain`` so the run fails, named."""
+    path = os.path.join(str(load_dir), TRACKER_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read(200).strip()
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror}"
+    if text == "release" or (text.isdigit() and text.isascii()):
+        return None
+    return (
+        f"{path} holds {text[:40]!r}, not an iteration number or 'release': write the iteration "
+        "of the newest iter_NNNNNNN directory there (e.g. 4), or remove the file to start afresh"
+    )

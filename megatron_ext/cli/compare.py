@@ -17,13 +17,26 @@ class _BadInput(MegatronExtError):
     """An input `compare` cannot read: one line, exit status 2."""
 
 
+def _tolerance(text: str) -> float:
+    """--rtol: a finite number >= 0 (argparse turns the ValueError into a one-line usage error)."""
+    import math
+
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
+
+
+_tolerance.__name__ = "tolerance (a finite number >= 0)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory (or a metrics JSON file)")
     parser.add_argument("golden", help="golden-value JSON")
     parser.add_argument(
         "--metrics", nargs="+", help="metrics to check (default: the run's test.metrics)"
     )
-    parser.add_argument("--rtol", type=float, help="replace every approximate check's rtol")
+    parser.add_argument("--rtol", type=_tolerance, help="replace every approximate check's rtol")
     parser.add_argument("--approximate-only", action="store_true", help="skip the exact checks")
     parser.add_argument(
         "--device",
@@ -45,6 +58,8 @@ def _read_metrics_file(path, what: str):
         raise _BadInput(f"{what} {path} is a directory, not a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _BadInput(f"{what} {path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise _BadInput(f"{what} {path} nests too deeply to be golden-value JSON") from None
     except (ValueError, TypeError, AttributeError) as exc:
         raise _BadInput(
             f"{what} {path} is not golden-value JSON ({{metric: {{start_step, end_step, "
@@ -64,7 +79,10 @@ def _run_metrics(source):
     metrics_file = source / "metrics.json"
     if metrics_file.exists():
         return _read_metrics_file(metrics_file, "metrics file")
-    return met.read_run_metrics(source)[0]
+    try:
+        return met.read_run_metrics(source)[0]
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _BadInput(f"the metrics of {source} cannot be read: {exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -104,6 +122,12 @@ def _compare(args: argparse.Namespace) -> int:
         names = args.metrics or recipe.test.metrics
     else:
         names = args.metrics or [m for m in golden if m in actual]
+    unknown = [m for m in names if m not in actual and m not in golden]
+    if unknown:
+        raise _BadInput(
+            f"metric {unknown[0]!r} is neither in the run nor in the golden values; the run "
+            f"logs: {', '.join(sorted(actual)[:12]) or 'nothing'}"
+        )
     rules = cmp.rules_for(names, device or "gpu", tolerances)
     if args.rtol is not None:
         rules = {
@@ -117,6 +141,13 @@ def _compare(args: argparse.Namespace) -> int:
         title=f"{source} vs {args.golden}",
         approximate_only=args.approximate_only,
     )
+    if not report.results:
+        print(
+            f"megatron-ext compare: nothing was compared: no rule checks {', '.join(names) or 'any'}"
+            " metric (give --metrics with a metric the golden values hold, e.g. lm loss)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"rules: {cmp.RULE_SOURCES['cpu' if device == 'cpu' else 'gpu']}")
     print("\n".join(report.lines()))
     return 0 if report.passed else 1

@@ -29,13 +29,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the input comes from: main's H_res orientation differs (a note "
         "says so); default: %(default)s",
     )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a legacy file whose pickle names classes beyond tensors, containers and "
+        "megatron-core's safe types; unpickling such a file can run any code in it, so only for "
+        "files you made or trust (default: refused)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_ext.checkpoint.convert import ConversionError, convert_file
 
     try:
-        notes = convert_file(args.input, args.output, args.model, args.to, args.source)
+        notes = convert_file(
+            args.input, args.output, args.model, args.to, args.source, args.trust_pickle
+        )
     except (ConversionError, OSError) as exc:
         print(f"megatron-ext convert-checkpoint: {exc}", file=sys.stderr)
         return 2

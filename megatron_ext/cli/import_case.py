@@ -15,6 +15,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", help="recipe file to write (default: print it)")
 
 
+MAX_TEST_CASE_BYTES = 1 << 20
+
+
+def _output_problem(out, source) -> str | None:
+    """Checked before reading: where the recipe goes must be a file in an existing directory,
+    and never the test case itself."""
+    if out.is_dir():
+        return "is a directory; give a file name such as recipe.yaml"
+    if not out.parent.is_dir():
+        return f"directory {out.parent} does not exist; create it first"
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        return "is the test case itself; give another file name"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """A Megatron-LM test case (model_config.yaml) as a megatron-ext recipe YAML."""
     import os
@@ -28,13 +43,24 @@ def main(args: argparse.Namespace) -> int:
     source = Path(args.test_case)
     if source.is_dir():
         source = source / upstream.TEST_CASE_FILE
+    out = Path(args.output) if args.output else None
+    if out is not None and (problem := _output_problem(out, source)):
+        print(f"megatron-ext import: -o {out}: {problem}", file=sys.stderr)
+        return 2
     try:
+        if source.is_file() and source.stat().st_size > MAX_TEST_CASE_BYTES:
+            raise OSError(f"{source.stat().st_size} bytes, more than a test case's 1 MiB")
         raw, duplicates = parse_document(source.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         print(f"megatron-ext import: cannot read {source}: {yaml_error_line(exc)}", file=sys.stderr)
         return 2
     except (OSError, UnicodeDecodeError) as exc:
-        print(f"megatron-ext import: cannot read {source}: {exc}", file=sys.stderr)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        one_line = " ".join(str(reason).split())[:300]
+        print(f"megatron-ext import: cannot read {source}: {one_line}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print(f"megatron-ext import: cannot read {source}: nested too deeply", file=sys.stderr)
         return 2
     if not upstream.is_test_case(raw):
         print(
@@ -59,7 +85,6 @@ def main(args: argparse.Namespace) -> int:
     if conversion.problems:
         return 2
     recipe = conversion.recipe
-    out = Path(args.output) if args.output else None
     # Golden files stay beside the test case: their paths are relative to the recipe written
     # with -o, absolute when it is printed (where it will be saved is unknown).
     case_dir = source.resolve().parent
@@ -73,6 +98,10 @@ def main(args: argparse.Namespace) -> int:
     if out is None:
         print(text, end="")
     else:
-        out.write_text(text)
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            print(f"megatron-ext import: cannot write {out}: {exc.strerror}", file=sys.stderr)
+            return 2
         print(f"wrote {out} ({len(notes)} note(s); `megatron-ext validate {out}`)")
     return 0

@@ -71,7 +71,23 @@ def main(args: argparse.Namespace) -> int:
             runs_root=Path(args.runs_root),
             megatron_checks=not args.skip_megatron_checks,
         ).exit_code
-    outcome = runner.run(
+    try:
+        outcome = _run(args, loaded)
+    except OSError as exc:  # a write under the run directory after the ranks ended (disk full)
+        print(
+            f"megatron-ext run: {runner.cannot_write(exc, Path(args.run_dir or '.'))}",
+            file=sys.stderr,
+        )
+        return runner.EXIT_TRAINING_FAILED
+    return outcome.exit_code
+
+
+def _run(args: argparse.Namespace, loaded):
+    from pathlib import Path
+
+    from megatron_ext.recipes import runner
+
+    return runner.run(
         loaded,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         runs_root=Path(args.runs_root),
@@ -81,4 +97,3 @@ def main(args: argparse.Namespace) -> int:
         megatron_checks=not args.skip_megatron_checks,
         trace=args.trace,
     )
-    return outcome.exit_code

@@ -44,17 +44,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(targets=[])
 
 
+# Every step of every rank is built, simulated and printed: beyond this many compute steps per
+# pass (stages x chunks x micro-batches) the answer takes minutes and gigabytes, and no grid is
+# readable anyway. 64 stages x 4 chunks x 64 micro-batches fits.
+MAX_COMPUTE_STEPS = 20_000
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _size_problem(plan) -> str | None:
+    if plan.multimodule is not None:
+        return None
+    steps = max(plan.pp, 1) * max(plan.vpp or 1, 1) * max(plan.microbatches, 1)
+    if steps > MAX_COMPUTE_STEPS:
+        return (
+            f"--pp {plan.pp} x --vpp {plan.vpp or 1} x --microbatches {plan.microbatches} = "
+            f"{steps} steps per pass, more than the {MAX_COMPUTE_STEPS} this tool draws; the bubble "
+            "depends on pp, vpp and m only through their ratios: try fewer micro-batches"
+        )
+    return None
+
+
+def _plot_problem(path: str) -> str | None:
+    """Checked before any work, so a bad path does not end in a traceback after it."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        return f"--plot {path}: give a file ending in one of {', '.join(PLOT_SUFFIXES)}"
+    if target.is_dir():
+        return f"--plot {path} is a directory; give a file name such as {path}/timeline.png"
+    if not target.parent.is_dir():
+        return f"--plot {path}: directory {target.parent} does not exist; create it first"
+    return None
+
+
 def _error(message: str) -> int:
     print(f"megatron-ext schedule: {message}", file=sys.stderr)
     return 2
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.schedule import plan_from_recipe
     from megatron_ext.schedules import report as rep
     from megatron_ext.schedules.schedule import SchedulePlan
 
     overrides = list(getattr(args, "targets", None) or [])
+    if args.plot and (problem := _plot_problem(args.plot)):
+        return _error(problem)
     try:
         if args.recipe:
             plan, size = plan_from_recipe(args.recipe, overrides, args.platform)
@@ -82,9 +119,13 @@ def main(args: argparse.Namespace) -> int:
                 )
             elif args.mhc_streams:
                 return _error("--mhc-streams needs --hidden, --seq and --micro-batch-size")
+        if problem := _size_problem(plan):
+            return _error(problem)
         lines, schedule = rep.report(plan, size, steps=args.steps)
+    except RecipeError as exc:
+        return _error(f"{exc.source}: {exc.problems[0]}")
     except ValueError as exc:
-        return _error(str(exc))
+        return _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     print("\n".join(lines))
     if args.plot:
         from megatron_ext.schedules.schedule import simulate
@@ -96,13 +137,16 @@ def main(args: argparse.Namespace) -> int:
             + (f" x {plan.vpp} chunks" if plan.vpp else "")
             + f", {plan.microbatches} micro-batches"
         )
-        plot_timeline(
-            timeline,
-            args.plot,
-            title,
-            schedule.chunks,
-            unit="time (forward = 1, backward = 2)",
-            note=f"bubble {timeline.bubble():.1%}",
-        )
+        try:
+            plot_timeline(
+                timeline,
+                args.plot,
+                title,
+                schedule.chunks,
+                unit="time (forward = 1, backward = 2)",
+                note=f"bubble {timeline.bubble():.1%}",
+            )
+        except OSError as exc:
+            return _error(f"--plot {args.plot} cannot be written: {exc.strerror or exc}")
         print(f"timeline: {args.plot}")
     return 0

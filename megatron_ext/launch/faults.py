@@ -180,11 +180,32 @@ def where(exc: BaseException) -> str:
     return f"{step}, {place}"
 
 
+MAX_ERROR_CHARS = 500
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` in one line. A distributed-checkpoint failure (torch's
+    CheckpointException: every rank's traceback in one message) is described by its first
+    failing rank's own error ("Size mismatch ... for key ...") instead of the flattened text."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures, key=lambda r: (not isinstance(r, int), r if isinstance(r, int) else 0))
+        inner = failures[rank]
+        if isinstance(inner, tuple) and inner:  # torch keeps (exception, traceback) per rank
+            inner = inner[0]
+        if isinstance(inner, BaseException):
+            return f"{type(exc).__name__} (checkpoint rank {rank}): {describe_error(inner)}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(" ".join(lines).split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def report_failure(exc: BaseException, stream: Any = None) -> str:
     """Write the traceback and the marker line; returns the marker line."""
     stream = stream or sys.stderr
-    first_line = " ".join((str(exc).strip() or "").split())
-    error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    error = describe_error(exc)
     line = f"{MARKER} rank={_global_rank()} time={time.time():.3f} where={where(exc)} error={error}"
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     print(line, file=stream, flush=True)
@@ -198,7 +219,9 @@ def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     heartbeat.start(_global_rank())
     arm_save_fault()
     try:
-        return work(*args, **kwargs)
+        result = work(*args, **kwargs)
+        heartbeat.finished()  # what follows is teardown: never a stall
+        return result
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - any error must end this rank, not hang it

@@ -19,6 +19,12 @@ limit is ``stall_s`` when given (recipe ``launch.stall_timeout_s`` or
 STALL_FACTOR x the slowest step gap seen)``. Start-up and the first step (compilation,
 dataset building, the first allocation) get ``startup_s`` instead, and so does a rank that
 is inside checkpoint I/O.
+
+A rank whose training returned says so (:func:`finished`): it is tearing down (process groups,
+torch's operator registry, interpreter exit), which on a loaded machine can outlast the stall
+limit, and is never named stalled; when every rank has finished the watchdog stands down
+(``launch.timeout_s`` still bounds the teardown). A rank whose heartbeat itself went stale
+(the process is stopped, ``kill -STOP``, or frozen) is named first: the others wait on it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ BEAT_S = 1.0
 STALL_MIN_S = 30.0
 STALL_FACTOR = 10.0
 STARTUP_S = 300.0
+# A heartbeat this much older than the newest one: the rank's process is not running at all
+# (its beating thread stopped too), not merely slow to step.
+FROZEN_S = 10.0
 
 # Main-thread frames whose file path contains one of these: the rank waits on its peers
 # (a blocked ``work.wait()`` is a C call, so the innermost Python frame is its caller's).
@@ -59,7 +68,10 @@ class _State:
     step: int | None = None
     progress: float | None = None
     slowest_gap: float = 0.0
+    finished: bool = False
     thread: threading.Thread | None = None
+    path: Path | None = None
+    rank: int | None = None
 
 
 _state = _State()
@@ -71,6 +83,17 @@ def progress(step: int) -> None:
     if _state.progress is not None and _state.step is not None and _state.step >= 1:
         _state.slowest_gap = max(_state.slowest_gap, now - _state.progress)
     _state.step, _state.progress = step, now
+
+
+def finished() -> None:
+    """Training returned on this rank: what follows is teardown, not a stall. Written at once,
+    so the watchdog knows before the next beat."""
+    _state.finished = True
+    if _state.path is not None and _state.rank is not None:
+        try:
+            _write(_state.path, beat_record(_state.rank, threading.main_thread().ident))
+        except OSError:
+            pass
 
 
 def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
@@ -100,6 +123,7 @@ def beat_record(rank: int, main_ident: int) -> dict:
         "where": place,
         "waiting": waiting,
         "io": io,
+        "finished": _state.finished,
     }
 
 
@@ -115,6 +139,7 @@ def start(rank: int) -> bool:
     if not directory or _state.thread is not None:
         return False
     path = Path(directory) / f"rank-{rank}.json"
+    _state.path, _state.rank = path, rank
     main_ident = threading.main_thread().ident
 
     def run() -> None:
@@ -208,29 +233,55 @@ class Watchdog:
             return None
         now = time.time() if now is None else now
         beats = self.read()
+        if len(beats) == self.nproc and all(b.get("finished") for b in beats.values()):
+            return None  # every rank trained to the end and is tearing down
         progressed = [b["progress"] for b in beats.values() if b.get("progress") is not None]
         last = max(progressed) if progressed else self.started
         limit = self.limit(beats)
         if now - last <= limit:
             return None
-        return name_stalled(beats, self.nproc, now - last, limit)
+        return name_stalled(beats, self.nproc, now - last, limit, now)
 
 
-def name_stalled(beats: dict[int, dict], nproc: int, idle_s: float, limit_s: float) -> Stall:
-    """The rank the others wait on: not waiting in communication itself, oldest progress
-    (a rank with no heartbeat at all first: it never got going)."""
+def name_stalled(
+    beats: dict[int, dict],
+    nproc: int,
+    idle_s: float,
+    limit_s: float,
+    now: float | None = None,
+) -> Stall:
+    """The rank the others wait on: a rank with no heartbeat at all (it never got going), then
+    one whose heartbeat went stale (its process is stopped or frozen), then, among the ranks
+    not waiting in communication, the oldest progress. A rank that finished training is
+    tearing down and never the one named."""
     silent = [r for r in range(nproc) if r not in beats]
-    waiting = tuple(sorted(r for r, b in beats.items() if b.get("waiting")))
+    live = {r: b for r, b in beats.items() if not b.get("finished")} or beats
+    waiting = tuple(sorted(r for r, b in live.items() if b.get("waiting")))
     if silent:
         return Stall(silent[0], None, idle_s, limit_s, "? (no heartbeat from this rank)", waiting)
-    candidates = [r for r in beats if r not in waiting] or list(beats)
-    rank = min(candidates, key=lambda r: (beats[r].get("progress") or 0.0, r))
-    beat = beats[rank]
+    newest = max(float(b.get("beat") or 0.0) for b in beats.values())
+    # stale by more than a few beats, and by half the idle time (a short configured stall
+    # limit) or FROZEN_S, whichever is less
+    threshold = max(3 * BEAT_S, min(FROZEN_S, idle_s / 2))
+    frozen = [r for r, b in live.items() if newest - float(b.get("beat") or 0.0) > threshold]
+    if frozen:
+        rank = min(frozen, key=lambda r: (float(live[r].get("beat") or 0.0), r))
+        beat = live[rank]
+        stale = (now if now is not None else newest) - float(beat.get("beat") or 0.0)
+        where = (
+            f"{beat.get('where')} when its heartbeat stopped {stale:.0f} s ago (the process is "
+            "stopped or frozen: kill -STOP, a debugger, swapped out)"
+        )
+    else:
+        candidates = [r for r in live if r not in waiting] or list(live)
+        rank = min(candidates, key=lambda r: (live[r].get("progress") or 0.0, r))
+        beat = live[rank]
+        where = str(beat.get("where"))
     return Stall(
         rank,
         beat.get("step"),
         idle_s,
         limit_s,
-        str(beat.get("where")),
+        where,
         tuple(r for r in waiting if r != rank),
     )

@@ -379,6 +379,21 @@ def launch(
     )
 
 
+def failing_rank(job: LocalJob, result: LaunchResult) -> int | None:
+    """The rank to name for a failed run, the same one :func:`failure_summary` describes: the
+    stalled rank, a rank killed from outside, else the first rank that reported an error, else
+    the first rank that exited non-zero."""
+    from megatron_ext.launch import faults
+
+    if result.stall is not None:
+        return result.stall.rank
+    code = result.rank_codes.get(result.failed_rank) if result.failed_rank is not None else None
+    if code is not None and code < 0:
+        return result.failed_rank
+    reported = faults.first_failure(job.log_path(r) for r in range(job.nproc))
+    return reported.rank if reported is not None else result.failed_rank
+
+
 def failure_summary(job: LocalJob, result: LaunchResult) -> str | None:
     """Which rank failed first, where, and its original error (from the marker a failing
     rank writes, :mod:`megatron_ext.launch.faults`); else how the first failing rank ended."""

@@ -9,8 +9,10 @@ where the script is written, or, where quoting cannot help, refused first:
   one may hold a line break or NUL (:func:`directive_problem`, :func:`check_directives`);
 - text in a ``#`` comment line has its line breaks and controls escaped (:func:`comment`).
 
-Secrets: an environment variable whose name contains KEY, TOKEN, SECRET or PASSWORD (e.g.
-``WANDB_API_KEY``) is never written into a script, a resolved recipe or a summary
+Secrets: an environment variable whose name contains KEY, TOKEN, SECRET, PASSWORD, PASSWD or
+CREDENTIAL, or has PAT, PASS, PW, PWD or AUTH as one of its ``_``-separated words (e.g.
+``WANDB_API_KEY``, ``MY_DB_PASSWD``, ``GH_PAT``; not ``PATH`` or the shell's ``PWD``) is never
+written into a script, a resolved recipe or a summary, whatever the override's form
 (:func:`redact_env`, :func:`redact_override`); the ranks get it through the launcher's
 environment, and a generated script expects it in the environment it is run from
 (:func:`secret_check_line`).
@@ -29,12 +31,37 @@ from megatron_ext.errors import MegatronExtError, Problem
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LINE_BREAKING = re.compile(r"[\n\r\x00\x0b\x0c\x85\u2028\u2029]")
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# Short words that name a secret only as a whole word: GH_PAT, DB_PASS, MY_PWD, HTTP_AUTH.
+SECRET_WORDS = frozenset({"PAT", "PASS", "PWD", "AUTH", "PASSPHRASE", "PW"})
+NOT_SECRET = frozenset({"PWD", "OLDPWD"})  # the shell's working directories
 REDACTED = "<redacted>"
 
 
 def is_secret(name: object) -> bool:
-    return bool(SECRET_NAME.search(str(name)))
+    text = str(name)
+    if text.upper() in NOT_SECRET:
+        return False
+    words = set(re.split(r"[^A-Za-z0-9]+", text.upper()))
+    return bool(SECRET_NAME.search(text)) or bool(words & SECRET_WORDS)
+
+
+def _redact_tree(value: object) -> tuple[object, bool]:
+    """``value`` with every mapping entry under a secret name redacted, and whether any was."""
+    if isinstance(value, dict):
+        out: dict[object, object] = {}
+        hidden = False
+        for key, item in value.items():
+            if is_secret(key):
+                out[key], hidden = REDACTED, True
+            else:
+                out[key], inner = _redact_tree(item)
+                hidden = hidden or inner
+        return out, hidden
+    if isinstance(value, list):
+        items = [_redact_tree(item) for item in value]
+        return [item for item, _ in items], any(h for _, h in items)
+    return value, False
 
 
 def redact_env(env: dict) -> dict:
@@ -44,8 +71,23 @@ def redact_env(env: dict) -> dict:
 
 def redact_override(override: str) -> str:
     """A KEY=VALUE override with the value hidden when the key names a secret."""
-    key, sep, _ = override.partition("=")
-    return f"{key}={REDACTED}" if sep and is_secret(key.rsplit(".", 1)[-1]) else override
+    key, sep, value = override.partition("=")
+    if not sep:
+        return override
+    if is_secret(key.rsplit(".", 1)[-1]):
+        return f"{key}={REDACTED}"
+    if not any(is_secret(word) for word in re.split(r"[^A-Za-z0-9_]+", value)):
+        return override  # no secret name inside: keep the user's text as written
+    import yaml
+
+    try:  # the mapping form, launch.env={HF_TOKEN: x} or launch={env: {HF_TOKEN: x}}
+        parsed = yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return f"{key}={REDACTED}"  # unreadable, and it names a secret: show none of it
+    redacted, hidden = _redact_tree(parsed)
+    if not hidden:
+        return override
+    return f"{key}={yaml.safe_dump(redacted, default_flow_style=True, width=10**6).strip()}"
 
 
 def secret_check_line(name: str) -> str:

@@ -68,6 +68,26 @@ class SlurmJob:
         return self.nodes * self.tasks_per_node
 
 
+# Slurm's bounded --time formats; UNLIMITED / INFINITE are refused because the job is watched
+# until its limit (plus a margin) and a job past its limit would never be declared lost.
+_TIME_FORMAT = re.compile(r"(\d{1,3}-\d{1,2}(:\d{1,2}){0,2}|\d{1,6}(:\d{1,2}){0,2})\Z")
+MAX_TIME_S = 366 * 86400
+
+
+def time_problem(text: object) -> str | None:
+    """Why ``text`` is not a Slurm time limit this launcher can watch (None: it is)."""
+    shown = str(text)[:40]
+    if not isinstance(text, str) or not _TIME_FORMAT.match(text):
+        return (
+            f"{shown!r} is not a Slurm time limit: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+            "D-HH:MM:SS, e.g. 00:30:00 (UNLIMITED is refused: the job is watched until its limit)"
+        )
+    seconds = time_limit_seconds(text)
+    if not 0 < seconds <= MAX_TIME_S:
+        return f"{shown!r} is {seconds} s: give a limit between 1 s and 366 days, e.g. 04:00:00"
+    return None
+
+
 def time_limit_seconds(text: str) -> int:
     """Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)

@@ -283,6 +283,7 @@ def run_pretrain(
     from megatron_ext.launch import faults
 
     faults.fault_from_env()  # a malformed MEGATRON_EXT_FAULT fails here, before training
+    check_resume_tracker(args)
     store = None
     if getattr(args, "inprocess_restart", False):
         pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
@@ -296,6 +297,16 @@ def run_pretrain(
         store=store,
         **pretrain_kwargs,
     )
+
+
+def check_resume_tracker(args: argparse.Namespace) -> None:
+    """A ``--load`` tracker megatron would answer with a silent ``sys.exit()`` (status 0) ends
+    this rank with status 1 and one line instead (every rank reads the same file)."""
+    from megatron_ext.checkpoint.tracker import tracker_problem
+
+    load = getattr(args, "load", None)
+    if load and (problem := tracker_problem(load)):
+        raise SystemExit(f"error: --load: {problem}")
 
 
 def forward_step_with_faults(forward_step: Callable) -> Callable:

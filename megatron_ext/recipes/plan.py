@@ -118,6 +118,8 @@ def _flag(args: list[str], name: str, value: Any) -> None:
 
 def _number(value: Any) -> str:
     if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return repr(value)  # validation refuses these; a dry run still prints them
         return repr(value) if value != int(value) or abs(value) >= 1e16 else str(value)
     return str(value)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.launch import shell
-from megatron_ext.recipes import compare as cmp, metrics as met, plan, safety
+from megatron_ext.recipes import compare as cmp, golden_paths, metrics as met, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -304,10 +304,39 @@ def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) ->
         for problem in validation.problems:
             echo(f"{loaded.source}: {problem}")
         return f"{len(validation.problems)} problem(s) in the recipe"
+    fault = fault_problem(loaded)
+    if fault is not None:
+        return fault
     if not entry_importable(loaded.recipe.entry):
         return (
             f"the entry module {loaded.recipe.entry} is not importable (model.type "
             f"{loaded.recipe.model.type}); install it or set model.entry"
+        )
+    return None
+
+
+def fault_problem(loaded: LoadedRecipe) -> str | None:
+    """A malformed MEGATRON_EXT_FAULT (the environment's or launch.env's), or one naming a rank
+    the run does not have, found here rather than by every rank after start-up."""
+    from megatron_ext.launch import faults
+
+    text = loaded.recipe.launch.env.get(faults.FAULT_ENV, os.environ.get(faults.FAULT_ENV))
+    if not text:
+        return None
+    try:
+        fault = faults.parse_fault(str(text))
+    except ValueError as exc:
+        return f"{exc}; fix it or unset {faults.FAULT_ENV}"
+    if fault.rank >= loaded.recipe.world_size:
+        return (
+            f"{faults.FAULT_ENV}={text!r}: rank {fault.rank} does not exist in a run of "
+            f"{loaded.recipe.world_size} ranks; give rank=0..{loaded.recipe.world_size - 1}"
+        )
+    if fault.step > loaded.recipe.training.iterations:
+        return (
+            f"{faults.FAULT_ENV}={text!r}: step {fault.step} is past the run's "
+            f"{loaded.recipe.training.iterations} iterations; give step=1.."
+            f"{loaded.recipe.training.iterations}"
         )
     return None
 
@@ -318,6 +347,15 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script = run_dir / "command.sh"
     script.write_text(command_script(loaded, run_dir, launcher))
     script.chmod(0o755)
+
+
+def cannot_write(exc: OSError, run_dir: Path) -> str:
+    """One line for a failed write under the run directory (disk full, read-only, not a dir)."""
+    where = exc.filename or run_dir
+    return (
+        f"cannot write {where}: {exc.strerror or exc}; free space there or choose another "
+        "directory with --run-dir / --runs-root"
+    )
 
 
 def _stall_environment_problem() -> str | None:
@@ -361,6 +399,9 @@ def run(
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    if write_golden and (why := golden_paths.golden_write_problem(loaded)):
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     if write_golden and loaded.numerics_overridden:
         why = (
             "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
@@ -369,7 +410,35 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    write_run_files(loaded, run_dir)
+    from megatron_ext.recipes import run_lock
+
+    try:
+        with run_lock.holding(run_dir):
+            return _run_in(
+                loaded, run_dir, started, compare_golden, force_compare, write_golden, echo, trace
+            )
+    except run_lock.RunDirectoryBusy as exc:
+        echo(f"cannot run: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
+
+
+def _run_in(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    started: float,
+    compare_golden: bool,
+    force_compare: bool,
+    write_golden: bool,
+    echo: Echo,
+    trace: bool,
+) -> Outcome:
+    """:func:`run` once the run directory is held."""
+    try:
+        write_run_files(loaded, run_dir)
+    except OSError as exc:
+        why = cannot_write(exc, run_dir)
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     echo(f"  run directory {run_dir}")
     results: list[dict] = []
     try:
@@ -481,14 +550,17 @@ def _run_phases(
         )
         echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
         if not result.ok:
-            rank = result.failed_rank if result.failed_rank is not None else recipe.world_size - 1
+            named = local.failing_rank(job, result)
+            rank = named if named is not None else recipe.world_size - 1
+            reason = local.failure_summary(job, result)
             what = (
                 f"timed out after {recipe.launch.timeout_s} s"
                 if result.timed_out
                 else f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)"
                 if result.stall
-                else f"rank {rank} exited with {result.returncode}"
+                else reason or f"rank {rank} exited with {result.returncode}"
             )
+            results[-1].update({"failed_rank": rank, "reason": reason or what})
             _echo_first_failure(job, result, echo)
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
@@ -597,7 +669,7 @@ def finalize(
     elif loaded.numerics_overridden and not force_compare:
         echo(
             f"  golden values: not compared, the overrides change the recipe "
-            f"({' '.join(loaded.overrides)}); --compare forces it"
+            f"({' '.join(_shown_overrides(loaded))}); --compare forces it"
         )
     else:
         golden = met.read_golden(golden_path)
@@ -817,4 +889,7 @@ def _write_summary(
     }
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:  # disk full: the verdict still reaches the console and exit status
+        print(f"megatron-ext run: no summary.json: {cannot_write(exc, run_dir)}", file=sys.stderr)

@@ -46,6 +46,11 @@ def build_job(
         problems.append(f"{world} ranks do not split evenly over {nodes} node(s)")
         return None, problems
     per_node = world // nodes
+    time_limit = options.time or cfg.time
+    if problem := slurm.time_problem(time_limit):
+        where = "--time" if options.time else "launch.slurm.time"
+        problems.append(f"{where}: {problem}")
+        return None, problems
     gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
     if recipe.launch.device == "gpu" and gpus is not None and gpus != per_node:
         problems.append(

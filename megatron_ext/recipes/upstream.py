@@ -259,6 +259,17 @@ def _data_paths(value: Any) -> list[str]:
     return words
 
 
+def _integer(value: Any, where: str, conversion: Conversion) -> int | None:
+    """An integer flag value, or None and a problem naming the flag."""
+    try:
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        conversion.problems.append(Problem(where, f"{str(value)[:60]!r} is not an integer"))
+        return None
+
+
 def _field_value(flag: str, value: Any) -> tuple[str, Any]:
     """(field path, value) of a flag that a schema field writes."""
     path = FIELD_FLAGS[flag]
@@ -323,7 +334,7 @@ def model_args_to_sections(
         elif flag == "--recompute-hyper-connections":
             recompute_modules = (recompute_modules or []) + ["mhc"]
         elif flag == "--num-layers-per-virtual-pipeline-stage":
-            layers_per_virtual_stage = int(value)
+            layers_per_virtual_stage = _integer(value, where, conversion)
         elif flag == "--group-query-attention":
             continue  # implied by model.num_query_groups
         elif flag == "--hybrid-layer-pattern":
@@ -401,6 +412,42 @@ def model_args_to_sections(
             f"left to the runner: {', '.join(runner_owned)} (run directory, test type, logging)"
         )
     return data
+
+
+# Sizes the world-size arithmetic and the cpu overlay compare with numbers.
+NUMERIC_PATHS = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.seq_length",
+    "parallelism.tp",
+    "parallelism.pp",
+    "parallelism.vpp",
+    "parallelism.cp",
+    "parallelism.ep",
+    "parallelism.dp",
+    "training.micro_batch_size",
+    "training.global_batch_size",
+    "training.iterations",
+    "training.eval_interval",
+    "data.tokenizer.vocab_size",
+    "extra_args.--moe-ffn-hidden-size",
+)
+
+
+def _drop_non_numbers(full: dict, conversion: Conversion) -> None:
+    """A size flag whose value is not a number is a problem naming the flag, and is left out
+    so that the arithmetic below never meets it."""
+    flags = {path: flag for flag, path in FIELD_FLAGS.items()}
+    for path in NUMERIC_PATHS:
+        value = _get(full, path)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None or (number and math.isfinite(value)):
+            continue
+        where = f"MODEL_ARGS.{flags.get(path, path.rsplit('.', 1)[-1])}"
+        conversion.problems.append(Problem(where, f"{str(value)[:60]!r} is not a number"))
+        *parents, leaf = path.split(".")
+        del _get(full, ".".join(parents))[leaf]
 
 
 # ---- the cpu overlay -------------------------------------------------------------------------------
@@ -658,6 +705,7 @@ def convert(
             "num-zeros in METRICS: the runner adds --log-num-zeros-in-grad"
         )
 
+    _drop_non_numbers(full, conversion)
     ep = _get(full, "parallelism.ep", 1)
     model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
     if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs

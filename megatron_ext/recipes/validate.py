@@ -107,9 +107,81 @@ NON_NEGATIVE_FIELDS = (
 )
 
 
-def size_problems(loaded: LoadedRecipe) -> list[Problem]:
-    """Zero or negative sizes, named before any check divides by them."""
+# Upper bounds far beyond any model trained today (hidden 25,600, 128 layers, vocab 256k,
+# seq 1M, lr 1e-2): a value past one is a typo, and checks below would build a plan
+# (or Megatron its model) for it.
+UPPER_BOUNDS = {
+    "model.num_layers": 10_000,
+    "model.hidden_size": 1 << 20,
+    "model.ffn_hidden_size": 1 << 22,
+    "model.num_attention_heads": 1 << 16,
+    "model.seq_length": 1 << 24,
+    "model.max_position_embeddings": 1 << 24,
+    "model.mtp_num_layers": 1_000,
+    "model.mhc.num_residual_streams": 1_000,
+    "model.mhc.sinkhorn_iterations": 100_000,
+    "parallelism.tp": 1 << 16,
+    "parallelism.pp": 1 << 16,
+    "parallelism.vpp": 1 << 16,
+    "parallelism.cp": 1 << 16,
+    "parallelism.ep": 1 << 16,
+    "parallelism.dp": 1 << 20,
+    "training.iterations": 10**10,
+    "training.micro_batch_size": 1 << 24,
+    "training.global_batch_size": 1 << 30,
+    "training.lr_decay_iters": 10**10,
+    "training.lr_warmup_iters": 10**10,
+    "data.tokenizer.vocab_size": 1 << 26,
+    "launch.nodes": 1 << 20,
+    "launch.nproc": 1 << 16,
+}
+LEARNING_RATE_FIELDS = ("training.lr", "training.min_lr")
+MAX_LEARNING_RATE = 100.0
+
+
+def _field(loaded: LoadedRecipe, path: str) -> Any:
+    node: Any = loaded.recipe
+    for part in path.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+def bound_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Sizes past :data:`UPPER_BOUNDS` and learning rates that are not finite numbers in
+    [0, 100]."""
+    import math
+
     problems = []
+    for path, high in UPPER_BOUNDS.items():
+        value = _field(loaded, path)
+        if isinstance(value, int) and not isinstance(value, bool) and value > high:
+            problems.append(
+                Problem(path, f"{value} is past the limit of {high}: a typo? give a real size")
+            )
+    for path in LEARNING_RATE_FIELDS:
+        value = _field(loaded, path)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or not 0 <= value <= MAX_LEARNING_RATE:
+                problems.append(
+                    Problem(path, f"{value} is not a learning rate: give a number in [0, 100]")
+                )
+    extra_args = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
+    for flag, value in extra_args.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"{value} is not a finite number; give a number, true (a switch) or remove it",
+                )
+            )
+    return problems
+
+
+def size_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Zero or negative sizes, and sizes past any real model's (:func:`bound_problems`),
+    named before any check divides by them or builds anything of that size."""
+    problems = bound_problems(loaded)
     for path in (*POSITIVE_FIELDS, *NON_NEGATIVE_FIELDS):
         node: Any = loaded.recipe
         for part in path.split("."):
@@ -173,6 +245,9 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     """Every value of the recipe that no quoting can make safe (the rules of
     :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
     recipe's names, environment keys and Slurm directives)."""
+    from megatron_ext.launch.slurm import time_problem
+    from megatron_ext.recipes.golden_paths import golden_values_problem
+
     recipe = loaded.recipe
     problems: list[Problem | None] = [
         safety.name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
@@ -192,6 +267,9 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(
             shell.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
         )
+    if isinstance(slurm.time, str) and (problem := time_problem(slurm.time)):
+        problems.append(Problem("launch.slurm.time", problem))
+    problems.append(golden_values_problem(loaded))
     for i, value in enumerate([*slurm.sbatch_args]):
         problems.append(shell.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
     for i, value in enumerate([*slurm.container_mounts]):

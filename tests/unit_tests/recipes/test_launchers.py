@@ -38,6 +38,29 @@ if mode == "stall":  # MEGATRON_EXT_FAULT hangs rank 1 at step 3; rank 0 then wa
             time.sleep(0.05)
 
     faults.run_failing_fast(work)
+if mode == "stop":  # rank 1 stops itself (SIGSTOP) inside a communication call at step 3,
+    # after a beat that shows it waiting there: every heartbeat then says "waiting"
+    from megatron_ext.launch import faults
+    import p2p_communication
+
+    def work():
+        for step in range(1, 1000):
+            time.sleep(0.3 if rank == 1 else 0.05)  # rank 1 progresses last: not the oldest
+            faults.at_step(step)
+            if step == 3:
+                p2p_communication.stop_self() if rank == 1 else p2p_communication.recv()
+
+    faults.run_failing_fast(work)
+if mode == "teardown":  # training finishes, then teardown outlasts the stall limit
+    from megatron_ext.launch import faults
+
+    def work():
+        for step in range(1, 4):
+            faults.at_step(step)
+            time.sleep(0.05)
+
+    faults.run_failing_fast(work)
+    time.sleep(4)
 for i in range(3):
     print(f" iteration {i + 1}/3 | lm loss: 1.0E+00 |", flush=True)
 """
@@ -48,7 +71,8 @@ def job(tmp_path):
     (tmp_path / "fake_rank.py").write_text(RANK_MODULE)
     # a stand-in for megatron's p2p module: the watchdog counts a rank in it as waiting on a peer
     (tmp_path / "p2p_communication.py").write_text(
-        "import time\ndef recv():\n    time.sleep(3600)\n"
+        "import os, signal, time\ndef recv():\n    time.sleep(3600)\n"
+        "def stop_self():\n    time.sleep(1.2)\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
     )
 
     def make(mode: str, nproc: int = 2, **kwargs) -> local.LocalJob:
@@ -104,6 +128,23 @@ def test_a_hung_rank_is_named_and_every_rank_stopped(job, monkeypatch):
     assert time.monotonic() - start < 30
     summary = local.failure_summary(job("stall"), result)
     assert summary.startswith("rank 1 stalled at step 3: no progress on any rank for "), summary
+
+
+def test_a_stopped_rank_is_named_by_its_stale_heartbeat(job):
+    """kill -STOP of rank 1 (here inside a communication call, after rank 0's last progress):
+    its heartbeat stops, and it is the one named (issue 25 item 4)."""
+    start = time.monotonic()
+    result = local.launch(job("stop", stall_timeout_s=6.0, timeout_s=120.0, grace_s=0.5))
+    assert result.stall is not None and result.failed_rank == 1, result.stall
+    assert "heartbeat stopped" in result.stall.where, result.stall
+    assert all(code is not None for code in result.rank_codes.values()), "every rank stopped"
+    print(f"stopped rank named in {time.monotonic() - start:.1f} s")
+
+
+def test_a_rank_tearing_down_after_its_last_step_is_not_stalled(job):
+    """Training returned; teardown (4 s) outlasts the stall limit (1 s) (issue 25 item 2)."""
+    result = local.launch(job("teardown", stall_timeout_s=1.0, timeout_s=120.0))
+    assert result.ok and result.stall is None, result.stall
 
 
 def test_the_stalled_rank_is_the_one_not_waiting_on_a_peer():
