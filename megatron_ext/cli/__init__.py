@@ -14,6 +14,7 @@ from megatron_ext.cli import (
     convert,
     doctor,
     import_case,
+    prepare_data,
     run,
     schedule,
     submit,
@@ -21,7 +22,17 @@ from megatron_ext.cli import (
 )
 from megatron_ext.launch.startup import torch_compile_deferred
 
-COMMANDS = (doctor, run, validate, compare, import_case, submit, convert, schedule)
+COMMANDS = (
+    doctor,
+    run,
+    validate,
+    compare,
+    import_case,
+    submit,
+    convert,
+    schedule,
+    prepare_data,
+)
 
 DESCRIPTION = """\
 - ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
@@ -36,6 +47,9 @@ DESCRIPTION = """\
 - ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
   megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
   bytes per pipeline edge, without starting anything.
+- ``megatron-ext prepare-data --input F.jsonl --output-prefix P --tokenizer-type T ...``:
+  JSONL into Megatron's indexed format (Megatron-LM's tools/preprocess_data.py's flags and
+  files); ``--example DIR``: a corpus, tokenizers and datasets to train on, made offline.
 
 Recipes and their schema: recipes/README.md.
 """

@@ -1,0 +1,103 @@
+"""``prepare-data --example DIR``: real text to train on, made offline in one step.
+
+Writes under ``DIR``:
+
+- ``corpus/stdlib_a_m.jsonl``, ``corpus/stdlib_n_z.jsonl``: the installed standard library's
+  docstrings (:mod:`.corpus`), split by module name into two sources for a weighted blend;
+- ``tokenizers/gpt2/`` (``vocab.json``, ``merges.txt``), ``tokenizers/huggingface/``
+  (``tokenizer.json``) and ``tokenizers/sentencepiece/tokenizer.model``, trained on the corpus
+  (:mod:`.tokenizer_training`);
+- ``data/<tokenizer>/stdlib_{a_m,n_z}_text_document.bin/.idx`` for the HuggingFace and the
+  SentencePiece tokenizer, EOD appended (:mod:`.preprocess`, the same path as ``prepare-data``);
+- ``example.json``: the Python version, the corpus digest and every path.
+
+The GPT-2 files tokenize exactly as the HuggingFace directory (the same BPE); they are written
+for ``--tokenizer-type GPT2BPETokenizer``, which megatron can only build with access to the
+HuggingFace hub (see :mod:`.checks`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_ext.data import corpus, tokenizer_training
+from megatron_ext.data.preprocess import preprocess
+
+VOCAB_SIZE = 1024
+SOURCES = {"stdlib_a_m": ("a", "m"), "stdlib_n_z": ("n", "z")}
+"""Blend sources: modules whose name starts in the letter range (``_private`` ones go last)."""
+
+
+def _source_of(module: str) -> str:
+    first = module.lstrip("_")[:1].lower()
+    return "stdlib_a_m" if "a" <= first <= "m" else "stdlib_n_z"
+
+
+def _say(message: str) -> None:
+    print(f"prepare-data --example: {message}", file=sys.stderr, flush=True)
+
+
+def tokenizer_flags(root: Path) -> dict[str, dict]:
+    """Tokenizer name -> the prepare-data/pretrain fields for the example's tokenizers."""
+    tok = root / "tokenizers"
+    return {
+        "huggingface": {
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": str(tok / "huggingface"),
+        },
+        "sentencepiece": {
+            "tokenizer_type": "SentencePieceTokenizer",
+            "tokenizer_model": str(tok / "sentencepiece" / "tokenizer.model"),
+        },
+        "gpt2": {
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": str(tok / "gpt2" / "vocab.json"),
+            "merge_file": str(tok / "gpt2" / "merges.txt"),
+        },
+    }
+
+
+def make_example(directory: str, workers: int = 1) -> dict:
+    root = Path(directory).resolve()
+    _say(f"corpus from the docstrings of {corpus.stdlib_dir()}")
+    records = corpus.build()
+    jsonl = {}
+    for name in SOURCES:
+        part = [r for r in records if _source_of(r["module"]) == name]
+        jsonl[name] = corpus.write_jsonl(part, root / "corpus" / f"{name}.jsonl")
+        _say(f"{jsonl[name]}: {len(part)} documents")
+    texts = [r["text"] for r in records]
+    _say(f"training a byte-level BPE and a SentencePiece model ({VOCAB_SIZE} tokens)")
+    tokenizer_training.train_byte_level_bpe(texts, VOCAB_SIZE, root / "tokenizers")
+    tokenizer_training.train_sentencepiece(texts, VOCAB_SIZE, root / "tokenizers" / "sentencepiece")
+    flags = tokenizer_flags(root)
+    datasets: dict[str, dict[str, str]] = {}
+    for tok in ("huggingface", "sentencepiece"):
+        for name, path in jsonl.items():
+            fields = {"tokenizer_model": None, "vocab_file": None, "merge_file": None}
+            args = argparse.Namespace(
+                **{**fields, **flags[tok]},
+                vocab_size=None,
+                input=str(path),
+                json_keys=["text"],
+                append_eod=True,
+                output_prefix=str(root / "data" / tok / name),
+                workers=workers,
+                log_interval=1000,
+            )
+            datasets.setdefault(tok, {})[name] = preprocess(args)["text"]
+    manifest = {
+        "python": corpus.python_version(),
+        "corpus_sha256": corpus.digest(records),
+        "documents": len(records),
+        "vocab_size": VOCAB_SIZE,
+        "corpus": {name: str(path) for name, path in jsonl.items()},
+        "tokenizers": flags,
+        "datasets": datasets,
+    }
+    (root / "example.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _say(f"done: {root / 'example.json'}")
+    return manifest
