@@ -35,8 +35,9 @@ FILE_FIELDS = {
 }
 HUB_NAMES = {"GPT2BPETokenizer": "gpt2"}
 OFFLINE_ALTERNATIVE = (
-    "offline: --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, a directory with "
-    "tokenizer.json (`megatron-ext prepare-data --example` writes one)"
+    "offline: HuggingFaceTokenizer with --tokenizer-model DIR, a directory with tokenizer.json, "
+    "or vocab.json + merges.txt + a tokenizer_config.json naming GPT2Tokenizer "
+    "(`megatron-ext prepare-data --example` writes both)"
 )
 
 

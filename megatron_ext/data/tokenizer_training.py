@@ -40,6 +40,11 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -
     gpt2_dir = out_dir / "gpt2"
     gpt2_dir.mkdir(parents=True, exist_ok=True)
     vocab_file, merge_file = bpe.save_model(str(gpt2_dir))
+    # With this file the GPT-2 pair also loads offline, as --tokenizer-type
+    # HuggingFaceTokenizer --tokenizer-model <gpt2 dir> (transformers' GPT2TokenizerFast).
+    config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
+    config.update({f"{role}_token": EOD_TOKEN for role in ("bos", "eos", "unk")})
+    (gpt2_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf_dir = out_dir / "huggingface"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
