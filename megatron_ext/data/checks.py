@@ -79,7 +79,9 @@ def hub_cached(name: str) -> bool:
 
 
 def hub_offline() -> bool:
-    return any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_note(tokenizer_type: str) -> Optional[str]:

@@ -19,8 +19,12 @@ HuggingFace hub (see :mod:`.checks`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import shutil
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from megatron_ext.data import corpus, tokenizer_training
@@ -38,6 +42,10 @@ def _source_of(module: str) -> str:
 
 def _say(message: str) -> None:
     print(f"prepare-data --example: {message}", file=sys.stderr, flush=True)
+
+
+def _relative(path: str, root: Path) -> str:
+    return str(Path(path).relative_to(root))
 
 
 def tokenizer_flags(root: Path) -> dict[str, dict]:
@@ -60,7 +68,47 @@ def tokenizer_flags(root: Path) -> dict[str, dict]:
     }
 
 
+def builder_key() -> str:
+    """What the example's bytes depend on: the Python (its docstrings), the tokenizer libraries
+    and this package's code. Equal keys make equal files."""
+    h = hashlib.sha256(corpus.python_version().encode())
+    for package in ("tokenizers", "sentencepiece", "transformers"):
+        h.update(f"{package}=={metadata.version(package)}".encode())
+    for module in ("corpus", "tokenizer_training", "preprocess", "example"):
+        h.update((Path(__file__).parent / f"{module}.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def ensure_example(directory: str) -> Path:
+    """The example under ``directory``, built unless one with the same :func:`builder_key` is
+    there. Built beside it and renamed, so concurrent callers never see half an example."""
+    root = Path(directory).resolve()
+    key = builder_key()
+    manifest = root / "example.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("builder") == key:
+        return root
+    staging = root.with_name(f"{root.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    make_example(str(staging))
+    if root.exists():
+        shutil.rmtree(root, ignore_errors=True)
+    try:
+        os.replace(staging, root)
+    except OSError:  # another process put its identical copy there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
 def make_example(directory: str, workers: int = 1) -> dict:
+    from megatron_ext.data.preprocess import PrepareDataError
+
+    for package in ("tokenizers", "sentencepiece", "transformers"):
+        try:
+            metadata.version(package)
+        except metadata.PackageNotFoundError:
+            raise PrepareDataError(
+                f"--example needs {package}: pip install 'megatron-ext[data]'"
+            ) from None
     root = Path(directory).resolve()
     _say(f"corpus from the docstrings of {corpus.stdlib_dir()}")
     records = corpus.build()
@@ -90,13 +138,20 @@ def make_example(directory: str, workers: int = 1) -> dict:
             )
             datasets.setdefault(tok, {})[name] = preprocess(args)["text"]
     manifest = {
+        "builder": builder_key(),
         "python": corpus.python_version(),
         "corpus_sha256": corpus.digest(records),
         "documents": len(records),
         "vocab_size": VOCAB_SIZE,
-        "corpus": {name: str(path) for name, path in jsonl.items()},
-        "tokenizers": flags,
-        "datasets": datasets,
+        # Paths relative to the example's directory: it can move.
+        "corpus": {name: str(path.relative_to(root)) for name, path in jsonl.items()},
+        "tokenizers": {
+            tok: {k: (_relative(v, root) if k != "tokenizer_type" else v) for k, v in f.items()}
+            for tok, f in flags.items()
+        },
+        "datasets": {
+            tok: {name: _relative(p, root) for name, p in d.items()} for tok, d in datasets.items()
+        },
     }
     (root / "example.json").write_text(json.dumps(manifest, indent=2) + "\n")
     _say(f"done: {root / 'example.json'}")

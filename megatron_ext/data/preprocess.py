@@ -171,9 +171,7 @@ class Encoder:
         for key in self.args.json_keys:
             if key not in record:
                 known = ", ".join(sorted(record)) or "none"
-                raise PrepareDataError(
-                    f"{where}: no key {key!r} (keys: {known}); set --json-keys"
-                )
+                raise PrepareDataError(f"{where}: no key {key!r} (keys: {known}); set --json-keys")
             ids[key], lengths[key] = self._tokenize(record[key], f"{where}: {key!r}")
         return Encoded(line_no, ids, lengths, len(raw))
 

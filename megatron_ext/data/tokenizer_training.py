@@ -33,7 +33,9 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        list(texts), vocab_size=vocab_size, min_frequency=2,
+        list(texts),
+        vocab_size=vocab_size,
+        min_frequency=2,
         special_tokens=[EOD_TOKEN],
         show_progress=False,
     )

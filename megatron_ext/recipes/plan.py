@@ -19,7 +19,6 @@ import importlib.util
 import math
 import re
 import string
-from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.parallel_plan import ParallelPlan
@@ -595,7 +594,10 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
             add(f"data.tokenizer.{key}", f"{value!r}: {e}")
             return
     tokenizer_problems = checks.tokenizer_problems(
-        d.tokenizer.type, resolved["model"], resolved["vocab_file"], resolved["merge_file"],
+        d.tokenizer.type,
+        resolved["model"],
+        resolved["vocab_file"],
+        resolved["merge_file"],
         where="data.tokenizer.",
     )
     for problem in tokenizer_problems:

@@ -210,7 +210,7 @@ class Training:
 class Tokenizer:
     type: str = _doc("--tokenizer-type", default="NullTokenizer")
     vocab_size: Optional[int] = _doc("--vocab-size (NullTokenizer)", default=128)
-    model: Optional[str] = _doc("--tokenizer-model", default=None)
+    model: Optional[str] = _doc("--tokenizer-model (a path, as data.paths)", default=None)
     vocab_file: Optional[str] = _doc("--vocab-file", default=None)
     merge_file: Optional[str] = _doc("--merge-file", default=None)
 
@@ -221,7 +221,8 @@ class Data:
         "mock: --mock-data; indexed: --data-path", default="mock"
     )
     paths: list[str] = _doc(
-        "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx)",
+        "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx); "
+        "relative to the recipe, ${VAR} / ${VAR:-default} from the environment",
         default_factory=list,
     )
     split: str = _doc("--split", default="949,50,1")
