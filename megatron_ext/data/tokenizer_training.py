@@ -48,8 +48,10 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -
     config.update({f"{role}_token": EOD_TOKEN for role in ("bos", "eos", "unk")})
     (gpt2_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     hf_dir = out_dir / "huggingface"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(hf_dir / "tokenizer.json"))
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer,
+        tokenizer_file=str(hf_dir / "tokenizer.json"),
         bos_token=EOD_TOKEN,
         eos_token=EOD_TOKEN,
         unk_token=EOD_TOKEN,

@@ -195,7 +195,7 @@ def test_the_shipped_recipes_have_no_plan_problems(example_data):
         (["data.type=indexed"], "data.paths: indexed data needs at least one PREFIX"),
         (
             ["data.type=indexed", "data.paths=[/nowhere/corpus]"],
-            "data.paths[0]: /nowhere/corpus.bin/.idx not found",
+            "data.paths[0]: /nowhere/corpus.bin and /nowhere/corpus.idx not found",
         ),
         (["test.metrics=[lm loss, loss]"], "test.metrics: unknown metric 'loss'"),
         (
