@@ -182,7 +182,11 @@ class Encoder:
         doc_ids: list[int] = []
         lengths: list[int] = []
         for sentence in sentences:
-            sentence_ids = Encoder.tokenizer.tokenize(sentence)
+            try:
+                sentence_ids = Encoder.tokenizer.tokenize(sentence)
+            except Exception as e:  # e.g. NullTokenizer on text that is not ids
+                message = " ".join(f"{type(e).__name__}: {e}".split())
+                raise PrepareDataError(f"{where}: the tokenizer failed ({message})") from None
             if len(sentence_ids) > 0:
                 doc_ids.extend(sentence_ids)
                 lengths.append(len(sentence_ids))

@@ -180,6 +180,27 @@ def test_bad_lines_are_one_line_errors_naming_the_line(sample, tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing half-written
 
 
+def test_a_tokenizer_failure_names_the_line(tmp_path, capsys):
+    # Upstream's script hangs here (its pool worker dies); ours stops with the line.
+    jsonl = tmp_path / "ids.jsonl"
+    jsonl.write_text('{"text": "1 2"}\n{"text": "1 two"}\n')
+    rc = _prepare(
+        "--input",
+        jsonl,
+        "--output-prefix",
+        tmp_path / "n",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        16,
+        "--workers",
+        2,
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "ids.jsonl:2: 'text': the tokenizer failed (ValueError" in err[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.jsonl"]
+
+
 def test_invalid_utf8_names_the_line(sample, tmp_path, capsys):
     _, _, _, tokenizers = sample
     jsonl = tmp_path / "bin.jsonl"
