@@ -20,7 +20,11 @@ setup(
     # `megatron-ext recipes --copy NAME` works after a plain pip install.
     packages=[*find_packages(include=["megatron_ext", "megatron_ext.*"]), "megatron_ext._recipes"],
     package_dir={"megatron_ext._recipes": "recipes"},
-    package_data={"megatron_ext._recipes": ["*.yaml", "README.md", "golden/*/*.json"]},
+    package_data={
+        # PEP 561: the package's own annotations are what type checkers should read.
+        "megatron_ext": ["py.typed"],
+        "megatron_ext._recipes": ["*.yaml", "README.md", "golden/*/*.json"],
+    },
     install_requires=[
         # Ranges, not pins: pip keeps the megatron-core (a wheel or an editable Megatron-LM
         # checkout) and torch the user already has. The registry refuses megatron-core code it

@@ -30,8 +30,11 @@ def doctor_report() -> list[str]:
     import torch
 
     import megatron_ext
-    from megatron_ext import declarations  # noqa: F401  (every Patch and Seam reported below)
-    from megatron_ext import registry, runtime
+    from megatron_ext import (
+        declarations,  # noqa: F401  (every Patch and Seam reported below)
+        registry,
+        runtime,
+    )
 
     gpu = torch.cuda.is_available()
     if not gpu:

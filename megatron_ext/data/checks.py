@@ -16,9 +16,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
+
+from megatron_ext.errors import MegatronExtError
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 SCAN_LIMIT_BYTES = 1 << 30
@@ -41,8 +42,8 @@ OFFLINE_ALTERNATIVE = (
 )
 
 
-class UnsetVariable(ValueError):
-    pass
+class UnsetVariable(MegatronExtError, ValueError):
+    """A ``${VAR}`` in a path names a variable the environment lacks (and gives no default)."""
 
 
 def expand(text: str) -> str:
@@ -84,7 +85,7 @@ def hub_offline() -> bool:
     )
 
 
-def hub_note(tokenizer_type: str) -> Optional[str]:
+def hub_note(tokenizer_type: str) -> str | None:
     """One line when the tokenizer type will download from the hub at start-up, else None."""
     name = HUB_NAMES.get(tokenizer_type)
     if name is None or hub_cached(name):
@@ -97,9 +98,9 @@ def hub_note(tokenizer_type: str) -> Optional[str]:
 
 def tokenizer_problems(
     tokenizer_type: str,
-    model: Optional[str],
-    vocab_file: Optional[str],
-    merge_file: Optional[str],
+    model: str | None,
+    vocab_file: str | None,
+    merge_file: str | None,
     where: str = "",
 ) -> list[str]:
     """Missing tokenizer files, and a hub download that cannot happen offline."""
@@ -124,10 +125,10 @@ def tokenizer_problems(
 
 def tokenizer_vocab_size(
     tokenizer_type: str,
-    model: Optional[str],
-    vocab_file: Optional[str],
-    vocab_size: Optional[int],
-) -> Optional[int]:
+    model: str | None,
+    vocab_file: str | None,
+    vocab_size: int | None,
+) -> int | None:
     """The vocabulary size read from the tokenizer's files with its own library (None when it
     cannot be told without building megatron's tokenizer)."""
     if tokenizer_type == "NullTokenizer":
@@ -152,7 +153,7 @@ def missing_files(prefix: str) -> list[str]:
     return [prefix + ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
 
 
-def max_token_id(prefix: str) -> Optional[int]:
+def max_token_id(prefix: str) -> int | None:
     """The largest token id in ``PREFIX.bin`` (None when the file is too large to scan)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

@@ -13,8 +13,8 @@ import hashlib
 import json
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 MIN_CHARS = 40
 """Docstrings shorter than this ("Return self.") carry little text; they are left out."""

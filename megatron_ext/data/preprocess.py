@@ -21,16 +21,18 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+
+from megatron_ext.errors import MegatronExtError
 
 TOKENIZER_ARGS_SEAM = "megatron.training.arguments:_add_tokenizer_args"
 CHUNK_SIZE = 32
 """Lines handed to a worker at a time (upstream's ``imap`` chunk)."""
 
 
-class PrepareDataError(ValueError):
+class PrepareDataError(MegatronExtError, ValueError):
     """Bad input for prepare-data; the message is one line."""
 
 
@@ -136,7 +138,7 @@ class Encoded:
     ids: dict  # key -> token ids of the document
     lengths: dict  # key -> lengths of its sentences (one per non-empty string)
     nbytes: int
-    error: Optional[str] = None
+    error: str | None = None
 
 
 class Encoder:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token; megatron's HuggingFace wrapper takes it as ``eod``."""

@@ -22,13 +22,13 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes import schema, upstream
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
-
 
 MAX_ALIASES = 32
 """Anchors and aliases are fine for sharing a block; nested alias bombs (a 1.3 KB document
@@ -133,7 +133,7 @@ class LoadedRecipe:
     """A recipe ready to run: the typed recipe plus where it came from."""
 
     recipe: Recipe
-    source: Optional[Path]
+    source: Path | None
     platform: str
     overrides: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -165,7 +165,7 @@ class LoadedRecipe:
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)
 
-    def golden_path(self) -> Optional[Path]:
+    def golden_path(self) -> Path | None:
         pattern = self.recipe.test.golden_values
         if not pattern:
             return None
@@ -197,7 +197,7 @@ def _known_keys_at(path: list[str]) -> list[str]:
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
 
 
-def _check_key(parts: list[str]) -> Optional[str]:
+def _check_key(parts: list[str]) -> str | None:
     """None when the dotted key names a schema field, else why not."""
     for depth in range(1, len(parts) + 1):
         prefix = parts[:depth]
@@ -281,21 +281,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 
 
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
-# (DeepSeek-V4 configs) and the TransformerConfig field names of both.
-MHC_EXTRA_ARG_ALIASES = {
-    "enabled": (
-        "--enable-mhc-connections",
-        "--enable-hyper-connections",
-        "enable_mhc_connections",
-        "enable_hyper_connections",
-    ),
-    "num_residual_streams": (
-        "--mhc-num-residual-streams",
-        "--num-residual-streams",
-        "mhc_num_residual_streams",
-        "num_residual_streams",
-    ),
-}
+# (DeepSeek-V4 configs) and the TransformerConfig field names of both (the one alias table).
+MHC_EXTRA_ARG_ALIASES = {alias.recipe_field: alias.spellings for alias in MHC_ALIASES}
 
 
 def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
@@ -462,7 +449,7 @@ def platforms_of(path: str | Path) -> list[str]:
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
-    from megatron_ext.recipes.safety import redact_env, redact_override
+    from megatron_ext.launch.shell import redact_env, redact_override
 
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name

@@ -19,7 +19,7 @@ import importlib.util
 import math
 import re
 import string
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
@@ -79,7 +79,7 @@ def hybrid_layer_count(pattern: str) -> int:
     return sum(len(s) for s in hybrid_segments(pattern)[0])
 
 
-def virtual_stages(recipe: Recipe) -> Optional[int]:
+def virtual_stages(recipe: Recipe) -> int | None:
     """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
     model, par = recipe.model, recipe.parallelism
     stages = None
@@ -271,7 +271,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     m = r.model
 
     for problem in parallel_plan(r).size_problems():
-        add(f"parallelism.{problem.field}", problem.message)
+        add(f"parallelism.{problem.where}", problem.what)
     if problems:
         return problems
 
@@ -474,8 +474,8 @@ def _check_parallel_plan(r: Recipe, add) -> None:
     plan = parallel_plan(r)
     for problem in plan.problems():
         add(
-            "launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
-            problem.message,
+            "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
+            problem.what,
         )
     if p.cp > 1:
         _check_context_parallel(r, add)
@@ -576,7 +576,7 @@ def _check_training(r: Recipe, add) -> None:
         )
 
 
-def _data_path(loaded: LoadedRecipe, text: Optional[str]) -> Optional[str]:
+def _data_path(loaded: LoadedRecipe, text: str | None) -> str | None:
     """A data or tokenizer path as the ranks get it: ``${VAR}``/``${VAR:-default}`` filled,
     relative to the recipe's directory (left as written when a variable is unset: the
     check reports it)."""
@@ -594,7 +594,7 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
     from megatron_ext.data import checks
 
     d = loaded.recipe.data
-    resolved: dict[str, Optional[str]] = {}
+    resolved: dict[str, str | None] = {}
     for key in ("model", "vocab_file", "merge_file"):
         value = getattr(d.tokenizer, key)
         try:
@@ -708,7 +708,7 @@ def _check_test(r: Recipe, add) -> None:
             add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
 
 
-def _tolerance_problem(key: str, value: Any) -> Optional[str]:
+def _tolerance_problem(key: str, value: Any) -> str | None:
     """What is wrong with one test.tolerances value (compare.py reads them as they are)."""
     if key == "deterministic":
         return None if isinstance(value, bool) else f"is true or false, got {value!r}"

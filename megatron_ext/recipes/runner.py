@@ -34,14 +34,12 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
-from megatron_ext.recipes import compare as cmp
-from megatron_ext.recipes import metrics as met
-from megatron_ext.recipes import plan
-from megatron_ext.recipes import safety
+from megatron_ext.launch import shell
+from megatron_ext.recipes import compare as cmp, metrics as met, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -137,24 +135,24 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        safety.comment(
+        shell.comment(
             f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
             + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
             + ")"
         ),
-        safety.comment(f"# {plan.describe(loaded)}"),
+        shell.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
     for key in env:
-        if not safety.ENV_KEY.match(str(key)):
-            raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
-    lines += [safety.secret_check_line(k) for k in env if safety.is_secret(k)]
-    plain = {k: v for k, v in env.items() if not safety.is_secret(k)}
+        if not shell.ENV_KEY.match(str(key)):
+            raise shell.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
+    lines += [shell.secret_check_line(k) for k in env if shell.is_secret(k)]
+    plain = {k: v for k, v in env.items() if not shell.is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
-    for i, phase in enumerate(phases(loaded, run_dir)):
+    for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
@@ -173,12 +171,12 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
 
 
 def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
-    return [safety.redact_override(o) for o in loaded.overrides]
+    return [shell.redact_override(o) for o in loaded.overrides]
 
 
 def dry_run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
@@ -230,7 +228,7 @@ TRAINING_LOOP_MARKER = "before the start of training step"
 class Progress:
     """Turns the followed rank's log lines into one short line per event."""
 
-    def __init__(self, echo: Echo, phase: str, start: Optional[float] = None):
+    def __init__(self, echo: Echo, phase: str, start: float | None = None):
         """``start``: when the ranks were started (None: at the first line seen, as for a
         Slurm job whose start the submitter does not see)."""
         self.echo, self.phase, self.start = echo, phase, start
@@ -277,7 +275,7 @@ class Progress:
 @dataclass
 class Outcome:
     exit_code: int
-    run_dir: Optional[Path]
+    run_dir: Path | None
     reports: list[cmp.Report] = field(default_factory=list)
     seconds: float = 0.0
     message: str = ""
@@ -288,10 +286,10 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     for where, value in (("name", loaded.name), ("platform", loaded.platform)):
         problem = safety.name_problem(where, value)
         if problem is not None:
-            raise safety.UnsafeValueError(str(problem))
+            raise shell.UnsafeValueError(str(problem))
     base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
     if not safety.inside(root, base):
-        raise safety.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
+        raise shell.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
         n += 1
@@ -299,7 +297,7 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     return candidate
 
 
-def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> Optional[str]:
+def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> str | None:
     """Why this recipe cannot start here (None: it can). Prints the problems."""
     validation = validate(loaded, megatron_checks=megatron_checks)
     if validation.problems:
@@ -322,7 +320,7 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
-def _stall_environment_problem() -> Optional[str]:
+def _stall_environment_problem() -> str | None:
     """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
     from megatron_ext.launch import heartbeat
 
@@ -335,7 +333,7 @@ def _stall_environment_problem() -> Optional[str]:
 
 def run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     compare_golden: bool = True,
     force_compare: bool = False,
@@ -731,7 +729,7 @@ def versions() -> dict:
 
     import megatron_ext
 
-    def version(name: str) -> Optional[str]:
+    def version(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -794,9 +792,9 @@ def _write_summary(
     phase_results: list[dict],
     reports: list[cmp.Report],
     seconds: float,
-    pipeline: Optional[dict] = None,
-    performance: Optional[dict] = None,
-    metrics_source: Optional[str] = None,
+    pipeline: dict | None = None,
+    performance: dict | None = None,
+    metrics_source: str | None = None,
 ) -> None:
     golden = loaded.golden_path()
     summary = {

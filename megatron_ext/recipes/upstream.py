@@ -38,10 +38,12 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
@@ -109,11 +111,9 @@ RUN_DIR_PLACEHOLDERS = {
 }
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
+# Both upstream spellings of the aliased mHC flags -> the model.mhc field they set.
 MHC_FLAGS = {
-    "--enable-hyper-connections": "enabled",
-    "--enable-mhc-connections": "enabled",
-    "--num-residual-streams": "num_residual_streams",
-    "--mhc-num-residual-streams": "num_residual_streams",
+    flag: alias.recipe_field for alias in MHC_ALIASES for flag in (alias.dev_flag, alias.main_flag)
 }
 
 # Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory
@@ -300,7 +300,7 @@ def model_args_to_sections(
     }
     notes = conversion.notes.setdefault("mapping", [])
     runner_owned, layers_per_virtual_stage = [], None
-    recompute_modules: Optional[list[str]] = None
+    recompute_modules: list[str] | None = None
     granularity = None
     for flag, raw_value in args.items():
         where = f"MODEL_ARGS.{flag}"
@@ -571,7 +571,7 @@ def _launcher_and_mode(raw: dict, conversion: Conversion) -> None:
             )
 
 
-def _other_family(case_dir: Path, args: dict) -> Optional[str]:
+def _other_family(case_dir: Path, args: dict) -> str | None:
     """Why the case is not a GPT/Hybrid model (None when it is one)."""
     family = case_dir.parent.name
     if family in OTHER_FAMILIES:
@@ -585,7 +585,7 @@ def _other_family(case_dir: Path, args: dict) -> Optional[str]:
 def convert(
     raw: dict,
     case_dir: Path,
-    env: Optional[Mapping[str, str]] = None,
+    env: Mapping[str, str] | None = None,
     duplicates: tuple[str, ...] = (),
 ) -> Conversion:
     """A Megatron-LM test case as a recipe mapping (see the module docstring). ``duplicates``:

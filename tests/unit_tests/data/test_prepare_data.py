@@ -92,7 +92,7 @@ def test_round_trip_equals_megatrons_tokenizer(sample, name, eod, tmp_path):
     tokenizer = _tokenizer(tokenizers[name], tokenizer_type)
     docs = _read_back(f"{prefix}_text_document")
     assert len(docs) == len(records)
-    for record, doc in zip(records, docs):
+    for record, doc in zip(records, docs, strict=True):
         sentences = record["text"] if isinstance(record["text"], list) else [record["text"]]
         expected = [t for s in sentences for t in tokenizer.tokenize(s)]
         if eod and expected:
@@ -235,7 +235,9 @@ def test_missing_files_are_one_line_errors(sample, tmp_path, capsys, monkeypatch
     _, jsonl, _, tokenizers = sample
     monkeypatch.chdir(tmp_path)
     base = {"--workers": "1", "--tokenizer-model": tokenizers["SentencePieceTokenizer"][1]}
-    given = dict(zip(args[::2], [a.replace("{jsonl}", str(jsonl)) for a in args[1::2]]))
+    given = dict(
+        zip(args[::2], [a.replace("{jsonl}", str(jsonl)) for a in args[1::2]], strict=True)
+    )
     flags = [x for k, v in {**base, **given}.items() for x in (k, v)]
     rc = _prepare("--tokenizer-type", "SentencePieceTokenizer", "--output-prefix", "o", *flags)
     err = capsys.readouterr().err.strip().splitlines()

@@ -105,7 +105,7 @@ def test_fused_layer_matches_lean_layer(fused_device):
             grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
             out.backward(grad.to(fused_device))
             results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
-    for k, (lean, fused) in enumerate(zip(*results)):
+    for k, (lean, fused) in enumerate(zip(*results, strict=True)):
         fused_parity.assert_close(fused, lean, torch.float32, f"layer tensor {k}")
 
 

@@ -1,7 +1,6 @@
 """The run directory's command.sh, the ckpt-resume phases and the progress lines."""
 
-from megatron_ext.recipes import load
-from megatron_ext.recipes import runner
+from megatron_ext.recipes import load, runner
 from megatron_ext.recipes.runner import Progress, command_script, phases, prepare_resume
 
 from conftest import REPO_ROOT
