@@ -47,6 +47,8 @@ setup(
         # wheelhouse (64 MiB limit, 43 MiB without them) cannot carry.
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
+        # prepare-data's example tokenizers, and megatron's HuggingFace/SentencePiece tokenizers.
+        "data": ["tokenizers", "sentencepiece", "transformers"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:console_main"]},
 )

@@ -619,6 +619,17 @@ declare(
     )
 )
 
+declare(
+    Seam(
+        "megatron.training.arguments:_add_tokenizer_args",
+        "private_function",
+        "prepare-data takes megatron's tokenizer defaults (special tokens, fast/slow HF, "
+        "SentencePiece options) from megatron's own tokenizer argument group, as Megatron-LM's "
+        "tools/preprocess_data.py does, so build_tokenizer sees what pretrain_gpt.py would.",
+        ("parser",),
+    )
+)
+
 # ---- attributes rewritten on objects megatron built -------------------------------------
 declare(
     Seam(

@@ -80,3 +80,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+
+
+@pytest.fixture(scope="session")
+def example_data():
+    """The example corpus, tokenizers and datasets (`prepare-data --example`) at the path the
+    real-data recipes read by default (REPO_ROOT/example_data); built once and reused while
+    its inputs (Python, tokenizer libraries, megatron_ext/data code) are unchanged."""
+    from pathlib import Path
+
+    from megatron_ext.data.example import ensure_example
+
+    return ensure_example(str(Path(__file__).resolve().parents[1] / "example_data"))

@@ -17,6 +17,7 @@ from megatron_ext.cli import (
     convert,
     doctor,
     import_case,
+    prepare_data,
     recipes,
     run,
     schedule,
@@ -26,7 +27,18 @@ from megatron_ext.cli import (
 from megatron_ext.cli._quiet import silence_upstream_noise
 from megatron_ext.launch.startup import torch_compile_deferred
 
-COMMANDS = (doctor, recipes, run, validate, compare, import_case, submit, convert, schedule)
+COMMANDS = (
+    doctor,
+    recipes,
+    run,
+    validate,
+    compare,
+    import_case,
+    submit,
+    convert,
+    schedule,
+    prepare_data,
+)
 
 DESCRIPTION = """\
 - ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
@@ -42,6 +54,9 @@ DESCRIPTION = """\
 - ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
   megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
   bytes per pipeline edge, without starting anything.
+- ``megatron-ext prepare-data --input F.jsonl --output-prefix P --tokenizer-type T ...``:
+  JSONL into Megatron's indexed format (Megatron-LM's tools/preprocess_data.py's flags and
+  files); ``--example DIR``: a corpus, tokenizers and datasets to train on, made offline.
 
 Recipes and their schema: recipes/README.md (``megatron-ext recipes`` lists those shipped).
 """

@@ -65,6 +65,7 @@ class Rule:
 
 MEGATRON_RULES: dict[str, Rule] = {
     "lm loss": Rule(deterministic=True, rtol=0.05),
+    "lm loss validation": Rule(deterministic=True, rtol=0.05),
     "mtp loss": Rule(deterministic=True, rtol=0.05),
     "num-zeros": Rule(deterministic=True, rtol=0.20),
     "iteration-time": Rule(rtol=0.05),
@@ -74,6 +75,7 @@ MEGATRON_RULES: dict[str, Rule] = {
 """Megatron-LM's thresholds (see the module docstring); the GPU platforms' defaults."""
 CPU_RULES: dict[str, Rule] = {
     "lm loss": Rule(rtol=1e-4, max_failing_steps=0),
+    "lm loss validation": Rule(rtol=1e-4, max_failing_steps=0),
     "mtp loss": Rule(rtol=1e-4, max_failing_steps=0),
     # Counts of exactly-zero gradient elements: a different CPU may round one element to zero
     # differently, so a few elements of slack on top of Megatron's 5 %.

@@ -84,9 +84,17 @@ def parse_iteration_line(line: str) -> tuple[int, int, dict[str, float]] | None:
     return int(match.group(1)), int(match.group(2)), values
 
 
+VALIDATION_METRIC = "lm loss validation"
+"""Megatron's TensorBoard tag of the validation loss (``{key} validation``)."""
+
+
 def parse_lines(lines: Iterable[str]) -> Metrics:
     metrics: Metrics = {}
     for line in lines:
+        match = VALIDATION_LINE.search(line)
+        if match and "on validation set" not in line and "on test set" not in line:
+            metrics.setdefault(VALIDATION_METRIC, {})[int(match.group(1))] = float(match.group(2))
+            continue
         parsed = parse_iteration_line(line)
         if parsed is None:
             continue

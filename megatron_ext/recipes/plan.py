@@ -19,7 +19,6 @@ import importlib.util
 import math
 import re
 import string
-from pathlib import Path
 from typing import Any
 
 from megatron_ext.parallel_plan import ParallelPlan
@@ -37,6 +36,7 @@ KNOWN_METRICS = (
     "learning-rate",
     "mem-allocated-bytes",
     "mem-max-allocated-bytes",
+    "lm loss validation",
 )
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 
@@ -202,13 +202,18 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     if d.type == "mock":
         _flag(args, "--mock-data", True)
     else:
-        _flag(args, "--data-path", [w for entry in d.paths for w in entry.split()])
+        words = [entry.split() for entry in d.paths]
+        data_path = [w for ws in words for w in ws[:-1] + [_data_path(loaded, ws[-1])] if ws]
+        _flag(args, "--data-path", data_path)
         _flag(args, "--split", d.split)
+        # Megatron caches its sample indices next to the data by default; a run keeps its own.
+        if "--data-cache-path" not in r.extra_args:
+            _flag(args, "--data-cache-path", "@RUN_DIR@/data_cache")
     _flag(args, "--tokenizer-type", d.tokenizer.type)
     _flag(args, "--vocab-size", d.tokenizer.vocab_size)
-    _flag(args, "--tokenizer-model", d.tokenizer.model)
-    _flag(args, "--vocab-file", d.tokenizer.vocab_file)
-    _flag(args, "--merge-file", d.tokenizer.merge_file)
+    _flag(args, "--tokenizer-model", _data_path(loaded, d.tokenizer.model))
+    _flag(args, "--vocab-file", _data_path(loaded, d.tokenizer.vocab_file))
+    _flag(args, "--merge-file", _data_path(loaded, d.tokenizer.merge_file))
     if r.test.ckpt_format != "torch_dist":  # megatron's default; ckpt-resume passes it anyway
         _flag(args, "--ckpt-format", r.test.ckpt_format)
     # Every iteration logged: the metrics and golden values are per step.
@@ -573,31 +578,99 @@ def _check_training(r: Recipe, add) -> None:
         )
 
 
+def _data_path(loaded: LoadedRecipe, text: str | None) -> str | None:
+    """A data or tokenizer path as the ranks get it: ``${VAR}``/``${VAR:-default}`` filled,
+    relative to the recipe's directory (left as written when a variable is unset: the
+    check reports it)."""
+    from megatron_ext.data.checks import UnsetVariable, resolve_path
+
+    if not text:
+        return text
+    try:
+        return resolve_path(text, loaded.base_dir)
+    except UnsetVariable:
+        return text
+
+
 def _check_data(loaded: LoadedRecipe, add) -> None:
+    from megatron_ext.data import checks
+
     d = loaded.recipe.data
+    resolved: dict[str, str | None] = {}
+    for key in ("model", "vocab_file", "merge_file"):
+        value = getattr(d.tokenizer, key)
+        try:
+            resolved[key] = checks.resolve_path(value, loaded.base_dir) if value else None
+        except checks.UnsetVariable as e:
+            add(f"data.tokenizer.{key}", f"{value!r}: {e}")
+            return
+    tokenizer_problems = checks.tokenizer_problems(
+        d.tokenizer.type,
+        resolved["model"],
+        resolved["vocab_file"],
+        resolved["merge_file"],
+        where="data.tokenizer.",
+    )
+    for problem in tokenizer_problems:
+        field, _, message = problem.partition(": ")
+        add(field, message)
+    note = checks.hub_note(d.tokenizer.type)
+    if note and not tokenizer_problems and note not in loaded.notes:
+        loaded.notes.append(note)
     if d.type == "mock":
         if d.paths:
             add("data.paths", "set with data.type: mock; use data.type: indexed to read them")
         return
     if not d.paths:
         add("data.paths", "indexed data needs at least one PREFIX (PREFIX.bin and PREFIX.idx)")
+    vocab = None
+    if not tokenizer_problems:
+        vocab = checks.tokenizer_vocab_size(
+            d.tokenizer.type, resolved["model"], resolved["vocab_file"], d.tokenizer.vocab_size
+        )
     for i, entry in enumerate(d.paths):
-        words = entry.split()
-        prefix = words[-1]
-        if len(words) == 2:
-            try:
-                float(words[0])
-            except ValueError:
-                add(f"data.paths[{i}]", f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
-        elif len(words) != 1:
-            add(f"data.paths[{i}]", f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
-        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
-        if missing:
-            add(
-                f"data.paths[{i}]",
-                f"{prefix}{'/'.join(missing)} not found (paths are relative to "
-                "the directory megatron-ext runs in)",
-            )
+        _check_data_path(loaded, f"data.paths[{i}]", entry, vocab, add)
+
+
+def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -> None:
+    from megatron_ext.data import checks
+
+    words = entry.split()
+    if len(words) not in (1, 2):
+        add(where, f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
+        return
+    if len(words) == 2:
+        try:
+            weight = float(words[0])
+        except ValueError:
+            add(where, f"{entry!r}: the weight {words[0]!r} is not a number ('WEIGHT PREFIX')")
+            return
+        if not weight > 0:
+            add(where, f"{entry!r}: the weight must be positive, got {words[0]}")
+    try:
+        prefix = checks.resolve_path(words[-1], loaded.base_dir)
+    except checks.UnsetVariable as e:
+        add(where, f"{words[-1]!r}: {e}")
+        return
+    missing = checks.missing_files(prefix)
+    if missing:
+        add(
+            where,
+            f"{' and '.join(missing)} not found (relative paths are relative to the recipe's "
+            "directory; `megatron-ext prepare-data` makes them)",
+        )
+        return
+    try:
+        largest = checks.max_token_id(prefix)
+    except Exception as e:  # a corrupt index: megatron's reader asserts
+        add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
+        return
+    if vocab is not None and largest is not None and largest >= vocab:
+        add(
+            where,
+            f"{prefix}.bin holds token id {largest} but the tokenizer has {vocab} tokens; "
+            "prepare the data with the recipe's tokenizer",
+        )
 
 
 def _check_test(r: Recipe, add) -> None:

@@ -205,7 +205,7 @@ class Training:
 class Tokenizer:
     type: str = _doc("--tokenizer-type", default="NullTokenizer")
     vocab_size: int | None = _doc("--vocab-size (NullTokenizer)", default=128)
-    model: str | None = _doc("--tokenizer-model", default=None)
+    model: str | None = _doc("--tokenizer-model (a path, as data.paths)", default=None)
     vocab_file: str | None = _doc("--vocab-file", default=None)
     merge_file: str | None = _doc("--merge-file", default=None)
 
@@ -216,7 +216,8 @@ class Data:
         "mock: --mock-data; indexed: --data-path", default="mock"
     )
     paths: list[str] = _doc(
-        "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx)",
+        "indexed: --data-path entries, 'PREFIX' or 'WEIGHT PREFIX' (PREFIX.bin/.idx); "
+        "relative to the recipe, ${VAR} / ${VAR:-default} from the environment",
         default_factory=list,
     )
     split: str = _doc("--split", default="949,50,1")

@@ -84,7 +84,10 @@ def assert_tensorboard_equals_log_lines(tensorboard_dir: Path, log_dir: Path) ->
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=_case_id)
-def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
+def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, request):
+    real_data = "real_data" in recipe.stem
+    if real_data:  # the example corpus the real-data recipes read (prepare-data --example)
+        request.getfixturevalue("example_data")
     run_dir = tmp_path / "run"
     result = megatron_ext("run", recipe.relative_to(REPO_ROOT), "--run-dir", run_dir)
     out = result.stdout + result.stderr
@@ -117,6 +120,12 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path):
         expected.add("num-zeros")
     assert expected <= set(metrics)
     assert metrics["lm loss"]["start_step"] == 1 and metrics["lm loss"]["step_interval"] == 1
+    if real_data:  # real text is learnable; the held-out split is evaluated and recorded
+        losses = list(metrics["lm loss"]["values"].values())
+        assert losses[-1] < losses[0] - 0.5, losses
+        validation = metrics["lm loss validation"]
+        assert validation["start_step"] == eval_interval, validation
+        assert validation["step_interval"] == eval_interval, validation
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Metrics as upstream reads them; throughput, memory, versions and the plan recorded.
     assert summary["metrics_source"] == "tensorboard"

@@ -19,7 +19,7 @@ def _cli(*args, cwd=REPO_ROOT):
     )
 
 
-def test_validate_accepts_every_shipped_recipe_on_every_platform():
+def test_validate_accepts_every_shipped_recipe_on_every_platform(example_data):
     recipes = sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "recipes").glob("*.yaml"))
     result = _cli("validate", *recipes)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -114,7 +114,7 @@ def test_layouts_unroll_like_megatron(layout, stages):
     assert layout_stages(layout) == stages
 
 
-def test_the_shipped_recipes_have_no_plan_problems():
+def test_the_shipped_recipes_have_no_plan_problems(example_data):
     for path in sorted((REPO_ROOT / "recipes").glob("*.yaml")):
         for platform in ("cpu", *(parse_yaml(path.read_text()).get("platforms") or {})):
             assert _problems(path, platform=platform) == [], (path.name, platform)
@@ -200,7 +200,7 @@ def test_the_shipped_recipes_have_no_plan_problems():
         (["data.type=indexed"], "data.paths: indexed data needs at least one PREFIX"),
         (
             ["data.type=indexed", "data.paths=[/nowhere/corpus]"],
-            "data.paths[0]: /nowhere/corpus.bin/.idx not found",
+            "data.paths[0]: /nowhere/corpus.bin and /nowhere/corpus.idx not found",
         ),
         (["test.metrics=[lm loss, loss]"], "test.metrics: unknown metric 'loss'"),
         (

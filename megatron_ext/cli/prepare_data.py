@@ -1,0 +1,38 @@
+"""``megatron-ext prepare-data``: JSONL into Megatron's indexed format (``PREFIX.bin/.idx``)
+with Megatron-LM ``tools/preprocess_data.py``'s flags and bytes; ``--example DIR`` makes a
+corpus from the installed Python's docstrings, trains tokenizers on it and prepares it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "prepare-data"
+HELP = "tokenize JSONL into Megatron's .bin/.idx (as tools/preprocess_data.py); --example DIR"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_ext.data.preprocess import add_arguments as add_preprocess_arguments
+
+    parser.add_argument(
+        "--example",
+        metavar="DIR",
+        help="build the example: a corpus, tokenizers and indexed datasets under DIR",
+    )
+    add_preprocess_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_ext.data.preprocess import PrepareDataError, preprocess
+
+    try:
+        if args.example:
+            from megatron_ext.data.example import make_example
+
+            make_example(args.example, workers=args.workers or 1)
+        else:
+            preprocess(args)
+    except PrepareDataError as e:
+        print(f"megatron-ext prepare-data: {e}", file=sys.stderr)
+        return 2
+    return 0

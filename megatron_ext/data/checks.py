@@ -1,0 +1,167 @@
+"""Checks on data and tokenizer files before any rank starts, each problem in one line.
+
+Used by ``megatron-ext validate``/``run`` (a recipe's ``data`` section) and by
+``prepare-data``: dataset prefixes whose ``.bin``/``.idx`` are missing, tokenizer files that do
+not exist, a vocabulary smaller than the largest token id a dataset holds, and tokenizer types
+that need the HuggingFace hub (megatron's ``GPT2BPETokenizer`` loads ``gpt2``'s tokenizer
+configuration from the hub even when ``--vocab-file``/``--merge-file`` are local).
+
+Paths in a recipe may hold ``${VAR}`` or ``${VAR:-default}``; a relative path is relative to
+the recipe's directory (:func:`resolve_path`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.errors import MegatronExtError
+
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+SCAN_LIMIT_BYTES = 1 << 30
+"""A ``.bin`` larger than this is not scanned for its largest token id (it would take long)."""
+
+FILE_FIELDS = {
+    # tokenizer type -> (field, flag) that must name an existing file or directory
+    "GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
+    "HuggingFaceTokenizer": (("model", "--tokenizer-model"),),
+    "SentencePieceTokenizer": (("model", "--tokenizer-model"),),
+    "GPTSentencePieceTokenizer": (("model", "--tokenizer-model"),),
+    "Llama2Tokenizer": (("model", "--tokenizer-model"),),
+    "TikTokenizer": (("model", "--tokenizer-model"),),
+}
+HUB_NAMES = {"GPT2BPETokenizer": "gpt2"}
+OFFLINE_ALTERNATIVE = (
+    "offline: HuggingFaceTokenizer with --tokenizer-model DIR, a directory with tokenizer.json, "
+    "or vocab.json + merges.txt + a tokenizer_config.json naming GPT2Tokenizer "
+    "(`megatron-ext prepare-data --example` writes both)"
+)
+
+
+class UnsetVariable(MegatronExtError, ValueError):
+    """A ``${VAR}`` in a path names a variable the environment lacks (and gives no default)."""
+
+
+def expand(text: str) -> str:
+    """``${VAR}`` and ``${VAR:-default}`` from the environment; an unset VAR without a default
+    raises :class:`UnsetVariable` naming it."""
+
+    def fill(match: re.Match) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise UnsetVariable(f"${{{name}}} is not set in the environment")
+
+    return PLACEHOLDER.sub(fill, text)
+
+
+def resolve_path(text: str, base_dir: Path) -> str:
+    """A recipe's path with placeholders filled, relative ones made relative to ``base_dir``."""
+    path = Path(expand(text)).expanduser()
+    return str(path if path.is_absolute() else base_dir / path)
+
+
+def hub_cached(name: str) -> bool:
+    """Whether the HuggingFace cache has ``name``'s tokenizer configuration."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    for filename in ("tokenizer_config.json", "config.json"):
+        if isinstance(try_to_load_from_cache(name, filename), str):
+            return True
+    return False
+
+
+def hub_offline() -> bool:
+    return any(
+        os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def hub_note(tokenizer_type: str) -> str | None:
+    """One line when the tokenizer type will download from the hub at start-up, else None."""
+    name = HUB_NAMES.get(tokenizer_type)
+    if name is None or hub_cached(name):
+        return None
+    return (
+        f"{tokenizer_type} loads {name!r}'s tokenizer configuration from the HuggingFace hub "
+        f"even with local files (megatron's MegatronHFTokenizer); {OFFLINE_ALTERNATIVE}"
+    )
+
+
+def tokenizer_problems(
+    tokenizer_type: str,
+    model: str | None,
+    vocab_file: str | None,
+    merge_file: str | None,
+    where: str = "",
+) -> list[str]:
+    """Missing tokenizer files, and a hub download that cannot happen offline."""
+    values = {"model": model, "vocab_file": vocab_file, "merge_file": merge_file}
+    problems = []
+    for field, flag in FILE_FIELDS.get(tokenizer_type, ()):
+        label = f"{where}{field}" if where else flag
+        value = values[field]
+        if not value:
+            problems.append(f"{label}: {tokenizer_type} needs {flag}")
+        elif not Path(value).exists():
+            problems.append(f"{label}: {value} does not exist")
+    if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
+        if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            label = f"{where}model" if where else "--tokenizer-model"
+            problems.append(f"{label}: {model} has no tokenizer.json or tokenizer_config.json")
+    note = hub_note(tokenizer_type)
+    if note and hub_offline():
+        problems.append(f"{where}type: {note}")
+    return problems
+
+
+def tokenizer_vocab_size(
+    tokenizer_type: str,
+    model: str | None,
+    vocab_file: str | None,
+    vocab_size: int | None,
+) -> int | None:
+    """The vocabulary size read from the tokenizer's files with its own library (None when it
+    cannot be told without building megatron's tokenizer)."""
+    if tokenizer_type == "NullTokenizer":
+        return vocab_size
+    if tokenizer_type == "GPT2BPETokenizer" and vocab_file:
+        return len(json.loads(Path(vocab_file).read_text(encoding="utf-8")))
+    if tokenizer_type == "HuggingFaceTokenizer" and model:
+        tokenizer_json = Path(model) / "tokenizer.json"
+        if tokenizer_json.is_file():
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+        return None
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_file=str(model)).vocab_size()
+    return None
+
+
+def missing_files(prefix: str) -> list[str]:
+    return [prefix + ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
+
+
+def max_token_id(prefix: str) -> int | None:
+    """The largest token id in ``PREFIX.bin`` (None when the file is too large to scan)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if Path(prefix + ".bin").stat().st_size > SCAN_LIMIT_BYTES:
+        return None
+    dataset = IndexedDataset(prefix, mmap=True)
+    if len(dataset) == 0:
+        return -1
+    dtype = dataset[0].dtype  # the reader hands out the index's dtype
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    return int(tokens.max()) if tokens.size else -1

@@ -1,0 +1,275 @@
+"""JSONL -> Megatron's indexed format, as Megatron-LM's ``tools/preprocess_data.py`` makes it.
+
+The flags and the files are upstream's (core_v0.19.0) for what GPT pretraining uses: one
+document per JSONL line, the text under each ``--json-keys`` key (a string, or a list of strings
+that are tokenized one by one and concatenated), optionally followed by the tokenizer's EOD
+token (``--append-eod``), written to ``{output_prefix}_{key}_document.bin/.idx`` through
+megatron-core's ``IndexedDatasetBuilder`` with the dtype megatron picks for the vocabulary. The
+tokenizer is megatron's own (``build_tokenizer``) with upstream's tokenizer flags.
+
+What differs is how failure looks: a line that is not JSON, not UTF-8 or lacks a key stops the
+run with one line naming the file and the line number; files are written under temporary names
+and renamed only when every document is in, so a final name never holds half a dataset.
+Sentence splitting (``--split-sentences``, NLTK) and ``--partitions`` are not offered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.errors import MegatronExtError
+
+TOKENIZER_ARGS_SEAM = "megatron.training.arguments:_add_tokenizer_args"
+CHUNK_SIZE = 32
+"""Lines handed to a worker at a time (upstream's ``imap`` chunk)."""
+
+
+class PrepareDataError(MegatronExtError, ValueError):
+    """Bad input for prepare-data; the message is one line."""
+
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "NullTokenizer",
+)
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Upstream's flags for GPT pretraining data (declared here so that ``megatron-ext --help``
+    does not import megatron; :func:`tokenizer_namespace` fills megatron's other tokenizer
+    fields from megatron's own parser)."""
+    group = parser.add_argument_group(title="tokenizer")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="megatron's tokenizer")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model file or HuggingFace dir")
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: vocabulary size")
+    group = parser.add_argument_group(title="input data")
+    group.add_argument("--input", type=str, help="path to the input JSONL (one document a line)")
+    group.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys of each line to tokenize"
+    )
+    group = parser.add_argument_group(title="tokenization process")
+    group.add_argument(
+        "--append-eod", action="store_true", help="append the EOD token to every document"
+    )
+    group = parser.add_argument_group(title="output data")
+    group.add_argument(
+        "--output-prefix", type=str, help="output path without the _{key}_document.bin suffix"
+    )
+    group = parser.add_argument_group(title="runtime")
+    group.add_argument("--workers", type=int, help="tokenizer processes (1: in this process)")
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="documents between progress lines"
+    )
+
+
+def tokenizer_namespace(args: argparse.Namespace) -> argparse.Namespace:
+    """What ``build_tokenizer`` reads: megatron's own tokenizer defaults (its parser, as
+    upstream's script uses it), our flags over them, and the training-side fields set as
+    upstream's script sets them (rank, vocabulary padding for the dtype choice)."""
+    from megatron_ext import registry
+
+    parser = registry.private(TOKENIZER_ARGS_SEAM)(argparse.ArgumentParser(add_help=False))
+    namespace = parser.parse_args([])
+    for name in TOKENIZER_FIELDS:
+        setattr(namespace, name, getattr(args, name))
+    namespace.rank = 1
+    namespace.make_vocab_size_divisible_by = 128
+    namespace.tensor_model_parallel_size = 1
+    namespace.vocab_extra_ids = 0
+    return namespace
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """One-line errors for what upstream's parser would accept and then crash on."""
+    required = (
+        ("--tokenizer-type", args.tokenizer_type),
+        ("--input", args.input),
+        ("--output-prefix", args.output_prefix),
+    )
+    for flag, value in required:
+        if not value:
+            raise PrepareDataError(f"{flag} is required")
+    if args.workers is None or args.workers < 1:
+        raise PrepareDataError(f"--workers must be a positive number, got {args.workers}")
+    if not Path(args.input).is_file():
+        raise PrepareDataError(f"--input {args.input}: no such file")
+    if not os.access(args.input, os.R_OK):
+        raise PrepareDataError(f"--input {args.input}: not readable")
+    if args.log_interval < 1:
+        raise PrepareDataError(f"--log-interval must be positive, got {args.log_interval}")
+    from megatron_ext.data.checks import tokenizer_problems
+
+    problems = tokenizer_problems(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
+    )
+    if problems:
+        raise PrepareDataError(problems[0])
+
+
+def build_tokenizer(args: argparse.Namespace):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build
+
+    try:
+        return build(tokenizer_namespace(args))
+    except Exception as e:  # megatron wraps every library's failure differently
+        message = " ".join(str(e).split())
+        raise PrepareDataError(f"tokenizer {args.tokenizer_type}: {message}") from None
+
+
+@dataclass
+class Encoded:
+    line_no: int
+    ids: dict  # key -> token ids of the document
+    lengths: dict  # key -> lengths of its sentences (one per non-empty string)
+    nbytes: int
+    error: str | None = None
+
+
+class Encoder:
+    """Tokenizes one JSONL line; a process-wide tokenizer is built once per worker."""
+
+    tokenizer = None
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def initializer(self) -> None:
+        Encoder.tokenizer = build_tokenizer(self.args)
+
+    def encode(self, numbered_line: tuple[int, bytes]) -> Encoded:
+        line_no, raw = numbered_line
+        try:
+            return self._encode(line_no, raw)
+        except PrepareDataError as e:
+            return Encoded(line_no, {}, {}, len(raw), error=str(e))
+
+    def _encode(self, line_no: int, raw: bytes) -> Encoded:
+        where = f"{self.args.input}:{line_no}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise PrepareDataError(f"{where}: not UTF-8 text") from None
+        except json.JSONDecodeError as e:
+            raise PrepareDataError(f"{where}: not a JSON object ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise PrepareDataError(f"{where}: not a JSON object (got {type(record).__name__})")
+        ids, lengths = {}, {}
+        for key in self.args.json_keys:
+            if key not in record:
+                known = ", ".join(sorted(record)) or "none"
+                raise PrepareDataError(f"{where}: no key {key!r} (keys: {known}); set --json-keys")
+            ids[key], lengths[key] = self._tokenize(record[key], f"{where}: {key!r}")
+        return Encoded(line_no, ids, lengths, len(raw))
+
+    def _tokenize(self, text, where: str) -> tuple[list[int], list[int]]:
+        sentences = text if isinstance(text, list) else [text]
+        if not all(isinstance(s, str) for s in sentences):
+            raise PrepareDataError(f"{where} must be a string or a list of strings")
+        doc_ids: list[int] = []
+        lengths: list[int] = []
+        for sentence in sentences:
+            try:
+                sentence_ids = Encoder.tokenizer.tokenize(sentence)
+            except Exception as e:  # e.g. NullTokenizer on text that is not ids
+                message = " ".join(f"{type(e).__name__}: {e}".split())
+                raise PrepareDataError(f"{where}: the tokenizer failed ({message})") from None
+            if len(sentence_ids) > 0:
+                doc_ids.extend(sentence_ids)
+                lengths.append(len(sentence_ids))
+        if doc_ids and self.args.append_eod:
+            doc_ids.append(Encoder.tokenizer.eod)
+            lengths[-1] += 1
+        return doc_ids, lengths
+
+
+def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
+    """key -> the dataset prefix written for it (upstream's naming)."""
+    return {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+
+
+def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        yield from enumerate(f, start=1)
+
+
+class _Progress:
+    def __init__(self, interval: int, stream=sys.stderr):
+        self.interval, self.stream = interval, stream
+        self.start = time.time()
+
+    def update(self, count: int, nbytes: int) -> None:
+        if count % self.interval == 0:
+            elapsed = max(time.time() - self.start, 1e-9)
+            print(
+                f"Processed {count} documents ({count / elapsed:.1f} docs/s, "
+                f"{nbytes / elapsed / 1024 / 1024:.2f} MB/s).",
+                file=self.stream,
+                flush=True,
+            )
+
+
+def preprocess(args: argparse.Namespace) -> dict[str, str]:
+    """Tokenize ``args.input`` into one indexed dataset per JSON key; returns key -> prefix."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    check_args(args)
+    tokenizer = build_tokenizer(args)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    prefixes = output_prefixes(args)
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    tag = f".tmp{os.getpid()}"
+    temp = {key: (f"{p}.bin{tag}", f"{p}.idx{tag}") for key, p in prefixes.items()}
+    encoder = Encoder(args)
+    pool, builders = None, {}
+    try:
+        builders = {key: IndexedDatasetBuilder(b, dtype=dtype) for key, (b, _) in temp.items()}
+        if args.workers == 1:
+            Encoder.tokenizer = tokenizer
+            encoded = map(encoder.encode, _numbered_lines(args.input))
+        else:
+            pool = multiprocessing.Pool(args.workers, initializer=encoder.initializer)
+            encoded = pool.imap(encoder.encode, _numbered_lines(args.input), CHUNK_SIZE)
+        progress, nbytes, count = _Progress(args.log_interval), 0, 0
+        for count, doc in enumerate(encoded, start=1):
+            if doc.error:
+                raise PrepareDataError(doc.error)
+            for key in args.json_keys:
+                builders[key].add_document(doc.ids[key], doc.lengths[key])
+            nbytes += doc.nbytes
+            progress.update(count, nbytes)
+        if count == 0:
+            raise PrepareDataError(f"--input {args.input}: no documents (the file is empty)")
+        for key, (_, idx_tmp) in temp.items():
+            builders[key].finalize(idx_tmp)
+        for key, (bin_tmp, idx_tmp) in temp.items():
+            # .bin first: until the .idx is renamed too, the dataset does not exist.
+            os.replace(bin_tmp, prefixes[key] + ".bin")
+            os.replace(idx_tmp, prefixes[key] + ".idx")
+    finally:
+        for builder in builders.values():
+            builder.data_file.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for paths in temp.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+    print(f"Processed {count} documents into {', '.join(prefixes.values())}", file=sys.stderr)
+    return prefixes
