@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from megatron_ext.recipes import metrics as met
+from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM_FORMAT_CASE = (
@@ -49,14 +50,14 @@ TIMEOUT_S = 600
 
 
 def megatron_ext(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **timing.watchdog_env(), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
         [sys.executable, "-m", "megatron_ext.cli", *map(str, args)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=timing.bound(timeout),
     )
 
 

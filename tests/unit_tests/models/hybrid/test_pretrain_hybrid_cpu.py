@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megatron_ext.launch import CPU_DEMO_ARGS
+from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 TRAIN_ITERS = 6
@@ -39,7 +40,12 @@ def test_pp2_vpp2_hybrid_mhc_with_moe_mtp_and_recompute_trains_on_cpu():
     # fmt: on
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(TIMEOUT_S),
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{log[-6000:]}"
