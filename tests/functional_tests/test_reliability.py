@@ -72,6 +72,7 @@ def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     out = "".join(seen) + rest
     assert cli.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped by SIGTERM" in out
+    print(limit.explain(seconds))  # shown with -rP: the margin under load
     assert seconds < limit, limit.explain(seconds)
     assert all(_gone(pid) for pid in descendants), [
         psutil.Process(p).cmdline() for p in descendants if not _gone(p)
@@ -193,6 +194,7 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     # Ending every rank after the fault: 60 s idle (a hang: the stall limit and a stack dump;
     # a raise or a kill: the launcher's grace and the CLI's exit), scaled to the load now.
     limit = timing.bound(60)
+    print(limit.explain(ended - failed_at))  # shown with -rP: the margin under load
     assert ended - failed_at < limit, "the run ended after the fault in " + limit.explain(
         ended - failed_at
     )

@@ -99,6 +99,7 @@ def test_stop_signal_ends_every_rank_and_helper(rank_dir, sig):
             driver.kill()
     assert driver.returncode == 128 + sig, out
     assert f"interrupted {int(sig)}" in out
+    print(limit.explain(seconds))  # shown with -rP: the margin under load
     assert seconds < limit, limit.explain(seconds)
     assert all(_gone(pid) for pid in pids), [p for p in pids if not _gone(p)]
 
