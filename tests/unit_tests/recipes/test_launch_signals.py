@@ -30,10 +30,14 @@ if sys.argv[1] == "die" and rank == 1:
 time.sleep(120)
 """
 
+# The driver is started as a terminal starts a command: Ctrl-C raises KeyboardInterrupt. A test
+# session started in the background (`make test &`, nohup) hands its children SIGINT ignored,
+# and Python then installs no handler of its own: the signal would be lost, not the launcher's.
 DRIVER = """
-import sys
+import signal, sys
 from pathlib import Path
 from megatron_ext.launch import local
+signal.signal(signal.SIGINT, signal.default_int_handler)
 job = local.LocalJob(module="fake_rank", args=["hang", sys.argv[1]], nproc=2, log_dir=Path(sys.argv[1]) / "logs",
                      env={"PYTHONPATH": sys.argv[1]}, cwd=Path(sys.argv[1]))
 try:
