@@ -21,6 +21,7 @@ Only the processes this launcher started are ever signalled, by their ids.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -243,11 +244,15 @@ _PRCTL = _libc_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(launcher_pid: int) -> None:
     """In the child before exec: SIGKILL when the launcher dies, however it dies (Linux's
-    parent-death signal; elsewhere nothing), so no rank outlives a killed launcher."""
+    parent-death signal; elsewhere nothing), so no rank outlives a killed launcher. A launcher
+    that died between the fork and the prctl sends no signal (the child is already an
+    orphan), so the child checks its parent once the signal is armed."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != launcher_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _prepare_heartbeats(job: LocalJob) -> heartbeat.Watchdog:
@@ -325,7 +330,7 @@ def launch(
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                     )
             failed_at = None
             while True:

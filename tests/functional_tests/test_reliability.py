@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_ext.testing import timing
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_GPT_PP2 = ["recipes/gpt_tp2_pp2.yaml", "parallelism.tp=1", "training.iterations=400"]
 
@@ -28,7 +30,7 @@ def _gone(pid: int) -> bool:
 
 def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **timing.watchdog_env(), "CUDA_VISIBLE_DEVICES": ""}
     cli = subprocess.Popen(
         [
             sys.executable,
@@ -57,9 +59,12 @@ def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
             raise AssertionError("".join(seen[-40:]))
         descendants = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
         assert len(descendants) >= 2, "both ranks are running"
+        # The launcher's grace (5 s), the summary and the CLI's exit: 20 s idle, scaled to
+        # the load now (the ranks would otherwise train 400 iterations: minutes).
+        limit = timing.bound(20)
         start = time.monotonic()
         cli.send_signal(signal.SIGTERM)
-        rest, _ = cli.communicate(timeout=60)
+        rest, _ = cli.communicate(timeout=3 * limit)
         seconds = time.monotonic() - start
     finally:
         if cli.poll() is None:
@@ -67,7 +72,8 @@ def test_sigterm_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     out = "".join(seen) + rest
     assert cli.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped by SIGTERM" in out
-    assert seconds < 20, seconds
+    print(limit.explain(seconds))  # shown with -rP: the margin under load
+    assert seconds < limit, limit.explain(seconds)
     assert all(_gone(pid) for pid in descendants), [
         psutil.Process(p).cmdline() for p in descendants if not _gone(p)
     ]
@@ -93,9 +99,10 @@ FAULT_CASES = {
     "multimodule-middle-llm-stage": (SMALL_MULTIMODULE, "rank=1,step=2"),
     "multimodule-last-stage": (SMALL_MULTIMODULE, "rank=2,step=1"),
     # The last stage hangs in step 2 (after the start-up allowance); rank 0 waits on it in a P2P
-    # receive. The stall watchdog must end the run and name rank 1, not rank 0.
+    # receive. The stall watchdog (launch.stall_timeout_s: 5 s idle, scaled to the load in the
+    # test) must end the run and name rank 1, not rank 0.
     "gpt-pp2-hang-last-stage": (
-        SMALL_GPT_PP2[:2] + ["training.iterations=4", "launch.stall_timeout_s=5"],
+        SMALL_GPT_PP2[:2] + ["training.iterations=4"],
         "rank=1,step=2,kind=hang",
     ),
 }
@@ -128,7 +135,7 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
         descendants = psutil.Process(cli.pid).children(recursive=True)
         cli.send_signal(signal.SIGTERM)
         try:
-            out, err = cli.communicate(timeout=30)
+            out, err = cli.communicate(timeout=timing.bound(30))
         except subprocess.TimeoutExpired:
             cli.kill()
             out, err = cli.communicate()
@@ -136,7 +143,7 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         raise AssertionError(
-            f"megatron-ext {' '.join(args)} ran past {timeout} s:\n{(out + err)[-4000:]}"
+            f"megatron-ext {' '.join(args)} ran past {timeout:.0f} s:\n{(out + err)[-4000:]}"
         ) from None
 
 
@@ -149,11 +156,18 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     recipe_args, fault = FAULT_CASES[case]
     spec = faults.parse_fault(fault)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", faults.FAULT_ENV: fault}
+    env = {
+        **os.environ,
+        **timing.watchdog_env(),
+        "CUDA_VISIBLE_DEVICES": "",
+        faults.FAULT_ENV: fault,
+    }
+    if spec.kind == "hang":  # the stall limit, scaled: a slow healthy step is no stall
+        recipe_args = [*recipe_args, f"launch.stall_timeout_s={timing.bound(5):.0f}"]
     result = _run_cli(
         ["run", *recipe_args, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
         env,
-        timeout=300,
+        timeout=timing.bound(300),
     )
     ended = time.time()
     out = result.stdout + result.stderr
@@ -177,7 +191,13 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     else:
         assert f"first failure: rank {spec.rank} killed by SIGKILL" in out, out[-4000:]
         failed_at = failed_log.stat().st_mtime  # its last words, just before the kill
-    assert ended - failed_at < 60, f"the run ended {ended - failed_at:.0f} s after the fault"
+    # Ending every rank after the fault: 60 s idle (a hang: the stall limit and a stack dump;
+    # a raise or a kill: the launcher's grace and the CLI's exit), scaled to the load now.
+    limit = timing.bound(60)
+    print(limit.explain(ended - failed_at))  # shown with -rP: the margin under load
+    assert ended - failed_at < limit, "the run ended after the fault in " + limit.explain(
+        ended - failed_at
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "training-failed"
 
@@ -209,7 +229,7 @@ def _phase_job(overrides: list[str], run_dir: Path, name: str, extra_args: list[
         log_dir=phase.log_dir,
         env=plan.run_environment(loaded),
         cwd=REPO_ROOT,
-        timeout_s=300,
+        timeout_s=timing.bound(300),
     )
 
 
@@ -242,13 +262,14 @@ def test_a_rank_killed_inside_a_save_leaves_the_tracker_at_the_complete_checkpoi
     run_dir = tmp_path / "run"
     env = {
         **os.environ,
+        **timing.watchdog_env(),
         "CUDA_VISIBLE_DEVICES": "",
         faults.FAULT_ENV: f"rank=1,step=2,kind={faults.KILL_WHILE_SAVING}",
     }
     result = _run_cli(
         ["run", *overrides, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir)],
         env,
-        timeout=300,
+        timeout=timing.bound(300),
     )
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-4000:]
@@ -282,7 +303,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_
 
     def kill_rank_1_while_saving():
         nonlocal killed_during
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + timing.bound(240)
         while time.monotonic() < deadline:
             text = tracker.read_text().strip() if tracker.exists() else ""
             done = int(text) if text.isdigit() else 0

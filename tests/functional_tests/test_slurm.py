@@ -13,10 +13,13 @@ mirror) it fails, because then the Slurm path has not been exercised.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "slurm_single_node.sh"
@@ -41,9 +44,14 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
         "SLURM_CI_DIR": str(state),
         "SLURM_CONF": str(state / "slurm.conf"),
         "CUDA_VISIBLE_DEVICES": "",
+        **timing.watchdog_env(),
     }
     start = subprocess.run(
-        ["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=900
+        ["bash", str(SCRIPT), "start"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(900),
     )
     pids = []
     try:
@@ -64,8 +72,8 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
                 "--slurm",
                 "--platform",
                 "cpu",
-                "--time",
-                "00:15:00",
+                "--time",  # minutes: 15 idle, scaled to the load now
+                str(math.ceil(timing.bound(15 * 60) / 60)),
                 "--run-dir",
                 str(run_dir),
             ],
@@ -73,7 +81,7 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=1200,
+            timeout=timing.bound(1200),
         )
         out = result.stdout + result.stderr
         assert result.returncode == 0, f"submit exited {result.returncode}:\n{out[-6000:]}"
@@ -95,7 +103,11 @@ def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path):
         assert (run_dir / "job_exit_code").read_text().strip() == "0"
     finally:
         stop = subprocess.run(
-            ["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120
+            ["bash", str(SCRIPT), "stop"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timing.bound(120),
         )
         assert stop.returncode == 0, stop.stderr
         assert not [p for p in pids if _alive(p)], f"daemons still running: {stop.stdout}"

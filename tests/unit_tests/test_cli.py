@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import megatron_ext
+from megatron_ext.testing import timing
 
 
 def _run(*args, stderr=False):
@@ -11,7 +12,7 @@ def _run(*args, stderr=False):
         [sys.executable, "-m", "megatron_ext.cli", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timing.bound(120),
         check=True,
     )
     return (done.stdout, done.stderr) if stderr else done.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import checkout, registry
+from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -45,7 +46,11 @@ def test_the_guard_reads_the_imported_code_and_names_a_checkout(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
     env.pop(registry.ALLOW_UNVERIFIED_ENV, None)
     out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(120),
     )
     assert out.returncode == 0, out.stderr
     version, message = out.stdout.splitlines()[:2]

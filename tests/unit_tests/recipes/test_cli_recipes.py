@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from megatron_ext.recipes.loader import parse_yaml
+from megatron_ext.testing import timing
 
 from conftest import MINIMAL, REPO_ROOT
 
@@ -15,7 +16,7 @@ def _cli(*args, cwd=REPO_ROOT):
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timing.bound(300),
     )
 
 

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from megatron_ext.launch import faults
+from megatron_ext.testing import timing
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_fail_fast_exits_at_once_with_the_marker(tmp_path):
         import atexit, os, time
         from megatron_ext.launch import faults
         os.environ["RANK"] = "3"
-        atexit.register(time.sleep, 600)  # e.g. a barrier on a dead peer: never reached
+        atexit.register(time.sleep, 3600)  # e.g. a barrier on a dead peer: never reached
         def work():
             faults.at_step(5)
             raise ValueError("the original error\\nsecond line")
@@ -77,7 +78,10 @@ def test_fail_fast_exits_at_once_with_the_marker(tmp_path):
     log = tmp_path / "rank-3.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=60
+            [sys.executable, str(script)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timing.bound(60),
         )
     assert proc.returncode == 1
     failure = faults.failure_in_log(log)

@@ -66,7 +66,7 @@ def test_virtual_stages_come_from_vpp_the_layout_or_the_hybrid_pattern():
     assert virtual_stages(layout.recipe) == 2
     hybrid = load(REPO_ROOT / "recipes/hybrid_mhc_tp1_pp2_vpp2_empty_mtp.yaml")
     flags = _flags(megatron_args(hybrid))
-    assert flags["--hybrid-layer-pattern"] == ["*-|*-|*-|/*-"]
+    assert flags["--hybrid-layer-pattern"] == ["*E|*-||/*-"]
     assert "--num-layers" not in flags and "--mtp-num-layers" not in flags, "the pattern says both"
     assert virtual_stages(hybrid.recipe) == 2
 

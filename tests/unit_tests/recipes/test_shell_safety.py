@@ -18,6 +18,7 @@ from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes import load, runner
 from megatron_ext.recipes.submit import SlurmOptions, submit
 from megatron_ext.recipes.validate import validate
+from megatron_ext.testing import timing
 
 from conftest import MINIMAL
 
@@ -191,7 +192,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
     script = tmp_path / "command.sh"
     script.write_text(runner.command_script(loaded, run_dir))
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=timing.bound(60)
+    )
     assert proc.returncode == 0, proc.stderr
     assert not canary.exists(), script.read_text()
     args = (stubs / "python.args").read_text().split("\0")[:-1]

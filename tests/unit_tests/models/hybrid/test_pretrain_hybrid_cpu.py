@@ -1,7 +1,14 @@
 """``python -m megatron_ext.pretrain_hybrid`` trains a pipelined Hybrid mHC model on CPU end to
 end through ``megatron.training.pretrain`` (2 ranks launched by torchrun from this process):
 pipeline segments and virtual stages from the pattern, an empty intermediate chunk, MoE,
-an MTP depth on the last chunk and eager 'mhc' recompute."""
+an MTP depth on the last chunk and eager 'mhc' recompute.
+
+Soak only (MEGATRON_EXT_SOAK=1): CI trains the same features through `megatron-ext run
+recipes/hybrid_mhc_tp1_pp2_vpp2_empty_mtp.yaml` (tests/functional_tests/test_recipes.py), which
+runs this entry with pattern "*E|*-||/*-" (VPP2, an empty intermediate chunk, an MoE layer with
+all-to-all dispatch, an empty last chunk with MTP), one-group mHC recompute and evaluation at
+iteration 3, against golden values and an exact ckpt-resume: one 2-rank training less in CI.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_ext.launch import CPU_DEMO_ARGS
+from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 TRAIN_ITERS = 6
@@ -22,6 +32,10 @@ ITERATION_LINE = re.compile(
 )
 
 
+@pytest.mark.skipif(
+    os.environ.get("MEGATRON_EXT_SOAK") != "1",
+    reason="soak only: CI trains these features in the hybrid_mhc_tp1_pp2_vpp2_empty_mtp recipe",
+)
 def test_pp2_vpp2_hybrid_mhc_with_moe_mtp_and_recompute_trains_on_cpu():
     # fmt: off
     command = [
@@ -39,7 +53,12 @@ def test_pp2_vpp2_hybrid_mhc_with_moe_mtp_and_recompute_trains_on_cpu():
     # fmt: on
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(TIMEOUT_S),
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"torchrun exited with {result.returncode}:\n{log[-6000:]}"
