@@ -378,15 +378,6 @@ def _check_model(r: Recipe, add) -> None:
         ):
             add(f"model.{name}", f"is a probability in [0, 1), got {value}")
     mhc = m.mhc
-    if m.type == "gpt" and mhc.enabled and m.num_experts:
-        # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
-        # one residual stream; the model refuses it only once every rank has started.
-        add(
-            "model.num_experts",
-            "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-            "megatron-core's block spec, which has no mHC residual streams; "
-            "disable model.mhc.enabled or MoE",
-        )
     if mhc.recompute_layer_num is not None and not mhc.recompute:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:

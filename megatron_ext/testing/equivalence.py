@@ -157,19 +157,35 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
 
 def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
     """megatron-ext's GPTModel with the local layer spec (tied embeddings, learned positions);
-    the mHC layer spec when the config enables mHC."""
-    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+    the mHC layer spec when the config enables mHC. MoE and MLA models are built from the
+    decoder block spec ``pretrain_gpt`` uses (dense and MoE layers by ``moe_layer_freq``)."""
+    from megatron_ext.models.gpt import (
+        GPTModel,
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
 
     def build(config, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
         mhc = bool(getattr(config, "enable_mhc_connections", False))
+        if plan.num_moe_experts or config.multi_latent_attention:
+            spec = get_gpt_decoder_block_spec(
+                config,
+                use_transformer_engine=False,
+                normalization=config.normalization,
+                vp_stage=vp_stage,
+                enable_mhc_connections=mhc,
+            )
+        else:
+            spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
         return GPTModel(
             config,
-            get_gpt_layer_local_spec(num_experts=plan.num_moe_experts, enable_mhc_connections=mhc),
+            spec,
             vocab_size=plan.vocab_size,
             max_sequence_length=plan.seq_length,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=True,
+            position_embedding_type="rope" if config.multi_latent_attention else "learned_absolute",
             vp_stage=vp_stage,
         )
 

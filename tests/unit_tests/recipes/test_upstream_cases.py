@@ -357,13 +357,8 @@ def test_import_writes_a_recipe_that_loads_the_same(tmp_path, capsys):
     assert cli.main(["import", str(tmp_path / "none.yaml")]) == 2
 
 
-def test_moe_with_mhc_is_refused_before_start(tmp_path):
-    """Upstream's gpt3_mcore_te_tp2_pp2_ep4_mhc_* combination: pretrain_gpt's MoE spec has no
-    mHC layers, which the model would report only once every rank had started."""
+def test_moe_with_mhc_validates(tmp_path):
+    """Upstream's gpt3_mcore_te_tp2_pp2_ep4_mhc_* combination (MoE + mHC) is no longer refused:
+    pretrain_gpt's MoE block spec gives every layer the n streams."""
     loaded = load(write_case(tmp_path, {"--num-experts": 4, "--enable-hyper-connections": True}))
-    problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
-    assert problems == [
-        "model.num_experts: MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-        "megatron-core's block spec, which has no mHC residual streams; disable "
-        "model.mhc.enabled or MoE"
-    ]
+    assert [str(p) for p in validate(loaded, megatron_checks=False).problems] == []
