@@ -466,6 +466,15 @@ def compare_pieces(
     return problems
 
 
+def forget_moe_metrics() -> None:
+    """Empty megatron's process-wide MoE metrics tracker: it sizes each metric (the aux loss)
+    by the first model's layer count and keeps the process groups it was given, so a later
+    model with more layers in the same process would index past its end."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().metrics.clear()
+
+
 def check_equivalence(
     plan: TrainPlan,
     factory: Optional[ModelFactory] = None,
@@ -476,6 +485,7 @@ def check_equivalence(
     """Run the plan sharded and on one rank; raise :class:`EquivalenceError` on any
     difference in loss, gradients (every step) or final weights. Returns the reference."""
     factory = factory or gpt_model_factory(plan)
+    forget_moe_metrics()
     reference = run_reference(plan, factory, forward_step, config_class)
     records, final_pieces = run_sharded(
         plan, factory, forward_step, reference.initial_weights, config_class, on_gradients
