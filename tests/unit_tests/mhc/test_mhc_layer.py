@@ -1,5 +1,5 @@
 """The mHC transformer layer on its own: shapes, attention-only and MLP-only layers (as a
-HybridModel builds them), MoE only when built for Hybrid, and every guard the layer, the
+HybridModel builds them), MoE MLPs, and every guard the layer, the
 block, the model and the spec builders raise (type + the field named in the message)."""
 
 import dataclasses
