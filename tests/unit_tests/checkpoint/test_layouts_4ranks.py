@@ -3,7 +3,7 @@ gives the same loss on the same batch (fp32, 1e-6), with the same parameter name
 PP1 -> PP2 -> PP2xVPP2 -> TP2xPP2 -> PP1, each layout built in turn inside one 4-rank world
 (megatron's dist_checkpointing save/load of the models' sharded state dicts, the format
 `--ckpt-format torch_dist` writes). A DeepSeek-V3-shaped mHC GPT (MLA, a dense first layer then
-MoE with a shared expert) moves PP2xEP2 -> PP1xEP1 the same way.
+MoE with a shared expert) moves PP1 -> PP2xEP2 -> PP1xEP1 the same way.
 Run: torchrun --nproc_per_node 4 -m pytest <this file>."""
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ LAYOUTS = {
     "PP2xEP2": dict(pp=2, ep=2),
 }
 CHAIN = ["PP1", "PP2", "PP2xVPP2", "TP2xPP2", "PP1"]
-MOE_MLA_CHAIN = ["PP2xEP2", "PP1"]
+# Starts at PP1: the noise _move_away_from_init adds on a PP>1 layout would differ between the
+# first stage's embedding and the last stage's tied output weight, of which one is saved.
+MOE_MLA_CHAIN = ["PP1", "PP2xEP2", "PP1"]
 # MLA (q/kv LoRA ranks, nope/rope head dims) and MoE (dense first layer, 4 experts top-2, a
 # shared expert) in miniature.
 MOE_MLA = dict(
