@@ -37,9 +37,10 @@ keeps the straightforward formulas as the reference.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING
 
 import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
@@ -145,7 +146,7 @@ def merge_rows(
     residual: torch.Tensor,
     post_col: torch.Tensor,
     y: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     *,
     dropout_p: float = 0.0,
     training: bool = False,
@@ -224,7 +225,7 @@ def bias_dropout_add_streams(
     h_res: torch.Tensor,
     residual: torch.Tensor,
     h_post: torch.Tensor,
-    out_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
+    out_with_bias: tuple[torch.Tensor, torch.Tensor | None],
     dropout_p: float,
     training: bool,
 ) -> torch.Tensor:
@@ -261,7 +262,12 @@ def keep_fp32_when_halving(fn):
 HC_HEAD_PARAMETERS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
-class KeepsHCHeadFP32:
+# For the type checker a mixin is the nn.Module it is mixed into; at runtime it adds no base
+# (the module's own megatron base class brings nn.Module, after the mixin in the MRO).
+_ModuleMixin = torch.nn.Module if TYPE_CHECKING else object
+
+
+class KeepsHCHeadFP32(_ModuleMixin):  # type: ignore[misc,valid-type]
     """Mixin for a module that owns ``hc_head_*`` parameters directly: a cast to bf16/fp16
     leaves those fp32 (as :meth:`HyperConnectionModule._apply` does for the maps' parameters;
     upstream: ``mark_keep_in_fp32``). Only those tensors (and their grads) are exempt; the
@@ -332,7 +338,7 @@ class HyperConnectionModule(MegatronModule):
             torch.nn.init.xavier_uniform_(self.mapping_proj.weight)
         for param in self.parameters():
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
 
     def _apply(self, fn, recurse=True):
         """Keep the five mHC parameters fp32 when the model is cast to bf16/fp16.
@@ -379,7 +385,7 @@ class HyperConnectionModule(MegatronModule):
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
-    def compute_mappings(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute_mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
         if self.use_reference_path:
             return reference_mappings(self, x)
@@ -420,7 +426,7 @@ class HyperConnectionModule(MegatronModule):
 
     def forward(
         self, hidden_states: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s,b,n*h] -> (sub-layer input [s,b,h], h_res [s,b,n,n], h_post [s,b,n])``."""
         h_pre, h_post, h_res = self.compute_mappings(hidden_states)
         aggregate_with = reference_aggregate if self.use_reference_path else aggregate

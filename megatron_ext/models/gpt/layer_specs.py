@@ -11,13 +11,13 @@ treatment for every layer, so a MoE/MLA GPT carries the n streams through every 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs as upstream
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_ext.mhc.hyper_connection import HyperConnectionModule
@@ -111,12 +111,12 @@ def _decoder_layer_spec(layer_spec: ModuleSpec, local: bool, mhc: bool) -> Modul
 def get_gpt_decoder_block_spec(
     config,
     use_transformer_engine: bool,
-    normalization: Optional[str] = None,
-    qk_l2_norm: Optional[bool] = False,
-    vp_stage: Optional[int] = None,
-    pp_rank: Optional[int] = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
     *,
-    enable_mhc_connections: Optional[bool] = None,
+    enable_mhc_connections: bool | None = None,
 ) -> TransformerBlockSubmodules:
     """megatron-core's ``get_gpt_decoder_block_spec`` (same arguments; what ``pretrain_gpt``
     builds MoE decoders from: dense and MoE layers by ``config.moe_layer_freq``, shared

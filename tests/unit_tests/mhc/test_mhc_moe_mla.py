@@ -6,6 +6,7 @@ pipeline_parallel/test_mhc_moe_mla_{2,4}ranks.py."""
 
 import pytest
 import torch
+
 from megatron.core.models.gpt import gpt_layer_specs as core_specs
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention

@@ -5,7 +5,6 @@ SP and expert TP; MLA at PP=2 and TP=2 with SP. The aux loss is on in every MoE 
 import dataclasses
 
 import pytest
-
 from mhc_moe_mla_cases import check, mla_plan, moe_plan
 from mhc_pipeline_cases import (
     all_ranks,

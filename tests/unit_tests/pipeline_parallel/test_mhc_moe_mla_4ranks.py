@@ -3,7 +3,6 @@ alltoall dispatcher, aux loss on) matches the single-rank reference, and every P
 carries the n streams, [s, b, n*h]."""
 
 import pytest
-
 from mhc_moe_mla_cases import check, moe_plan
 from mhc_pipeline_cases import (
     all_ranks,

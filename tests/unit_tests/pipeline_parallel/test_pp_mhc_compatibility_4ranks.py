@@ -2,7 +2,6 @@
 parallelism (the exchanged sequence is divided by TP)."""
 
 import pytest
-
 from mhc_pipeline_cases import (
     all_ranks,
     assert_every_exchange_is_n_streams_wide,
