@@ -10,6 +10,11 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``mhc-fused``      with ``--fused``: the Triton kernels of ``megatron_ext.mhc.fused``
                      (``use_fused_mhc``), also with recompute (``mhc-fused+recompute``)
 
+With ``--moe N`` and/or ``--mla`` the same layer is also timed with a MoE MLP (N routed experts,
+top-2, one shared expert, alltoall dispatcher) and/or multi-latent attention, plain and mHC
+side by side (``moe/plain``, ``moe/mhc``, ``mla/...``, ``mla+moe/...``), each mHC variant's ratio
+taken to its own plain layer.
+
 Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
 aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
 Sinkhorn alone, merge (mixing + H_post write-back of output and bias). Reference: maps,
@@ -19,6 +24,7 @@ Not a test: absolute numbers depend on the machine and its load. Prints text, an
 LAST line one JSON object with every figure.
 
     python bench/mhc_layer.py --device cpu --dtype fp32 --hidden 512 --seq 256 --batch 2 --heads 8
+    python bench/mhc_layer.py --moe 8 --mla --no-reference     # + MoE / MLA layers, with and without
     python bench/mhc_layer.py --device cuda --dtype bf16 --hidden 4096 --seq 4096 --batch 1 \\
         --heads 32 --fused
 
@@ -41,7 +47,35 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _config(args, mhc: bool):
+def _moe_mla_fields(args, moe: bool, mla: bool) -> dict:
+    """The MoE MLP (top-2 of --moe experts, a shared expert) and MLA sizes (DeepSeek-V3's
+    ratios to the hidden size) of a --moe / --mla variant."""
+    fields: dict = {}
+    if moe:
+        fields.update(
+            num_moe_experts=args.moe,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=args.hidden,
+            moe_shared_expert_intermediate_size=args.hidden,
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.01,
+            add_bias_linear=False,
+        )
+    if mla:
+        head = args.hidden // args.heads
+        fields.update(
+            q_lora_rank=args.hidden // 2,
+            kv_lora_rank=args.hidden // 4,
+            qk_head_dim=head,
+            qk_pos_emb_head_dim=head // 2,
+            v_head_dim=head,
+            rope_type="rope",
+        )
+    return fields
+
+
+def _config(args, mhc: bool, moe: bool = False, mla: bool = False):
+    from megatron_ext.config import MHCMLATransformerConfig
     from megatron_ext.testing.configs import small_config
 
     fields = dict(
@@ -55,17 +89,29 @@ def _config(args, mhc: bool):
     )
     if args.device == "cuda":
         fields["use_cpu_initialization"] = False
-    return small_config(**fields)
+    fields.update(_moe_mla_fields(args, moe, mla))
+    return small_config(MHCMLATransformerConfig if mla else None, **fields)
 
 
-def _layer(args, mhc: bool, reference: bool = False, fused: bool = False):
+def _layer(
+    args,
+    mhc: bool,
+    reference: bool = False,
+    fused: bool = False,
+    moe: bool = False,
+    mla: bool = False,
+):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_ext.models.gpt import get_gpt_layer_local_spec
 
     torch.manual_seed(0)
-    spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
-    layer = build_module(spec, config=_config(args, mhc), layer_number=1)
+    spec = get_gpt_layer_local_spec(
+        enable_mhc_connections=mhc,
+        num_experts=args.moe if moe else None,
+        multi_latent_attention=mla,
+    )
+    layer = build_module(spec, config=_config(args, mhc, moe, mla), layer_number=1)
     layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
     for module in layer.modules():
         if hasattr(module, "use_reference_path"):
@@ -147,6 +193,23 @@ def _op_steps(args, connection, x, y):
     return ops
 
 
+def _moe_mla_kinds(args) -> list[tuple[str, bool, bool]]:
+    """(label, moe, mla) of the extra layer kinds --moe / --mla ask for."""
+    kinds = []
+    if args.moe:
+        kinds.append(("moe", True, False))
+    if args.mla:
+        kinds.append(("mla", False, True))
+    if args.moe and args.mla:
+        kinds.append(("mla+moe", True, True))
+    return kinds
+
+
+def _plain_of(name: str) -> str:
+    """The plain layer a variant's ratio is taken to (``moe/mhc`` -> ``moe/plain``)."""
+    return f"{name.split('/')[0]}/plain" if "/" in name else "plain"
+
+
 def _interleaved(runs: dict, warmup: int, iters: int) -> dict:
     times = {name: [] for name in runs}
     for iteration in range(warmup + iters):
@@ -186,6 +249,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--moe", type=int, default=0, help="N: also time a MoE layer (N routed experts, top-2)"
+    )
+    parser.add_argument(
+        "--mla", action="store_true", help="also time a multi-latent-attention layer"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
@@ -226,6 +295,13 @@ def main() -> None:
             fused = _layer(args, True, fused=True)
             runs["mhc-fused"] = _layer_step(fused, x_mhc, mask, False)
             runs["mhc-fused+recompute"] = _layer_step(fused, x_mhc, mask, True)
+        for kind, moe, mla in _moe_mla_kinds(args):
+            runs[f"{kind}/plain"] = _layer_step(
+                _layer(args, False, moe=moe, mla=mla), x_plain, mask, False
+            )
+            runs[f"{kind}/mhc"] = _layer_step(
+                _layer(args, True, moe=moe, mla=mla), x_mhc, mask, False
+            )
         layer_ms = _interleaved(runs, args.warmup, args.iters)
 
         y = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
@@ -246,9 +322,9 @@ def main() -> None:
         f"n={n}, median of {args.iters} interleaved runs ({args.clock} clock)"
         + (", glibc keeping freed memory" if args.keep_freed_memory else "")
     )
-    ratios = {name: ms / layer_ms["plain"] for name, ms in layer_ms.items()}
+    ratios = {name: ms / layer_ms[_plain_of(name)] for name, ms in layer_ms.items()}
     for name, ms in layer_ms.items():
-        print(f"  {name:<20} {ms:9.2f} ms   ({ratios[name]:.3f}x plain)")
+        print(f"  {name:<20} {ms:9.2f} ms   ({ratios[name]:.3f}x {_plain_of(name)})")
     print("each mHC op alone, fwd+bwd, one sub-layer:")
     for name, ms in op_ms.items():
         print(f"  {name:<20} {ms:9.3f} ms")
@@ -260,6 +336,8 @@ def main() -> None:
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "dtype": args.dtype,
         "sizes": dict(seq=s, batch=b, hidden=h, heads=args.heads, streams=n),
+        "moe_experts": args.moe or None,
+        "mla": args.mla,
         "iters": args.iters,
         "clock": args.clock,
         "fused": args.fused,

@@ -31,6 +31,28 @@ register(
 
 
 # --------------------------------------------------------------------------------------
+# "config" patch: applied only while megatron_ext.training_steps.transformer_config builds an
+# mHC config from --multi-latent-attention flags (registry.applied).
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target="megatron.core.transformer:MLATransformerConfig",
+        replacement="megatron_ext.config:MHCMLATransformerConfig",
+        wraps=False,
+        why=(
+            "megatron.training's core_transformer_config_from_args replaces the config class it "
+            "is given by megatron.core.transformer.MLATransformerConfig whenever "
+            "--multi-latent-attention is set (imported inside the function), which would drop "
+            "every mHC field (and --enable-mhc-connections with them). While an mHC config is "
+            "built from the flags, that name is megatron-ext's MHCMLATransformerConfig (the MLA "
+            "config plus the mHC fields), so every MLA flag and every mHC flag reach one config."
+        ),
+        group="config",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
 # "core" patches: applied by megatron_ext.install() on every machine.
 # --------------------------------------------------------------------------------------
 register(

@@ -58,6 +58,7 @@ from megatron_ext import training_steps
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.models.gpt import (
     GPTModel,
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -142,13 +143,15 @@ def transformer_layer_spec(
             config=config, vp_stage=vp_stage
         )
     if args.num_experts:
-        # A block spec: dense and MoE layers interleave per --moe-layer-freq.
-        return core_specs.get_gpt_decoder_block_spec(
+        # A block spec: dense and MoE layers interleave per --moe-layer-freq; megatron-core's,
+        # with our local modules and, under --enable-mhc-connections, mHC in every layer.
+        return get_gpt_decoder_block_spec(
             config,
             use_transformer_engine=use_te,
             normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm,
             vp_stage=vp_stage,
+            enable_mhc_connections=bool(args.enable_mhc_connections),
         )
     if args.heterogeneous_layers_config_path is not None:
         from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (

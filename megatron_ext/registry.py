@@ -10,9 +10,9 @@ else in the package assigns attributes on foreign modules.
 
 Patches come in groups. ``"core"`` patches are what :func:`megatron_ext.install`
 applies on any machine; ``"cpu"`` patches are the CPU runtime's redirections and are
-applied only by :func:`megatron_ext.runtime.use_cpu`; ``"trace"``, ``"startup"`` and
-``"fault"`` patches only while tracing, importing megatron, or injecting a checkpoint-save
-fault (``MEGATRON_EXT_FAULT``). Applying is idempotent and
+applied only by :func:`megatron_ext.runtime.use_cpu`; ``"trace"``, ``"startup"``,
+``"fault"`` and ``"config"`` patches only while tracing, importing megatron, injecting a
+checkpoint-save fault (``MEGATRON_EXT_FAULT``), or building an mHC MLA config from the flags. Applying is idempotent and
 every original is kept so that it can be restored exactly.
 """
 

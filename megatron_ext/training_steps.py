@@ -36,6 +36,7 @@ from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.training import set_startup_timestamps
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from megatron_ext import registry
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
 from megatron_ext.mhc_flags import MHC_ALIASES
@@ -185,7 +186,30 @@ def transformer_config(
         from megatron.training.yaml_arguments import core_transformer_config_from_yaml
 
         return core_transformer_config_from_yaml(args, "language_model")
+    if getattr(args, "multi_latent_attention", False) and issubclass(
+        config_class, MHCTransformerConfig
+    ):
+        return _mhc_mla_config(args, config_class)
     return core_transformer_config_from_args(args, config_class=config_class)
+
+
+# Where core_transformer_config_from_args looks up its MLA config class (see the registry).
+MLA_CONFIG_PATCH = "megatron.core.transformer:MLATransformerConfig"
+
+
+def _mhc_mla_config(args: argparse.Namespace, config_class: type[TransformerConfig]):
+    """The MLA config with the mHC fields: megatron substitutes its own MLATransformerConfig
+    for any class it is given under --multi-latent-attention, so it gets ours instead."""
+    from megatron_ext.config import MHCMLATransformerConfig
+
+    if config_class not in (MHCTransformerConfig, MHCMLATransformerConfig):
+        raise SystemExit(
+            f"--multi-latent-attention builds megatron_ext.config.MHCMLATransformerConfig; "
+            f"{config_class.__name__} has no MLA variant. Subclass MHCMLATransformerConfig and "
+            "pass that as the entry's config_class"
+        )
+    with registry.applied(MLA_CONFIG_PATCH):
+        return core_transformer_config_from_args(args, config_class=MHCMLATransformerConfig)
 
 
 def agreed_run_fields(args: argparse.Namespace) -> dict[str, Any]:

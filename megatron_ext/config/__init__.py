@@ -6,13 +6,17 @@ hyper-connections) fields, with upstream's names and defaults (declared once, in
 :data:`megatron_ext.mhc_flags.MHC_DEFAULTS`, which the recipe schema reads too), and validates them before any
 model or process group is built. With ``enable_mhc_connections=False`` (the default) it
 behaves exactly like ``TransformerConfig``.
+
+:class:`MHCMLATransformerConfig` is the same fields on megatron-core's
+``MLATransformerConfig`` (multi-latent attention: q/kv LoRA ranks, rope/nope head dims, YaRN),
+which is what ``pretrain_gpt --multi-latent-attention`` builds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext import guards
 from megatron_ext.mhc_flags import MHC_DEFAULTS
@@ -86,4 +90,15 @@ class MHCTransformerConfig(TransformerConfig):
             guards.check_mhc_pipeline(self)
 
 
-__all__ = ["MHCTransformerConfig", "MHC_RECOMPUTE_MODULE"]
+@dataclass
+class MHCMLATransformerConfig(MLATransformerConfig, MHCTransformerConfig):
+    """megatron-core's MLATransformerConfig with upstream's mHC fields.
+
+    MLA comes first so that its defaults (multi_latent_attention=True, RMSNorm, YaRN) win over
+    TransformerConfig's, which MHCTransformerConfig's dataclass fields repeat. Both bases'
+    ``__post_init__`` run (MLA's, then ours, then TransformerConfig's), so MLA's checks and the
+    mHC guards all apply. ``isinstance`` of either base holds, which is
+    what megatron's MLA attention and our mHC layers test."""
+
+
+__all__ = ["MHCMLATransformerConfig", "MHCTransformerConfig", "MHC_RECOMPUTE_MODULE"]

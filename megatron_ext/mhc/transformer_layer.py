@@ -19,8 +19,10 @@ so the "mhc" selective recompute can discard and rebuild them.
 Sub-layers that are ``IdentityOp`` (attention-only or MLP-only layers, as a HybridModel
 builds them) get no hyper connection and pass the n streams through unchanged.
 
-MoE MLPs: a GPT mHC layer refuses them (as upstream does); a Hybrid stack builds its MoE
-('E') layers with ``allow_moe_mlp=True`` (pass it through the layer spec's ``params``).
+MoE MLPs (megatron's ``MoELayer``, any router, dispatcher, shared experts, expert parallelism)
+are wrapped like a dense MLP: the router sees the aggregated sub-layer input ``[s, b, h]``,
+so its aux loss and expert-bias updates are those of a plain layer fed that input. (Upstream
+main refuses MoE here; upstream dev and DeepSeek-V4 wrap it as this layer does.)
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ def _check_submodules(submodules: TransformerLayerSubmodules) -> None:
 class HyperConnectionTransformerLayer(TransformerLayer):
     """megatron-core's TransformerLayer with n mHC residual streams (see the module doc).
 
-    Same constructor as ``TransformerLayer`` plus ``allow_moe_mlp`` (default False): a MoE
-    MLP is accepted only when True, which is how a Hybrid stack builds its 'E' layers.
+    Same constructor as ``TransformerLayer``. ``allow_moe_mlp`` is accepted for specs written
+    when MoE MLPs had to be allowed explicitly (Hybrid 'E' layers); MoE is always accepted now.
     """
 
     supports_mhc_connections: bool = True
@@ -141,13 +143,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             pp_layer_offset=pp_layer_offset,
             name=name,
         )
-        if self.is_moe_layer and not allow_moe_mlp:
-            raise NotImplementedError(
-                "a GPT mHC layer (HyperConnectionTransformerLayer) does not support a MoE MLP "
-                "(num_experts / the spec's mlp is a MoELayer). To combine mHC with MoE, build a "
-                "HybridModel (megatron_ext.models.hybrid) with 'E' layers in its layer pattern; "
-                "its MoE layers are built with allow_moe_mlp=True"
-            )
         self.self_attention_hyper_connection = self._build_connection(
             self.self_attention, submodules, "self_attention"
         )

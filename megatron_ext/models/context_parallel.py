@@ -110,6 +110,11 @@ class ContextParallelDotProductAttention(DotProductAttention):
     order), gathers the keys and values of every CP rank in one all-gather and lets the local
     queries attend to all of them under a causal mask on global token indices. The parameters
     (only a learnable softmax offset, if configured) and the output are those of the base class.
+
+    ``k_channels``/``v_channels`` are the per-head query/key and value widths that multi-latent
+    attention passes (megatron-core's local attention takes neither, so MLA needs Transformer
+    Engine there): the output is ``v_channels`` per head and the default softmax scale is
+    ``1/sqrt(k_channels)``.
     """
 
     def __init__(
@@ -122,6 +127,8 @@ class ContextParallelDotProductAttention(DotProductAttention):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None and config.context_parallel_size > 1:
@@ -134,6 +141,12 @@ class ContextParallelDotProductAttention(DotProductAttention):
         if config.context_parallel_size > 1:
             base_config = copy.copy(config)
             base_config.context_parallel_size = 1
+        if v_channels is not None and v_channels != config.kv_channels:
+            # The base class sizes its output (heads x kv_channels) from the config.
+            base_config = copy.copy(base_config)
+            base_config.kv_channels = v_channels
+        if softmax_scale is None and k_channels is not None:
+            softmax_scale = k_channels**-0.5
         super().__init__(
             base_config,
             layer_number,

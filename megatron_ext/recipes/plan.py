@@ -394,15 +394,8 @@ def _check_model(r: Recipe, add) -> None:
         ):
             add(f"model.{name}", f"is a probability in [0, 1), got {value}")
     mhc = m.mhc
-    if m.type == "gpt" and mhc.enabled and m.num_experts:
-        # pretrain_gpt builds MoE decoders from megatron-core's block spec, whose layers carry
-        # one residual stream; the model refuses it only once every rank has started.
-        add(
-            "model.num_experts",
-            "MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-            "megatron-core's block spec, which has no mHC residual streams; "
-            "disable model.mhc.enabled or MoE",
-        )
+    if mhc.enabled:
+        _check_mhc_extra_args(r, add)
     if mhc.recompute_layer_num is not None and not mhc.recompute:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:
@@ -523,6 +516,30 @@ NON_CAUSAL_MASK_FLAGS = {
     "--reset-attention-mask": "per-document attention masks",
     "--window-size": "sliding-window attention",
 }
+
+
+# Flags the mHC guards refuse (megatron_ext.guards), checked in a recipe's extra_args so that a
+# GPU recipe is refused here too, where Megatron's own argument checks cannot run without a GPU.
+MHC_CUDA_GRAPH_FLAGS = ("--cuda-graph-impl", "--enable-cuda-graph", "--external-cuda-graph")
+
+
+def _check_mhc_extra_args(r: Recipe, add) -> None:
+    """The guards' mHC refusals that a recipe states in extra_args: the overlapped EP schedule
+    under PP (guards.check_mhc_pipeline) and CUDA graphs (guards.check_mhc_layer_features)."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    if r.parallelism.pp > 1 and r.extra_args.get(flag) not in (None, False):
+        add(
+            f"extra_args.{flag}",
+            f"is not supported with mHC and pp={r.parallelism.pp}: its overlapped schedule "
+            "does not carry the n-stream residual; remove it (or set pp=1)",
+        )
+    for flag in MHC_CUDA_GRAPH_FLAGS:
+        if r.extra_args.get(flag) not in (None, False, "none"):
+            add(
+                f"extra_args.{flag}",
+                "mHC layers are not qualified with CUDA graphs (their static inputs would be "
+                "single-stream); remove it",
+            )
 
 
 def _check_context_parallel(r: Recipe, add) -> None:

@@ -159,19 +159,35 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
 
 def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
     """megatron-ext's GPTModel with the local layer spec (tied embeddings, learned positions);
-    the mHC layer spec when the config enables mHC."""
-    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+    the mHC layer spec when the config enables mHC. MoE and MLA models are built from the
+    decoder block spec ``pretrain_gpt`` uses (dense and MoE layers by ``moe_layer_freq``)."""
+    from megatron_ext.models.gpt import (
+        GPTModel,
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
 
     def build(config, pre_process: bool, post_process: bool, vp_stage: int | None):
         mhc = bool(getattr(config, "enable_mhc_connections", False))
+        if plan.num_moe_experts or config.multi_latent_attention:
+            spec = get_gpt_decoder_block_spec(
+                config,
+                use_transformer_engine=False,
+                normalization=config.normalization,
+                vp_stage=vp_stage,
+                enable_mhc_connections=mhc,
+            )
+        else:
+            spec = get_gpt_layer_local_spec(enable_mhc_connections=mhc)
         return GPTModel(
             config,
-            get_gpt_layer_local_spec(num_experts=plan.num_moe_experts, enable_mhc_connections=mhc),
+            spec,
             vocab_size=plan.vocab_size,
             max_sequence_length=plan.seq_length,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=True,
+            position_embedding_type="rope" if config.multi_latent_attention else "learned_absolute",
             vp_stage=vp_stage,
         )
 
@@ -455,6 +471,15 @@ def compare_pieces(
     return problems
 
 
+def forget_moe_metrics() -> None:
+    """Empty megatron's process-wide MoE metrics tracker: it sizes each metric (the aux loss)
+    by the first model's layer count and keeps the process groups it was given, so a later
+    model with more layers in the same process would index past its end."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().metrics.clear()
+
+
 def check_equivalence(
     plan: TrainPlan,
     factory: ModelFactory | None = None,
@@ -465,6 +490,7 @@ def check_equivalence(
     """Run the plan sharded and on one rank; raise :class:`EquivalenceError` on any
     difference in loss, gradients (every step) or final weights. Returns the reference."""
     factory = factory or gpt_model_factory(plan)
+    forget_moe_metrics()
     reference = run_reference(plan, factory, forward_step, config_class)
     records, final_pieces = run_sharded(
         plan, factory, forward_step, reference.initial_weights, config_class, on_gradients

@@ -38,8 +38,10 @@ def test_doctor_reports_versions_runtime_and_patches():
     for patch in registry.patches():
         # The "trace" group is applied only while tracing (megatron-ext run --trace), the
         # "startup" one only while an entry imports megatron, the "fault" one only in a rank
-        # whose MEGATRON_EXT_FAULT asks for kind=kill-while-saving.
-        state = "inactive" if patch.group in ("trace", "startup", "fault") else "active  "
+        # whose MEGATRON_EXT_FAULT asks for kind=kill-while-saving, the "config" one only while
+        # an mHC MLA config is built from the flags.
+        inactive = ("trace", "startup", "fault", "config")
+        state = "inactive" if patch.group in inactive else "active  "
         assert f"{state} {patch.target}" in report
     for seam in registry.seams():
         assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report

@@ -20,7 +20,7 @@ def test_every_patch_names_target_versions_and_reason():
         assert ":" in patch.target
         assert patch.verified and all(v.count(".") == 2 for v in patch.verified)
         assert len(patch.why) > 20
-        assert patch.group in {"core", "cpu", "trace", "startup", "fault"}
+        assert patch.group in {"core", "cpu", "trace", "startup", "fault", "config"}
 
 
 def test_install_is_idempotent_and_uninstall_restores(clean_registry):
@@ -95,3 +95,17 @@ def test_suspended_puts_the_original_back_for_a_while(clean_registry):
         megatron_ext.install()  # must not re-apply inside the block
         assert registry.current(target) is clean_registry[target]
     assert registry.current(target) is replacement
+
+
+def test_the_mla_config_patch_is_applied_only_while_a_config_is_built():
+    """megatron's core_transformer_config_from_args looks MLATransformerConfig up in
+    megatron.core.transformer at call time; ours is there only inside registry.applied."""
+    import megatron.core.transformer as transformer
+
+    from megatron_ext.config import MHCMLATransformerConfig
+    from megatron_ext.training_steps import MLA_CONFIG_PATCH
+
+    original = transformer.MLATransformerConfig
+    with registry.applied(MLA_CONFIG_PATCH):
+        assert transformer.MLATransformerConfig is MHCMLATransformerConfig
+    assert transformer.MLATransformerConfig is original

@@ -2,7 +2,11 @@
 under sequence parallelism) and the context-parallel core attention
 (:class:`~megatron_ext.models.context_parallel.ContextParallelDotProductAttention`, which is
 megatron's ``DotProductAttention`` at CP=1) swapped in and, with
-``enable_mhc_connections=True``, the mHC layer and its two hyper connections."""
+``enable_mhc_connections=True``, the mHC layer and its two hyper connections.
+
+:func:`get_gpt_decoder_block_spec` is megatron-core's MoE decoder block spec (dense and MoE
+layers interleaved by ``moe_layer_freq``, MLA where the config asks for it) with the same
+treatment for every layer, so a MoE/MLA GPT carries the n streams through every layer."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from megatron.core.models.gpt import gpt_layer_specs as upstream
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_ext.mhc.hyper_connection import HyperConnectionModule
@@ -95,3 +100,49 @@ def get_gpt_layer_with_transformer_engine_spec(
         )
     spec = upstream.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     return with_hyper_connections(spec) if enable_mhc_connections else spec
+
+
+def _decoder_layer_spec(layer_spec: ModuleSpec, local: bool, mhc: bool) -> ModuleSpec:
+    """One of megatron-core's decoder layer specs with our local modules and mHC applied."""
+    spec = _with_local_modules(layer_spec) if local else layer_spec
+    return with_hyper_connections(spec) if mhc else spec
+
+
+def get_gpt_decoder_block_spec(
+    config,
+    use_transformer_engine: bool,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    *,
+    enable_mhc_connections: bool | None = None,
+) -> TransformerBlockSubmodules:
+    """megatron-core's ``get_gpt_decoder_block_spec`` (same arguments; what ``pretrain_gpt``
+    builds MoE decoders from: dense and MoE layers by ``config.moe_layer_freq``, shared
+    experts, MLA by ``config.multi_latent_attention``) with, for the local implementation,
+    our sequence/context-parallel-safe modules in every layer and as the final norm, and with
+    mHC (default: ``config.enable_mhc_connections``) every layer an mHC layer."""
+    if enable_mhc_connections is None:
+        enable_mhc_connections = bool(getattr(config, "enable_mhc_connections", False))
+    if use_transformer_engine and not transformer_engine_available():
+        raise ImportError(
+            "get_gpt_decoder_block_spec(use_transformer_engine=True) needs transformer_engine, "
+            "which does not import here; pass use_transformer_engine=False for local layers"
+        )
+    block = upstream.get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=use_transformer_engine,
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+    # megatron-core takes its local branch whenever TE is off, except for inference_optimized.
+    local = not use_transformer_engine and config.transformer_impl != "inference_optimized"
+    return TransformerBlockSubmodules(
+        layer_specs=[
+            _decoder_layer_spec(spec, local, enable_mhc_connections) for spec in block.layer_specs
+        ],
+        layer_norm=_with_local_modules(block.layer_norm) if local else block.layer_norm,
+    )

@@ -2,7 +2,9 @@
 gives the same loss on the same batch (fp32, 1e-6), with the same parameter names:
 PP1 -> PP2 -> PP2xVPP2 -> TP2xPP2 -> PP1, each layout built in turn inside one 4-rank world
 (megatron's dist_checkpointing save/load of the models' sharded state dicts, the format
-`--ckpt-format torch_dist` writes). Run: torchrun --nproc_per_node 4 -m pytest <this file>."""
+`--ckpt-format torch_dist` writes). A DeepSeek-V3-shaped mHC GPT (MLA, a dense first layer then
+MoE with a shared expert) moves PP1 -> PP2xEP2 -> PP1xEP1 the same way.
+Run: torchrun --nproc_per_node 4 -m pytest <this file>."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.config import MHCMLATransformerConfig, MHCTransformerConfig
 from megatron_ext.testing.distributed import init_distributed, model_parallel
 from megatron_ext.testing.equivalence import (
     TrainPlan,
@@ -29,17 +31,44 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
 ]
 
-LAYOUTS = {"PP1": {}, "PP2": dict(pp=2), "PP2xVPP2": dict(pp=2, vpp=2), "TP2xPP2": dict(tp=2, pp=2)}
+LAYOUTS = {
+    "PP1": {},
+    "PP2": dict(pp=2),
+    "PP2xVPP2": dict(pp=2, vpp=2),
+    "TP2xPP2": dict(tp=2, pp=2),
+    "PP2xEP2": dict(pp=2, ep=2),
+}
 CHAIN = ["PP1", "PP2", "PP2xVPP2", "TP2xPP2", "PP1"]
+# Starts at PP1: the noise _move_away_from_init adds on a PP>1 layout would differ between the
+# first stage's embedding and the last stage's tied output weight, of which one is saved.
+MOE_MLA_CHAIN = ["PP1", "PP2xEP2", "PP1"]
+# MLA (q/kv LoRA ranks, nope/rope head dims) and MoE (dense first layer, 4 experts top-2, a
+# shared expert) in miniature.
+MOE_MLA = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=8,
+    moe_layer_freq=[0, 1, 1, 1],
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    moe_token_dispatcher_type="alltoall",
+    add_bias_linear=False,
+)
 SAVED_SEED, FRESH_SEED = 1234, 4321  # weight initialisation; the batch is always the same
 
 
-def _plan(layout: str) -> TrainPlan:
+def _plan(layout: str, moe_mla: bool = False) -> TrainPlan:
+    overrides = dict(enable_mhc_connections=True, mhc_num_residual_streams=4)
+    if moe_mla:
+        overrides.update(MOE_MLA)
     return TrainPlan(
         num_layers=4,
         global_batch_size=4,
+        num_moe_experts=4 if moe_mla else None,
         **LAYOUTS[layout],
-        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=4),
+        config_overrides=overrides,
     )
 
 
@@ -94,14 +123,16 @@ def _parameter_names(sharded: dict) -> list[str]:
 
 
 def _at_layout(
-    layout: str, load_dir: Path | None, save_dir: Path
+    layout: str, load_dir: Path | None, save_dir: Path, moe_mla: bool = False
 ) -> tuple[float, float, list[str]]:
     """Build ``layout`` (fresh weights unless loading), load, measure the loss, save."""
     from megatron.core import dist_checkpointing
 
-    plan = _plan(layout)
-    with model_parallel(plan.tp, plan.pp, plan.vpp, seed=FRESH_SEED if load_dir else SAVED_SEED):
-        config = transformer_config(plan, parallel=True, config_class=MHCTransformerConfig)
+    plan = _plan(layout, moe_mla)
+    config_class = MHCMLATransformerConfig if moe_mla else MHCTransformerConfig
+    seed = FRESH_SEED if load_dir else SAVED_SEED
+    with model_parallel(plan.tp, plan.pp, plan.vpp, ep=plan.ep, seed=seed):
+        config = transformer_config(plan, parallel=True, config_class=config_class)
         chunks = build_model_chunks(plan, config, gpt_model_factory(plan))
         for chunk in chunks:
             chunk.eval()
@@ -123,18 +154,21 @@ def _at_layout(
     return before, after, names
 
 
-def test_an_mhc_checkpoint_moves_between_layouts_with_the_same_loss_and_names():
+@pytest.mark.parametrize(
+    "chain, moe_mla", [(CHAIN, False), (MOE_MLA_CHAIN, True)], ids=["dense", "moe_mla"]
+)
+def test_an_mhc_checkpoint_moves_between_layouts_with_the_same_loss_and_names(chain, moe_mla):
     init_distributed()
     root = [tempfile.mkdtemp(prefix="megatron-ext-layouts-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root, src=0)
     root = Path(root[0])
     try:
-        _, saved_loss, saved_names = _at_layout(CHAIN[0], None, root / "0")
-        for step, layout in enumerate(CHAIN[1:], start=1):
+        _, saved_loss, saved_names = _at_layout(chain[0], None, root / "0", moe_mla)
+        for step, layout in enumerate(chain[1:], start=1):
             fresh_loss, loaded_loss, names = _at_layout(
-                layout, root / str(step - 1), root / str(step)
+                layout, root / str(step - 1), root / str(step), moe_mla
             )
-            moved = f"{CHAIN[step - 1]} -> {layout}"
+            moved = f"{chain[step - 1]} -> {layout}"
             assert abs(fresh_loss - saved_loss) > 1e-3, (
                 f"{moved}: fresh weights must give another loss"
             )
@@ -143,6 +177,14 @@ def test_an_mhc_checkpoint_moves_between_layouts_with_the_same_loss_and_names():
             )
             assert names == saved_names, f"{moved}: {sorted(set(names) ^ set(saved_names))}"
         assert any("hyper_connection" in n or "mhc" in n for n in saved_names), saved_names
+        if moe_mla:  # upstream's names beside megatron's MoE and MLA ones
+            for name in (
+                "decoder.layers.1.mlp_hyper_connection.mapping_proj.weight",
+                "decoder.layers.0.self_attention_hyper_connection.bias",
+                "decoder.layers.1.mlp.router.weight",
+                "decoder.layers.1.self_attention.linear_kv_down_proj.weight",
+            ):
+                assert name in saved_names, (name, saved_names)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

@@ -1,5 +1,5 @@
 """The mHC transformer layer on its own: shapes, attention-only and MLP-only layers (as a
-HybridModel builds them), MoE only when built for Hybrid, and every guard the layer, the
+HybridModel builds them), MoE MLPs, and every guard the layer, the
 block, the model and the spec builders raise (type + the field named in the message)."""
 
 import dataclasses
@@ -120,11 +120,13 @@ def _moe_config(**overrides):
     )
 
 
-def test_moe_mlp_is_refused_in_a_gpt_mhc_layer_and_points_to_hybrid():
+def test_moe_mlp_is_wrapped_in_a_gpt_mhc_layer():
     with model_parallel():
         spec = get_gpt_layer_local_spec(num_experts=2, enable_mhc_connections=True)
-        with pytest.raises(NotImplementedError, match=r"num_experts.*HybridModel.*'E' layers"):
-            _layer(spec, _moe_config())
+        layer = _layer(spec, _moe_config())
+        output, _ = layer(_streams(), attention_mask=_mask())
+    assert layer.is_moe_layer and output.shape == (S, B, N * H)
+    assert layer.mlp_hyper_connection is not None
 
 
 def test_moe_mlp_is_accepted_when_built_for_hybrid():

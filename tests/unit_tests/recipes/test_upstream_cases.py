@@ -357,16 +357,63 @@ def test_import_writes_a_recipe_that_loads_the_same(tmp_path, capsys):
     assert cli.main(["import", str(tmp_path / "none.yaml")]) == 2
 
 
-def test_moe_with_mhc_is_refused_before_start(tmp_path):
-    """Upstream's gpt3_mcore_te_tp2_pp2_ep4_mhc_* combination: pretrain_gpt's MoE spec has no
-    mHC layers, which the model would report only once every rank had started."""
+def test_moe_with_mhc_validates(tmp_path):
+    """Upstream's gpt3_mcore_te_tp2_pp2_ep4_mhc_* combination (MoE + mHC) is no longer refused:
+    pretrain_gpt's MoE block spec gives every layer the n streams."""
     loaded = load(write_case(tmp_path, {"--num-experts": 4, "--enable-hyper-connections": True}))
-    problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
-    assert problems == [
-        "model.num_experts: MoE with mHC: megatron_ext.pretrain_gpt builds MoE layers from "
-        "megatron-core's block spec, which has no mHC residual streams; disable "
-        "model.mhc.enabled or MoE"
+    assert [str(p) for p in validate(loaded, megatron_checks=False).problems] == []
+
+
+# Megatron-LM dev's gpt3_mcore_te_tp2_pp2_ep4_mhc_overlap_attn_cudagraph, in our words: TP2 PP2
+# (VPP) EP4 ETP1 MoE with SP, dev's mHC spellings and 'mhc' recompute, the overlapped EP
+# schedule and TE CUDA graphs of the attention.
+MHC_MOE_OVERLAP_CASE = {
+    "--num-layers": 12,
+    "--num-layers-per-virtual-pipeline-stage": 3,
+    "--transformer-impl": "transformer_engine",
+    "--expert-model-parallel-size": 4,
+    "--expert-tensor-parallel-size": 1,
+    "--sequence-parallel": True,
+    "--num-experts": 8,
+    "--moe-router-topk": 2,
+    "--moe-aux-loss-coeff": 1e-2,
+    "--moe-token-dispatcher-type": "alltoall",
+    "--moe-grouped-gemm": True,
+    "--overlap-moe-expert-parallel-comm": True,
+    "--enable-hyper-connections": True,
+    "--num-residual-streams": 4,
+    "--recompute-granularity": "selective",
+    "--recompute-modules": "[mhc]",
+    "--mhc-recompute-layer-num": 2,
+    "--cuda-graph-impl": "transformer_engine",
+    "--cuda-graph-modules": "[attn]",
+    "--te-rng-tracker": True,
+}
+
+
+def test_upstream_mhc_moe_overlap_case_is_refused_for_the_overlap_and_cuda_graphs(tmp_path):
+    """On its own (GPU) platform: refused for exactly what the guards reject, each with its
+    reason, before Megatron's checks (which need a GPU) or any process."""
+    name = "gpt3_mcore_te_tp2_pp2_ep4_mhc_overlap_attn_cudagraph"
+    loaded = load(write_case(tmp_path, MHC_MOE_OVERLAP_CASE, name=name), "dgx_h100")
+    assert [str(p) for p in validate(loaded, megatron_checks=False).problems] == [
+        "extra_args.--overlap-moe-expert-parallel-comm: is not supported with mHC and pp=2: its "
+        "overlapped schedule does not carry the n-stream residual; remove it (or set pp=1)",
+        "extra_args.--cuda-graph-impl: mHC layers are not qualified with CUDA graphs (their "
+        "static inputs would be single-stream); remove it",
     ]
+
+
+def test_upstream_mhc_moe_overlap_case_validates_without_overlap_under_the_cpu_overlay(tmp_path):
+    """The cpu overlay leaves out the GPU-only flags (the overlap, CUDA graphs, grouped GEMM):
+    what remains, MoE + EP + mHC + recompute under TP/SP/PP/VPP, passes Megatron's own checks
+    and the guards."""
+    name = "gpt3_mcore_te_tp2_pp2_ep4_mhc_overlap_attn_cudagraph"
+    loaded = load(write_case(tmp_path, MHC_MOE_OVERLAP_CASE, name=name))
+    extra = loaded.recipe.extra_args
+    assert "--overlap-moe-expert-parallel-comm" not in extra and "--cuda-graph-impl" not in extra
+    assert loaded.recipe.model.mhc.enabled and loaded.recipe.parallelism.ep == 4
+    assert [str(p) for p in validate(loaded).problems] == []
 
 
 # ---- upstream's cases as its CI reads them (issue 25 item 7) -------------------------------------

@@ -1,0 +1,50 @@
+"""GPT MoE / MLA with mHC on 2 ranks match the single-rank reference (loss and every gradient
+of every step, weights after the last): MoE at PP=2 (n-stream P2P), EP=2 over DP=2, TP=2 with
+SP and expert TP; MLA at PP=2 and TP=2 with SP. The aux loss is on in every MoE case."""
+
+import dataclasses
+
+import pytest
+from mhc_moe_mla_cases import check, mla_plan, moe_plan
+from mhc_pipeline_cases import (
+    all_ranks,
+    assert_every_exchange_is_n_streams_wide,
+    recorded_p2p_shapes,
+)
+
+pytestmark = [
+    pytest.mark.world_size(2),
+    pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
+]
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(pp=2), dict(pp=2, vpp=2, num_layers=4)], ids=["pp2", "pp2_vpp2"]
+)
+def test_moe_mhc_pipeline_matches_reference_with_n_stream_p2p(monkeypatch, layout):
+    plan = moe_plan(**layout)
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(ep=2), dict(tp=2, sequence_parallel=True)],
+    ids=["ep2_dp2", "tp2_sp_expert_tp2"],
+)
+def test_moe_mhc_matches_reference(layout):
+    check(moe_plan(**layout))
+
+
+def test_mla_mhc_pp2_matches_reference():
+    check(mla_plan(pp=2))
+
+
+def test_mla_mhc_tp2_sequence_parallel_matches_reference():
+    # Loss and every gradient at the usual 1e-5. A few elements of linear_kv_down_proj's
+    # rope-key rows (TP rank 1's shard) have gradients below 1e-6, pure rounding noise (also
+    # without mHC); Adam moves such an element by +-lr whatever its size, so the weights are
+    # compared within two Adam steps' worth (2 * lr per step).
+    plan = mla_plan(tp=2, sequence_parallel=True)
+    check(dataclasses.replace(plan, param_atol=2 * 2 * plan.lr * plan.steps))
