@@ -575,6 +575,19 @@ declare(
     )
 )
 
+declare(
+    Seam(
+        "atexit:_run_exitfuncs",
+        "private_function",
+        "The megatron-ext program runs the exit handlers itself, then leaves through os._exit "
+        "to skip the interpreter teardown of megatron's ~2,900 modules (issue 25 item 18); "
+        "Python has no public way to run the atexit handlers early. A C function without a "
+        "text signature: only its presence is checked.",
+        None,
+        _PYTHON,
+    )
+)
+
 # ---- class adoptions ------------------------------------------------------------------
 declare(
     Seam(

@@ -7,11 +7,11 @@ The text below ``--help`` shows is ``DESCRIPTION``.
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import re
 import sys
 
+from megatron_ext import registry
 from megatron_ext.cli import (
     compare,
     convert,
@@ -129,7 +129,7 @@ def exit_now(status: int | None) -> None:
     collection - took 3.5-5.6 s of a 19-26 s ``validate`` on a loaded 2-core machine and did
     nothing anyone waits for: files are written through ``with`` blocks, children are reaped,
     and ``atexit`` work (logging, tempfile cleanup) still runs here."""
-    atexit._run_exitfuncs()
+    registry.private("atexit:_run_exitfuncs")()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -11,10 +11,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_ext.errors import MegatronExtError
+
 LOCK_NAME = ".lock"
 
 
-class RunDirectoryBusy(RuntimeError):
+class RunDirectoryBusy(MegatronExtError, RuntimeError):
     """Another live process holds the run directory, or it cannot be created or locked."""
 
 
