@@ -112,6 +112,15 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(
         parser,
         group,
+        "--mhc-h-res-method",
+        choices=("sinkhorn", "birkhoff"),
+        default=defaults["mhc_h_res_method"].default,
+        help="H_res: Sinkhorn-Knopp on n^2 logits (upstream) or birkhoff (mHC-lite: softmax "
+        "over the n! permutation matrices, exactly doubly stochastic; n <= 6, no fused kernel)",
+    )
+    _add_flag(
+        parser,
+        group,
         "--mhc-init-gating-factor",
         type=float,
         default=defaults["mhc_init_gating_factor"].default,

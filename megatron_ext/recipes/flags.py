@@ -36,6 +36,7 @@ FIELD_FLAGS: dict[str, str] = {
     "--num-experts": "model.num_experts",
     "--moe-router-topk": "model.moe_router_topk",
     "--mhc-sinkhorn-iterations": "model.mhc.sinkhorn_iterations",
+    "--mhc-h-res-method": "model.mhc.h_res_method",
     "--mhc-init-gating-factor": "model.mhc.init_gating_factor",
     "--mhc-recompute-layer-num": "model.mhc.recompute_layer_num",
     "--recompute-hyper-connections": "model.mhc.recompute",

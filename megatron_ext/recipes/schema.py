@@ -67,6 +67,10 @@ class MHC:
     enabled: bool = _doc("--enable-mhc-connections", default=False)
     num_residual_streams: int = _doc("--mhc-num-residual-streams (n)", default=4)
     sinkhorn_iterations: int = _doc("--mhc-sinkhorn-iterations", default=20)
+    h_res_method: Literal["sinkhorn", "birkhoff"] = _doc(
+        "--mhc-h-res-method (birkhoff: mHC-lite, exact doubly-stochastic H_res, n <= 6)",
+        default="sinkhorn",
+    )
     init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
     recompute: bool = _doc(
         "--recompute-granularity selective --recompute-modules mhc", default=False
