@@ -20,7 +20,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 ALLOW_ENV = "MEGATRON_EXT_ALLOW_CKPT_MISMATCH"
-MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams")
+MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams", "mhc_h_res_method")
 
 
 class CheckpointMismatchError(AssertionError):
@@ -33,11 +33,13 @@ def _padded(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 def _mhc_settings(ns: Any) -> dict[str, Any]:
-    """mHC on/off and, when on, its stream count (off: the count means nothing)."""
+    """mHC on/off and, when on, its stream count and H_res method (off: they mean nothing;
+    a checkpoint from before mhc_h_res_method existed is sinkhorn)."""
     on = bool(getattr(ns, "enable_mhc_connections", False))
     return {
         "enable_mhc_connections": on,
         "mhc_num_residual_streams": getattr(ns, "mhc_num_residual_streams", None) if on else None,
+        "mhc_h_res_method": getattr(ns, "mhc_h_res_method", "sinkhorn") if on else None,
     }
 
 
@@ -53,7 +55,7 @@ def mhc_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
     return (
         "the checkpoint's mHC settings differ from this model's (" + "; ".join(diffs) + "); the "
         "hyper-connection weights would be dropped or misread. Use the checkpoint's mHC flags "
-        f"(--enable-mhc-connections, --mhc-num-residual-streams), or set {ALLOW_ENV}=1 to load anyway"
+        f"(--enable-mhc-connections, --mhc-num-residual-streams, --mhc-h-res-method), or set {ALLOW_ENV}=1 to load anyway"
     )
 
 

@@ -81,6 +81,11 @@ def test_same_settings_load(current_args):
             dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
             "mhc_num_residual_streams: checkpoint 4, now 2",
         ),
+        (
+            dict(enable_mhc_connections=True),  # written before mhc_h_res_method existed
+            dict(enable_mhc_connections=True, mhc_h_res_method="birkhoff"),
+            "mhc_h_res_method: checkpoint 'sinkhorn', now 'birkhoff'.*--mhc-h-res-method",
+        ),
     ],
 )
 def test_mhc_mismatch_is_refused(current_args, saved, now, field):
