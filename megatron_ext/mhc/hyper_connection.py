@@ -44,6 +44,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
+from megatron_ext.mhc import stats
 from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
 from megatron_ext.mhc.reference import (
     reference_aggregate,
@@ -323,6 +324,10 @@ class HyperConnectionModule(MegatronModule):
         self.n = config.mhc_num_residual_streams
         self.hidden_size = config.hidden_size
         self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
+        # mHC statistics (megatron_ext.mhc.stats): the owner names the sub-layer; the
+        # creation index orders a layer's connections (attention before MLP).
+        self.stats_sublayer = "hc"
+        self.stats_order = stats.next_creation_index()
         # "sinkhorn" (n² logits, Sinkhorn-Knopp) or "birkhoff" (n! logits, mHC-lite).
         self.h_res_method = getattr(config, "mhc_h_res_method", "sinkhorn")
         # use_fused_mhc: the Triton kernels of megatron_ext.mhc.fused replace the lean path.
@@ -409,12 +414,18 @@ class HyperConnectionModule(MegatronModule):
 
     def compute_mappings(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
+        self._record_sample(x)
         if self.use_reference_path:
             return reference_mappings(self, x)
         n, lead = self.n, x.shape[:-1]
         h_pre, h_post, h_res = self._token_maps(x)
         h_res = h_res.permute(2, 0, 1).reshape(*lead, n, n)
         return h_pre.view(*lead, n), h_post.view(*lead, n), h_res
+
+    def _record_sample(self, x: torch.Tensor) -> None:
+        recorder = stats.recorder()
+        if recorder is not None:
+            recorder.capture(self, x)
 
     def gated_weight(self) -> torch.Tensor:
         """``mapping_proj.weight`` with each row scaled by its gate (fp32): the gates folded
@@ -425,6 +436,7 @@ class HyperConnectionModule(MegatronModule):
         """Maps and aggregation in one pass (:class:`~megatron_ext.mhc.lean.StreamsIn`):
         ``[s,b,n*h] -> (sub-layer input [s,b,h], post [T,n,1], mix [T,n,n])``, the maps in
         ``x``'s dtype and in the form :func:`merge_rows` takes."""
+        self._record_sample(x)
         n = self.n
         streams = _token_streams(x, n)
         streams_in = StreamsIn.apply
