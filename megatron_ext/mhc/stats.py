@@ -14,8 +14,9 @@ connection sees them):
   composite is ``M = H_Lᵀ ⋯ H_1ᵀ`` in layer order; the forward gain is the largest absolute row
   sum of M, the backward gain its largest absolute column sum (max over the sample tokens).
 
-Cost: each hyper connection copies its sample (``SAMPLE_TOKENS × n·h`` numbers) on the step
-before a log, and at the log recomputes its maps for those tokens; nothing else runs.
+Cost: on a logged step each hyper connection computes its maps once more for its sample
+tokens (no gradient), and at the log the figures and n×n products are formed and gathered;
+other steps only test one flag per sub-layer.
 
 Pipeline parallelism: every rank composes the products of its own consecutive layers (one per
 stage or virtual chunk); the products and per-layer figures are gathered and the chunks'
@@ -50,17 +51,25 @@ def next_creation_index() -> int:
 
 @dataclass
 class Recorder:
-    """Holds each hyper connection's sample of the armed step."""
+    """Holds each hyper connection's maps of its sample tokens in the armed step."""
 
     armed: bool = True
-    samples: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    # id(connection) -> (connection, (h_pre [T, n], h_post [T, n], h_res [T, n, n]))
+    samples: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
     def capture(self, connection, x: torch.Tensor) -> None:
-        """Keep the first training call's sample per connection (recompute calls again)."""
-        if not self.armed or not connection.training or id(connection) in self.samples:
+        """The maps of the first training call per connection (recompute calls again),
+        computed now, from the weights this forward uses."""
+        key = id(connection)
+        if not self.armed or not connection.training or key in self.samples:
             return
-        sample = x[:SAMPLE_TOKENS, :1].detach().clone()
-        self.samples[id(connection)] = (connection, sample)
+        self.samples[key] = (connection, None)  # compute_mappings below records again
+        sample = x[:SAMPLE_TOKENS, :1].detach()
+        n = connection.n
+        with torch.no_grad():
+            h_pre, h_post, h_res = connection.compute_mappings(sample)
+        maps = (h_pre.reshape(-1, n), h_post.reshape(-1, n), h_res.reshape(-1, n, n).double())
+        self.samples[key] = (connection, maps)
 
 
 _recorder: Optional[Recorder] = None
@@ -124,13 +133,8 @@ def local_figures(samples: dict) -> tuple[dict[str, float], list[tuple[tuple, to
     figures: dict[str, float] = {}
     chunks: list[tuple[tuple, list[torch.Tensor]]] = []
     previous_layer = None
-    for connection, sample in ordered:
-        h_pre, h_post, h_res = connection.compute_mappings(sample)
-        n = connection.n
-        h_res = h_res.reshape(-1, n, n).double()
-        for name, value in sublayer_figures(
-            h_pre.reshape(-1, n), h_post.reshape(-1, n), h_res
-        ).items():
+    for connection, (h_pre, h_post, h_res) in ordered:
+        for name, value in sublayer_figures(h_pre, h_post, h_res).items():
             figures[f"{_sublayer_name(connection)}/{name}"] = value
         layer = connection.layer_number
         if previous_layer is None or layer not in (previous_layer, previous_layer + 1):

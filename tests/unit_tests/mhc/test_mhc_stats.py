@@ -121,3 +121,18 @@ def test_nothing_is_recorded_in_eval_or_when_disarmed():
             assert not recorder.samples
     finally:
         stats.disable()
+
+
+def test_chunk_products_combine_in_global_layer_order_whatever_the_rank_order():
+    """Ranks' contributions arrive in rank order, VPP chunks interleave (rank 0 holds layers 1
+    and 3): the products must be multiplied by layer, not by rank. Non-stochastic operators,
+    so any other order gives other gains."""
+    generator = torch.Generator().manual_seed(0)
+    operators = [torch.rand(3, 4, 4, generator=generator, dtype=torch.float64) for _ in range(4)]
+    expected = stats.gains(stats.compose(operators))
+    rank0 = ({}, [((1, 0), operators[0]), ((3, 0), operators[2])])
+    rank1 = ({}, [((2, 0), operators[1]), ((4, 0), operators[3])])
+    for contributions in ([rank0, rank1], [rank1, None, rank0]):
+        assert stats.combine(contributions) == pytest.approx(expected, rel=1e-12)
+    wrong = stats.gains(stats.compose(operators[::-1]))
+    assert wrong != pytest.approx(expected, rel=1e-3)

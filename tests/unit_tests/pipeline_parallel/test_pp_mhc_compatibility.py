@@ -16,6 +16,8 @@ from megatron_ext.testing.equivalence import (
 
 from mhc_pipeline_cases import (
     all_ranks,
+    assert_birkhoff_gains_are_one,
+    check_mhc_and_stats,
     assert_every_exchange_is_n_streams_wide,
     check_mhc,
     mhc_plan,
@@ -30,18 +32,22 @@ pytestmark = [
 
 def test_pp2_1f1b_birkhoff_carries_n_streams_and_matches_reference(monkeypatch):
     """mHC-lite's H_res (mhc_h_res_method='birkhoff'); sinkhorn's PP=2 1F1B run is the
-    recompute test's reference check below."""
+    recompute test's reference check below. The mHC statistics equal the single rank's and
+    the composite gains are 1 after 3 steps."""
     plan = mhc_plan(pp=2, config_overrides=dict(mhc_h_res_method="birkhoff"))
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check = check_mhc_and_stats(plan)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+    assert_birkhoff_gains_are_one(check)
 
 
 @pytest.mark.parametrize("batch_p2p_comm", [True, False])
 def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatch, batch_p2p_comm):
+    """With mHC statistics equal to the single rank's (near init H_res is near uniform, so the
+    chunk order of the gains is tested by test_mhc_stats.py's combine test, not here)."""
     plan = mhc_plan(pp=2, vpp=2, config_overrides=dict(batch_p2p_comm=batch_p2p_comm))
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check_mhc_and_stats(plan)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
 
 

@@ -6,8 +6,9 @@ import pytest
 
 from mhc_pipeline_cases import (
     all_ranks,
+    assert_birkhoff_gains_are_one,
+    check_mhc_and_stats,
     assert_every_exchange_is_n_streams_wide,
-    check_mhc,
     mhc_plan,
     recorded_p2p_shapes,
 )
@@ -32,5 +33,7 @@ def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layou
     method = dict(mhc_h_res_method=layout.pop("h_res_method", "sinkhorn"))
     plan = mhc_plan(**layout, config_overrides=method)
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check = check_mhc_and_stats(plan)  # the mHC statistics equal the single rank's too
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+    if method["mhc_h_res_method"] == "birkhoff":
+        assert_birkhoff_gains_are_one(check)
