@@ -179,6 +179,21 @@ register(
 
 register(
     Patch(
+        target="megatron.training.training:training_log",
+        replacement="megatron_ext.mhc.stats_logging:logging_mhc_stats",
+        why=(
+            "--log-mhc-stats: megatron.training has no hook for model-specific scalars. Every "
+            "rank calls training_log after every step (train() looks it up by name), so the "
+            "wrapper gathers the mHC statistics recorded during a logged step there and writes "
+            "them with megatron's TensorBoard writer. Without --log-mhc-stats it only calls the "
+            "original."
+        ),
+    )
+)
+
+
+register(
+    Patch(
         target="megatron.training.checkpointing:maybe_msc",
         replacement="megatron_ext.checkpoint.tracker:AtomicTrackerStorage",
         why=(

@@ -40,6 +40,7 @@ from typing import Callable, Optional
 
 from megatron_ext.recipes import compare as cmp
 from megatron_ext.recipes import metrics as met
+from megatron_ext.recipes import mhc_report
 from megatron_ext.recipes import plan
 from megatron_ext.recipes import safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
@@ -528,7 +529,9 @@ def finalize(
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
     )
-    met.write_golden(run_dir / "metrics.json", run_metrics, names)
+    met.write_golden(
+        run_dir / "metrics.json", run_metrics, mhc_report.recorded_names(recipe, names)
+    )
     resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
@@ -591,6 +594,7 @@ def finalize(
         resume_step=resume_step,
         title=f"{loaded.name} ({loaded.platform})",
     )
+    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, f"{loaded.name} ({loaded.platform})")
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
@@ -620,7 +624,11 @@ def finalize(
     if losses:
         first, last = min(losses), max(losses)
         echo(f"  lm loss {losses[first]:.4f} (step {first}) -> {losses[last]:.4f} (step {last})")
+    for line in mhc_report.summary_lines(run_metrics):
+        echo(f"  {line}")
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
+    if mhc_plot is not None:
+        echo(f"  mHC plot {mhc_plot}")
     echo(f"{'PASSED' if passed else 'FAILED'}: {loaded.name} in {seconds:.1f} s")
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
 

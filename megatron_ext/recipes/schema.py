@@ -79,6 +79,10 @@ class MHC:
         "--mhc-recompute-layer-num (None: one group per stage)", default=None
     )
     fused: bool = _doc("--use-fused-mhc (Triton kernels; CUDA only)", default=False)
+    log_stats: bool = _doc(
+        "--log-mhc-stats (mhc/... scalars: H_res residuals, H_pre/H_post ranges, gains)",
+        default=False,
+    )
 
 
 @dataclass
