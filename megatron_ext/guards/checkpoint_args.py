@@ -108,3 +108,20 @@ def checking_model_settings(original: Callable[..., None]) -> Callable[..., None
         raise CheckpointMismatchError(" | ".join(problems))
 
     return check_checkpoint_args
+
+
+def refusing_mhc_mismatch_before_loading(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron's ``_maybe_setup_gpt_to_hybrid_load(args, ckpt_args, model)``, which
+    ``load_checkpoint`` calls with a ``torch_dist`` checkpoint's args *before* it reads any
+    tensor: a different mHC shape (stream count, H_res method) would otherwise fail there first
+    with dist-checkpointing's bare "Global shape mismatch"."""
+
+    @functools.wraps(original)
+    def maybe_setup_gpt_to_hybrid_load(args, ckpt_args, *a: Any, **kw: Any):
+        if getattr(ckpt_args, "num_layers", None) is not None:  # args were saved
+            problem = mhc_mismatch(ckpt_args, args)
+            if problem and os.environ.get(ALLOW_ENV) != "1":
+                raise CheckpointMismatchError(problem)
+        return original(args, ckpt_args, *a, **kw)
+
+    return maybe_setup_gpt_to_hybrid_load
