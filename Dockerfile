@@ -36,7 +36,7 @@ RUN pip install --no-cache-dir --no-build-isolation "causal-conv1d==1.6.2.post1"
         "mamba-ssm @ git+https://github.com/state-spaces/mamba.git@${MAMBA_COMMIT}"
 
 WORKDIR /opt/megatron-ext
-COPY setup.py README.md requirements.txt Makefile pytest.ini ./
+COPY setup.py pyproject.toml README.md requirements.txt Makefile ./
 COPY megatron_ext ./megatron_ext
 COPY recipes ./recipes
 COPY patches ./patches

@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo lint test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
+.PHONY: setup run demo lint mypy test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -22,10 +22,19 @@ demo: setup
 # each session runs the tests marked for its world size (tests/conftest.py).
 test: setup lint test-single test-2ranks test-4ranks test-install test-gpu-prep
 
-# ruff (ruff.toml): the tree is formatted and lint-clean; `.venv/bin/ruff format .` fixes the first.
+# ruff and mypy (configured in pyproject.toml): the tree is formatted and lint-clean
+# (`.venv/bin/ruff format .` fixes the first), and the typed core type-checks.
+# .pre-commit-config.yaml runs the same commands (its mypy hook is `make mypy`).
+MYPY_PATHS := megatron_ext/mhc megatron_ext/pipeline megatron_ext/schedules megatron_ext/parallel_plan.py \
+	megatron_ext/registry.py megatron_ext/declarations.py megatron_ext/config megatron_ext/errors.py \
+	megatron_ext/mhc_flags.py megatron_ext/launch/shell.py
 lint:
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
+	$(MAKE) --no-print-directory mypy
+
+mypy:
+	.venv/bin/mypy $(MYPY_PATHS)
 
 # --durations: the log shows where the time goes (make test must stay under 20 minutes).
 test-single:

@@ -283,7 +283,7 @@ def main() -> None:
         print(f"  {name:<20} {ms:9.3f} ms")
     result = {
         "bench": "mhc_layer",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
         "device": where,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

@@ -21,8 +21,8 @@ from activation_memory import measure_step  # bench/ is on sys.path when run as 
 
 
 def _model(args, mhc: bool, recompute: bool, layer_num):
-    from megatron_ext.testing.configs import small_config
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+    from megatron_ext.testing.configs import small_config
 
     extra = {}
     if recompute:

@@ -130,9 +130,7 @@ def main() -> None:
             json.dumps(
                 {
                     "bench": "p2p_volume",
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                        timespec="seconds"
-                    ),
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "machine": platform.node(),
                     "load_average": os.getloadavg()[0],
                     "sizes": dict(

@@ -3,16 +3,29 @@
 ``install()`` applies the plugin's patches to megatron-core (idempotently) and
 ``uninstall()`` restores every original. The patches themselves are declared, with their
 reasons and verified versions, in :mod:`megatron_ext.declarations` (applied by the machinery
-of :mod:`megatron_ext.registry`).
+of :mod:`megatron_ext.registry`). :class:`MegatronExtError` is the root of every error
+megatron-ext raises on purpose; :class:`Problem` is one finding of a check (where, what). The
+stable API is ``__all__`` here and in the subpackages the README's "Stable API" section lists.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from megatron_ext import registry
-from megatron_ext.installer import install as install
-from megatron_ext.installer import installed as installed
+from megatron_ext.errors import MegatronExtError, Problem
+from megatron_ext.installer import install as install, installed as installed
+
+# The stable API (README, "Stable API"): these names, and the ``__all__`` of the public
+# subpackages listed there. Everything else is internal and may change between releases.
+__all__ = [
+    "MegatronExtError",
+    "Problem",
+    "__version__",
+    "install",
+    "installed",
+    "uninstall",
+]
 
 
 def uninstall() -> None:

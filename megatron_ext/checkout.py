@@ -19,7 +19,10 @@ import argparse
 import importlib
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
+
+from megatron_ext.errors import MegatronExtError
+from megatron_ext.mhc_flags import ENABLE_ALIAS
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +30,14 @@ HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 
 # TransformerConfig fields through which a Megatron-LM declares its own mHC, and the flag each
 # one becomes through megatron's ArgumentGroupFactory.
+# main's (Split 1/N of PR #3430) and dev's (DeepSeek-V4 configs) spelling of the switch.
 UPSTREAM_MHC_FIELDS = {
-    "enable_mhc_connections": "--enable-mhc-connections",  # main (Split 1/N of PR #3430)
-    "enable_hyper_connections": "--enable-hyper-connections",  # dev, DeepSeek-V4 configs
+    ENABLE_ALIAS.main_field: ENABLE_ALIAS.main_flag,
+    ENABLE_ALIAS.dev_field: ENABLE_ALIAS.dev_flag,
 }
 
 
-class DatasetHelpersMissing(RuntimeError):
+class DatasetHelpersMissing(MegatronExtError, RuntimeError):
     """megatron's C++ dataset helpers are neither built nor buildable here."""
 
 

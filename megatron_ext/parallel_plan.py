@@ -3,25 +3,20 @@
 Every place that checks parallel sizes (recipes' schema and plan checks, the equivalence
 harness, each module of a multi-module pipeline) builds a :class:`ParallelPlan` and asks it:
 derived sizes are properties (``dp``, ``world_size``, ``model_chunks``, ``seq_len_divisor``)
-and :meth:`ParallelPlan.problems` returns every inconsistency at once, each naming the field,
-the values involved and the fix, before any process group exists. Nothing here imports torch
-or megatron, so recipes are checked without them.
+and :meth:`ParallelPlan.problems` returns every inconsistency at once, each a
+:class:`~megatron_ext.errors.Problem` whose ``where`` is the field (``tp``, ``world_size``, ...)
+and whose ``what`` names the values involved and the fix, before any process group exists.
+Nothing here imports torch or megatron (only :mod:`megatron_ext.errors`), so recipes are
+checked without them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+
+from megatron_ext.errors import Problem
 
 SIZES = ("tp", "pp", "cp", "ep", "dp")
-
-
-@dataclass(frozen=True)
-class PlanProblem:
-    """One problem of a plan: the field to change (``tp``, ``world_size``, ...) and why."""
-
-    field: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -31,12 +26,12 @@ class ParallelPlan:
 
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None  # virtual stages per pipeline rank; None or 1: none
+    vpp: int | None = None  # virtual stages per pipeline rank; None or 1: none
     cp: int = 1
     ep: int = 1
     sp: bool = False
-    dp_size: Optional[int] = None
-    world: Optional[int] = None
+    dp_size: int | None = None
+    world: int | None = None
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -76,18 +71,18 @@ class ParallelPlan:
         return divisor * (2 * self.cp if self.cp > 1 else 1)
 
     # ---- checks ----------------------------------------------------------------------------
-    def size_problems(self) -> list[PlanProblem]:
+    def size_problems(self) -> list[Problem]:
         """Sizes that are not positive integers (every later check assumes they are)."""
         problems = []
         for name in SIZES:
             value = self.dp_size if name == "dp" else getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                problems.append(PlanProblem(name, f"must be >= 1, got {value}"))
+                problems.append(Problem(name, f"must be >= 1, got {value}"))
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
-            problems.append(PlanProblem("vpp", f"must be >= 1 or null, got {self.vpp}"))
+            problems.append(Problem("vpp", f"must be >= 1 or null, got {self.vpp}"))
         return problems
 
-    def problems(self) -> list[PlanProblem]:
+    def problems(self) -> list[Problem]:
         """Every problem of the plan at once (sizes first; nothing else when they are bad)."""
         problems = self.size_problems()
         if problems:
@@ -98,7 +93,7 @@ class ParallelPlan:
             and self.world % self.model_parallel_size
         ):
             problems.append(
-                PlanProblem(
+                Problem(
                     "world_size",
                     f"world size {self.world} is not divisible by tp({self.tp})*pp({self.pp})*"
                     f"cp({self.cp})={self.model_parallel_size}",
@@ -110,7 +105,7 @@ class ParallelPlan:
             and self.world != self.world_from_sizes
         ):
             problems.append(
-                PlanProblem(
+                Problem(
                     "world_size",
                     f"{self.world} ranks, but tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * "
                     f"dp({self.dp_size}) = {self.world_from_sizes}; leave nproc null or change dp",
@@ -118,14 +113,14 @@ class ParallelPlan:
             )
         if self.sp and self.tp == 1:
             problems.append(
-                PlanProblem(
+                Problem(
                     "sp",
                     "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)",
                 )
             )
         if self.ep > 1 and (self.tp * self.dp * self.cp) % self.ep:
             problems.append(
-                PlanProblem(
+                Problem(
                     "ep", f"ep={self.ep} must divide tp * dp * cp = {self.tp * self.dp * self.cp}"
                 )
             )
@@ -135,7 +130,7 @@ class ParallelPlan:
     def world_from_sizes(self) -> int:
         return self.model_parallel_size * self.dp
 
-    def seq_length_problem(self, seq_length: int) -> Optional[str]:
+    def seq_length_problem(self, seq_length: int) -> str | None:
         """Why ``seq_length`` does not split as this plan needs (None when it does)."""
         if seq_length % self.seq_len_divisor == 0:
             return None
@@ -155,7 +150,7 @@ class ParallelPlan:
             "splits it over"
         )
 
-    def layers_problem(self, num_layers: int) -> Optional[str]:
+    def layers_problem(self, num_layers: int) -> str | None:
         """Why ``num_layers`` does not split evenly over the model chunks (None when it does)."""
         if num_layers % self.model_chunks == 0:
             return None
@@ -164,7 +159,7 @@ class ParallelPlan:
             f"= {self.model_chunks} model chunks"
         )
 
-    def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> Optional[str]:
+    def batch_problem(self, global_batch_size: int, micro_batch_size: int) -> str | None:
         """Why the global batch does not split into micro-batches over the DP replicas."""
         if global_batch_size % (micro_batch_size * self.dp) == 0:
             return None
@@ -173,9 +168,9 @@ class ParallelPlan:
             f"* dp({self.dp})"
         )
 
-    def check(self) -> "ParallelPlan":
+    def check(self) -> ParallelPlan:
         """Raise ``ValueError`` listing every problem; returns the plan."""
         problems = self.problems()
         if problems:
-            raise ValueError("; ".join(f"{p.field}: {p.message}" for p in problems))
+            raise ValueError("; ".join(map(str, problems)))
         return self

@@ -46,7 +46,8 @@ silence_warnings_off_rank_zero()  # megatron's imports below warn identically on
 startup.begin_entry_imports()  # until the imports below are done: see launch/startup.py
 
 import argparse
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs as core_specs
 from megatron.core.transformer.spec_utils import import_module
@@ -126,7 +127,7 @@ def dense_layer_spec(args: argparse.Namespace, config: TransformerConfig):
 
 
 def transformer_layer_spec(
-    args: argparse.Namespace, config: TransformerConfig, vp_stage: Optional[int]
+    args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None
 ):
     """The decoder's spec, chosen the way upstream's GPT builder chooses it."""
     use_te = args.transformer_impl == "transformer_engine"
@@ -159,7 +160,7 @@ def transformer_layer_spec(
 
 
 def mtp_block_spec(
-    args: argparse.Namespace, config: TransformerConfig, decoder_spec, vp_stage: Optional[int]
+    args: argparse.Namespace, config: TransformerConfig, decoder_spec, vp_stage: int | None
 ):
     """Multi-token-prediction layers reuse the spec of the decoder's last layer."""
     if args.mtp_num_layers is None:
@@ -184,8 +185,8 @@ def mtp_block_spec(
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
-    config: Optional[TransformerConfig] = None,
+    vp_stage: int | None = None,
+    config: TransformerConfig | None = None,
     pg_collection=None,
     *,
     config_class: type[TransformerConfig] = TransformerConfig,
@@ -216,9 +217,7 @@ def model_provider(
 # ---- entry ---------------------------------------------------------------------------------------
 def main(
     config_class: type[TransformerConfig] = MHCTransformerConfig,
-    extra_args_provider: Optional[
-        Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-    ] = None,
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
 ) -> None:
     """Train a GPT from the command line's Megatron flags.
 

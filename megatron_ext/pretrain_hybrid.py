@@ -29,7 +29,6 @@ silence_warnings_off_rank_zero()  # megatron's imports below warn identically on
 startup.begin_entry_imports()  # until the imports below are done: see launch/startup.py
 
 import argparse
-from typing import Optional
 
 from megatron.core.transformer.spec_utils import import_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,15 +36,15 @@ from megatron.training import get_args, print_rank_0
 
 from megatron_ext import training_steps
 from megatron_ext.config import MHCTransformerConfig
-
-# The hooks megatron-ext validate looks up on an entry module (the shared training steps').
-from megatron_ext.training_steps import ENTRY_DEFAULTS, add_megatron_ext_args, transformer_config  # noqa: F401
 from megatron_ext.launch.training import ArgsProvider
 from megatron_ext.models.hybrid import (
     HybridModel,
     get_hybrid_stack_local_spec,
     get_hybrid_stack_with_transformer_engine_spec,
 )
+
+# The hooks megatron-ext validate looks up on an entry module (the shared training steps').
+from megatron_ext.training_steps import ENTRY_DEFAULTS, add_megatron_ext_args, transformer_config  # noqa: F401
 
 startup.end_entry_imports()
 
@@ -87,8 +86,8 @@ def hybrid_stack_spec(args: argparse.Namespace):
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
-    config: Optional[TransformerConfig] = None,
+    vp_stage: int | None = None,
+    config: TransformerConfig | None = None,
     pg_collection=None,
     *,
     config_class: type[TransformerConfig] = TransformerConfig,
@@ -112,7 +111,7 @@ def model_provider(
 
 def main(
     config_class: type[TransformerConfig] = MHCTransformerConfig,
-    extra_args_provider: Optional[ArgsProvider] = None,
+    extra_args_provider: ArgsProvider | None = None,
 ) -> None:
     """Train a HybridModel from the command line's Megatron flags (see
     :func:`megatron_ext.pretrain_gpt.main` for ``config_class`` and ``extra_args_provider``)."""

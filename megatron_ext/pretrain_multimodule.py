@@ -35,7 +35,6 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
 
 from megatron_ext.multimodule.plan import MultiModulePlan
 from megatron_ext.recipes import multimodule as recipe_plan
@@ -169,7 +168,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
     return args, overrides, [token for token in ignored if token.startswith("--")]
 
 
-def _tensorboard_writer(directory: Optional[str]):
+def _tensorboard_writer(directory: str | None):
     """Megatron's choice: a SummaryWriter on the last rank only (None without a directory)."""
     if not directory:
         return None
@@ -184,13 +183,14 @@ def _tensorboard_writer(directory: Optional[str]):
 
 
 def train(
-    recipe: Recipe, plan: MultiModulePlan, log=print, tensorboard_dir: Optional[str] = None
+    recipe: Recipe, plan: MultiModulePlan, log=print, tensorboard_dir: str | None = None
 ) -> list[float]:
     """Train; returns the lm loss of every iteration (on every rank). The last rank writes
     TensorBoard scalars into ``tensorboard_dir`` (Megatron's tags) and logs one progress line
     per iteration through ``log``."""
     import torch
     import torch.distributed as dist
+
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_ext.launch import faults
@@ -275,7 +275,7 @@ def train(
     return losses
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args, overrides, ignored = _parse_args(list(sys.argv[1:] if argv is None else argv))
     _init_distributed()
     import torch.distributed as dist

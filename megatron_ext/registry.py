@@ -2,7 +2,8 @@
 
 Everything megatron-ext swaps out at runtime is declared as a :class:`Patch` (and every private
 megatron/torch symbol it depends on as a :class:`Seam`) in :mod:`megatron_ext.declarations`,
-which this module loads when first asked; this module imports nothing of the product. A patch names
+which this module loads when first asked; this module imports nothing of the product but the
+root error class (:mod:`megatron_ext.errors`, itself importing nothing). A patch names
 the target (``module:attribute``), its replacement as ``module:function`` (called with the
 original unless ``wraps`` is off), the megatron-core versions it was verified against, and why it is needed. Nothing
 else in the package assigns attributes on foreign modules.
@@ -21,15 +22,19 @@ import contextlib
 import importlib
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterator
+from typing import Any
+
+# The one product import: the root error class (megatron_ext.errors imports nothing).
+from megatron_ext.errors import MegatronExtError
 
 VERIFIED_MEGATRON_CORE = ("0.19.2",)
 ALLOW_UNVERIFIED_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED"
 
 
-class UnverifiedMegatronCoreError(RuntimeError):
+class UnverifiedMegatronCoreError(MegatronExtError, RuntimeError):
     """The installed megatron-core is not one megatron-ext's patches were verified on."""
 
 
@@ -153,7 +158,7 @@ def imported_megatron_core() -> MegatronCoreCode:
     version = ".".join(str(part) for part in package_info.VERSION[:3]) + str(
         package_info.VERSION[3]
     )
-    path = os.path.dirname(os.path.abspath(package_info.__file__))
+    path = os.path.dirname(os.path.abspath(str(package_info.__file__)))
     try:
         distribution = metadata.distribution("megatron-core")
     except metadata.PackageNotFoundError:
@@ -291,7 +296,7 @@ SEAM_KINDS = (
 )
 
 
-class SeamMismatchError(RuntimeError):
+class SeamMismatchError(MegatronExtError, RuntimeError):
     """A declared private seam is missing or changed its signature in the installed code."""
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
+
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -37,6 +39,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
 from megatron_ext.mhc import stats_logging
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.pipeline import consistency
 
@@ -63,10 +66,7 @@ stimer = StragglerDetector()
 
 # ---- extra arguments ------------------------------------------------------------------------------
 # Upstream dev's (and DeepSeek-V4 configs') spellings of the same two fields, accepted as aliases.
-FLAG_ALIASES = {
-    "--enable-mhc-connections": ("--enable-hyper-connections",),
-    "--mhc-num-residual-streams": ("--num-residual-streams",),
-}
+FLAG_ALIASES = {alias.main_flag: (alias.dev_flag,) for alias in MHC_ALIASES}
 
 
 def _add_flag(parser: argparse.ArgumentParser, group, flag: str, **kwargs) -> None:
@@ -220,7 +220,7 @@ def agreed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def stage_config(
     args: argparse.Namespace,
-    config: Optional[TransformerConfig],
+    config: TransformerConfig | None,
     config_class: type[TransformerConfig],
     pg_collection=None,
 ) -> TransformerConfig:
@@ -257,7 +257,7 @@ def language_model_kwargs(
 
 
 # ---- batches, loss and the forward step ---------------------------------------------------------
-def _stage_reads_data(vp_stage: Optional[int], config: TransformerConfig) -> tuple[bool, bool]:
+def _stage_reads_data(vp_stage: int | None, config: TransformerConfig) -> tuple[bool, bool]:
     """(does this stage read batches, does it host MTP layers). The first stage embeds
     tokens, the last computes the loss, and MTP layers need both tokens and labels."""
     mtp_here = mtp_on_this_rank(
@@ -269,7 +269,7 @@ def _stage_reads_data(vp_stage: Optional[int], config: TransformerConfig) -> tup
     return is_first_or_last_pipeline_stage(vp_stage) or mtp_here, mtp_here
 
 
-def _next_batch_on_device(data_iterator) -> dict[str, Optional[torch.Tensor]]:
+def _next_batch_on_device(data_iterator) -> dict[str, torch.Tensor | None]:
     """TP rank 0's micro-batch, restricted to the keys the model reads (a blended dataset adds
     provenance keys, which the context-parallel split must not try to slice)."""
     sample = next(data_iterator)
@@ -279,7 +279,7 @@ def _next_batch_on_device(data_iterator) -> dict[str, Optional[torch.Tensor]]:
     }
 
 
-def get_batch(data_iterator, vp_stage: Optional[int], config: TransformerConfig):
+def get_batch(data_iterator, vp_stage: int | None, config: TransformerConfig):
     """(tokens, labels, loss_mask, attention_mask, position_ids) for this rank.
 
     Only TP rank 0 reads the iterator, and it broadcasts the batch to the other TP ranks. Each
@@ -383,12 +383,12 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 # ---- datasets ------------------------------------------------------------------------------------
-def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:
+def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
     # Only stages that read batches need a dataset, and TP rank 0 reads for its group.
     return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
 
 
-def _sequences_per_dataset(args: argparse.Namespace) -> Optional[dict]:
+def _sequences_per_dataset(args: argparse.Namespace) -> dict | None:
     if args.per_dataset_sequences_path is None:
         return None
     with open(args.per_dataset_sequences_path) as f:
@@ -422,7 +422,7 @@ def gpt_dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
     )
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage: Optional[int] = None):
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
     """The train, validation and test datasets: mock with --mock-data, indexed otherwise."""
     args = get_args()
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
@@ -447,9 +447,7 @@ def train(
     program_start: float,
     check_args: Callable[[argparse.Namespace], None],
     config_class: type[TransformerConfig] = MHCTransformerConfig,
-    extra_args_provider: Optional[
-        Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-    ] = None,
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
 ) -> None:
     """Parse the command line's Megatron flags, check them (``check_args``, the entry's own) and
     run ``pretrain`` with ``model_provider(..., config_class=config_class)`` (the entry's model)."""

@@ -24,7 +24,10 @@ hyper connection a layer has follows from its inner parameters.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_ext.errors import MegatronExtError
 
 # Where each source's checkpoints come from (the CLI's --source).
 SOURCES = ("main", "pr6401", "dev", "megatron-ext")
@@ -53,7 +56,7 @@ UPSTREAM_INNER = "inner_layer"
 _LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.(?P<index>\d+)\.)(?P<rest>.+)$")
 
 
-class ConversionError(ValueError):
+class ConversionError(MegatronExtError, ValueError):
     """The state dict is not in the layout the conversion reads."""
 
 

@@ -19,7 +19,8 @@ With ``--async-save``, or outside megatron.training (no parsed arguments), the o
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _saves_are_synchronous() -> bool:

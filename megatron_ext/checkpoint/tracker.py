@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 

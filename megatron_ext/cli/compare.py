@@ -7,11 +7,13 @@ import argparse
 import dataclasses
 import sys
 
+from megatron_ext.errors import MegatronExtError
+
 NAME = "compare"
 HELP = "compare a run with golden values (Megatron's rules)"
 
 
-class _BadInput(Exception):
+class _BadInput(MegatronExtError):
     """An input `compare` cannot read: one line, exit status 2."""
 
 
@@ -77,8 +79,7 @@ def main(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import RecipeError
-    from megatron_ext.recipes import compare as cmp
+    from megatron_ext.recipes import RecipeError, compare as cmp
 
     source = Path(args.run)
     actual = _run_metrics(source)

@@ -2,7 +2,8 @@
 features add.
 
 :class:`MHCTransformerConfig` adds upstream Megatron-LM's mHC (manifold-constrained
-hyper-connections) fields, with upstream's names and defaults, and validates them before any
+hyper-connections) fields, with upstream's names and defaults (declared once, in
+:data:`megatron_ext.mhc_flags.MHC_DEFAULTS`, which the recipe schema reads too), and validates them before any
 model or process group is built. With ``enable_mhc_connections=False`` (the default) it
 behaves exactly like ``TransformerConfig``.
 """
@@ -10,11 +11,11 @@ behaves exactly like ``TransformerConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext import guards
+from megatron_ext.mhc_flags import MHC_DEFAULTS
 
 # Our entry in TransformerConfig.recompute_modules: output-discarding selective recompute of
 # the mHC aggregate / layernorm / bias-dropout-add outputs.
@@ -25,35 +26,35 @@ MHC_RECOMPUTE_MODULE = "mhc"
 class MHCTransformerConfig(TransformerConfig):
     """TransformerConfig with upstream's mHC fields (see megatron_ext.mhc for the maths)."""
 
-    enable_mhc_connections: bool = False
+    enable_mhc_connections: bool = MHC_DEFAULTS["enable_mhc_connections"]  # type: ignore[assignment]
     """Replace each residual connection with n mHC residual streams."""
 
-    mhc_num_residual_streams: int = 4
+    mhc_num_residual_streams: int = MHC_DEFAULTS["mhc_num_residual_streams"]  # type: ignore[assignment]
     """n, the number of residual streams (the residual is ``[s, b, n*hidden_size]``)."""
 
-    mhc_sinkhorn_iterations: int = 20
+    mhc_sinkhorn_iterations: int = MHC_DEFAULTS["mhc_sinkhorn_iterations"]  # type: ignore[assignment]
     """Sinkhorn-Knopp iterations that make H_res doubly stochastic."""
 
-    mhc_h_res_method: str = "sinkhorn"
+    mhc_h_res_method: str = MHC_DEFAULTS["mhc_h_res_method"]  # type: ignore[assignment]
     """How H_res is made doubly stochastic: "sinkhorn" (Sinkhorn-Knopp on n² logits, upstream's
     method) or "birkhoff" (mHC-lite: softmax weights over the n! permutation matrices, exactly
     doubly stochastic; the projection's res block is then n! wide). Not an upstream field."""
 
-    mhc_init_gating_factor: float = 0.01
+    mhc_init_gating_factor: float = MHC_DEFAULTS["mhc_init_gating_factor"]  # type: ignore[assignment]
     """Initial value of alpha_pre, alpha_post and alpha_res (the dynamic-part gates)."""
 
-    mhc_recompute_layer_num: Optional[int] = None
+    mhc_recompute_layer_num: int | None = MHC_DEFAULTS["mhc_recompute_layer_num"]  # type: ignore[assignment]
     """Layers per mHC recompute block when 'mhc' is in recompute_modules; None makes the
     whole local block one group."""
 
-    mhc_learned_output_contract: bool = False
+    mhc_learned_output_contract: bool = MHC_DEFAULTS["mhc_learned_output_contract"]  # type: ignore[assignment]
     """GPT only: contract the n streams before the final layernorm with upstream dev's
     (DeepSeek-V4's) learned contraction, ``learned_output_contract`` with parameters
     ``decoder.hc_head_fn/base/scale``, instead of upstream main's mean. Upstream dev has no
     switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
     the learned contraction, as upstream does."""
 
-    use_fused_mhc: bool = False
+    use_fused_mhc: bool = MHC_DEFAULTS["use_fused_mhc"]  # type: ignore[assignment]
     """Run the mHC sub-layer maths through the fused Triton kernels of
     :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
     triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
@@ -62,13 +63,11 @@ class MHCTransformerConfig(TransformerConfig):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
         # back afterwards. Work on a copy: the caller's list is not ours to mutate.
-        wants_mhc_recompute = (
-            self.recompute_modules is not None and MHC_RECOMPUTE_MODULE in self.recompute_modules
-        )
-        if self.recompute_modules is not None:
-            self.recompute_modules = [
-                m for m in self.recompute_modules if m != MHC_RECOMPUTE_MODULE
-            ]
+        # (TransformerConfig is Any to the type checker: megatron-core ships no stubs.)
+        requested: list[str] | None = getattr(self, "recompute_modules")  # noqa: B009 (mypy)
+        wants_mhc_recompute = requested is not None and MHC_RECOMPUTE_MODULE in requested
+        if requested is not None:
+            self.recompute_modules = [m for m in requested if m != MHC_RECOMPUTE_MODULE]
         super().__post_init__()
         if wants_mhc_recompute:
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)

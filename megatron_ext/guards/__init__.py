@@ -16,6 +16,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.errors import MegatronExtError
+
+__all__ = ["GUARDS", "Guard", "UnsupportedCombinationError", "by_stage"]
+
 
 @dataclass(frozen=True)
 class Guard:
@@ -27,7 +31,7 @@ class Guard:
     rejects: str
 
 
-class UnsupportedCombinationError(NotImplementedError):
+class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
     """A combination of settings that megatron-ext rejects (a NotImplementedError)."""
 
 
@@ -49,7 +53,9 @@ def check_mhc_recompute(config: Any) -> None:
         )
     if not config.mhc_recompute_enabled:
         if config.enable_mhc_connections:
-            warnings.warn(
+            # No stacklevel: the caller is MHCTransformerConfig.__post_init__, deep in a dataclass
+            # constructor; the guard's own line names the rule.
+            warnings.warn(  # noqa: B028
                 "enable_mhc_connections=True without mHC recompute: each layer keeps its "
                 "n-stream activations. Consider recompute_granularity='selective' with "
                 "'mhc' in recompute_modules."

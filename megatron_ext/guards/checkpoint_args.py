@@ -17,13 +17,16 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+
+from megatron_ext.errors import MegatronExtError
 
 ALLOW_ENV = "MEGATRON_EXT_ALLOW_CKPT_MISMATCH"
 MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams", "mhc_h_res_method")
 
 
-class CheckpointMismatchError(AssertionError):
+class CheckpointMismatchError(MegatronExtError, AssertionError):
     """The checkpoint was written for a model this run would build differently."""
 
 
@@ -43,7 +46,7 @@ def _mhc_settings(ns: Any) -> dict[str, Any]:
     }
 
 
-def mhc_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
+def mhc_mismatch(checkpoint_args: Any, args: Any) -> str | None:
     saved, now = _mhc_settings(checkpoint_args), _mhc_settings(args)
     diffs = [
         f"{name}: checkpoint {saved[name]!r}, now {now[name]!r}"
@@ -59,7 +62,7 @@ def mhc_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
     )
 
 
-def vocab_mismatch(checkpoint_args: Any, args: Any) -> Optional[str]:
+def vocab_mismatch(checkpoint_args: Any, args: Any) -> str | None:
     saved = getattr(checkpoint_args, "padded_vocab_size", None)
     now = getattr(args, "padded_vocab_size", None)
     if saved is None or now is None or saved == now:

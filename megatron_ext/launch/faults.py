@@ -30,10 +30,12 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.launch import heartbeat
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
@@ -43,7 +45,7 @@ MARKER = "[megatron-ext] rank failed:"
 _MARKER_LINE = re.compile(re.escape(MARKER) + r" rank=(\d+) time=([\d.]+) where=(.*?) error=(.*)$")
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MegatronExtError, RuntimeError):
     """The failure MEGATRON_EXT_FAULT asked for."""
 
 
@@ -76,13 +78,13 @@ def parse_fault(text: str) -> Fault:
     return Fault(rank, step, kind)
 
 
-_fault: Optional[Fault] = None
+_fault: Fault | None = None
 _fault_read = False
 _fired = False
-_current_step: Optional[int] = None
+_current_step: int | None = None
 
 
-def fault_from_env() -> Optional[Fault]:
+def fault_from_env() -> Fault | None:
     global _fault, _fault_read
     if not _fault_read:
         text = os.environ.get(FAULT_ENV, "").strip()
@@ -217,7 +219,7 @@ class RankFailure:
         return f"rank {self.rank} failed at {self.where}: {self.error}"
 
 
-def failure_in_log(path: Path) -> Optional[RankFailure]:
+def failure_in_log(path: Path) -> RankFailure | None:
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -231,13 +233,13 @@ def failure_in_log(path: Path) -> Optional[RankFailure]:
     return None
 
 
-def first_failure(logs: Iterable[Path]) -> Optional[RankFailure]:
+def first_failure(logs: Iterable[Path]) -> RankFailure | None:
     """The earliest reported failure among the rank logs (the others fail because of it)."""
     found = [f for f in (failure_in_log(p) for p in logs) if f is not None]
     return min(found, key=lambda f: f.time) if found else None
 
 
-def describe_exit(code: Optional[int]) -> str:
+def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:

@@ -29,7 +29,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from megatron_ext import registry
 
@@ -57,10 +56,10 @@ _IO_PATHS = ("checkpointing.py", "/dist_checkpointing/")
 
 # ---- rank side ------------------------------------------------------------------------------
 class _State:
-    step: Optional[int] = None
-    progress: Optional[float] = None
+    step: int | None = None
+    progress: float | None = None
     slowest_gap: float = 0.0
-    thread: Optional[threading.Thread] = None
+    thread: threading.Thread | None = None
 
 
 _state = _State()
@@ -135,7 +134,7 @@ def start(rank: int) -> bool:
 @dataclass(frozen=True)
 class Stall:
     rank: int
-    step: Optional[int]
+    step: int | None
     idle_s: float
     limit_s: float
     where: str
@@ -152,7 +151,7 @@ class Stall:
         return text
 
 
-def _env_seconds(name: str) -> Optional[float]:
+def _env_seconds(name: str) -> float | None:
     text = os.environ.get(name, "").strip()
     if not text:
         return None
@@ -172,9 +171,9 @@ class Watchdog:
         self,
         directory: Path,
         nproc: int,
-        stall_s: Optional[float] = None,
-        startup_s: Optional[float] = None,
-        started: Optional[float] = None,
+        stall_s: float | None = None,
+        startup_s: float | None = None,
+        started: float | None = None,
     ):
         self.directory, self.nproc = Path(directory), nproc
         self.stall_s = stall_s if stall_s is not None else _env_seconds(STALL_ENV)
@@ -204,7 +203,7 @@ class Watchdog:
         slowest = max(float(b.get("slowest_gap") or 0.0) for b in beats.values())
         return max(STALL_MIN_S, STALL_FACTOR * slowest)
 
-    def check(self, now: Optional[float] = None) -> Optional[Stall]:
+    def check(self, now: float | None = None) -> Stall | None:
         if not self.enabled:
             return None
         now = time.time() if now is None else now

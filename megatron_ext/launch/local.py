@@ -27,9 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from megatron_ext.launch import heartbeat
 
@@ -60,7 +60,7 @@ def rank_environment(
     rank: int,
     world_size: int,
     port: int,
-    local_world_size: Optional[int] = None,
+    local_world_size: int | None = None,
     master_addr: str = "127.0.0.1",
     agent_store: bool = False,
 ) -> dict[str, str]:
@@ -91,14 +91,14 @@ class LocalJob:
     nproc: int
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
-    cwd: Optional[Path] = None
+    cwd: Path | None = None
     timeout_s: float = 900.0
     python: str = sys.executable
     grace_s: float = GRACE_S
-    stall_timeout_s: Optional[float] = None
+    stall_timeout_s: float | None = None
     """No progress on any rank for this long ends the run (0: never); None: the environment's
     MEGATRON_EXT_STALL_TIMEOUT_S, else relative to the slowest step (heartbeat.Watchdog)."""
-    startup_timeout_s: Optional[float] = None
+    startup_timeout_s: float | None = None
     """The same for start-up, the first step and checkpoint I/O; None: environment, else 300 s."""
 
     def rank_command(self) -> list[str]:
@@ -116,13 +116,13 @@ class LocalJob:
 class LaunchResult:
     returncode: int
     """0 when every rank exited 0; else the first failing rank's code (124 on timeout)."""
-    failed_rank: Optional[int]
+    failed_rank: int | None
     seconds: float
-    rank_codes: dict[int, Optional[int]]
+    rank_codes: dict[int, int | None]
     timed_out: bool = False
     peak_rss_kib: dict[int, int] = field(default_factory=dict)
     """Each rank's peak resident memory (the kernel's ru_maxrss of the rank process, KiB)."""
-    stall: Optional["heartbeat.Stall"] = None
+    stall: heartbeat.Stall | None = None
     """Set when the watchdog stopped a run in which no rank progressed (returncode 124)."""
 
     @property
@@ -227,7 +227,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _libc_prctl() -> Optional[Callable[..., int]]:
+def _libc_prctl() -> Callable[..., int] | None:
     """libc's prctl, looked up in the launcher (the child between fork and exec imports nothing)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -291,8 +291,8 @@ def _reap(procs: dict[int, subprocess.Popen], peak_rss_kib: dict[int, int]) -> N
 
 def launch(
     job: LocalJob,
-    on_line: Optional[Callable[[str], None]] = None,
-    follow_rank: Optional[int] = None,
+    on_line: Callable[[str], None] | None = None,
+    follow_rank: int | None = None,
 ) -> LaunchResult:
     """Run ``job`` to the end; ``on_line`` receives each line that rank ``follow_rank``
     (default: the last, which prints Megatron's iteration lines) writes to its log."""
@@ -379,7 +379,7 @@ def launch(
     )
 
 
-def failure_summary(job: LocalJob, result: LaunchResult) -> Optional[str]:
+def failure_summary(job: LocalJob, result: LaunchResult) -> str | None:
     """Which rank failed first, where, and its original error (from the marker a failing
     rank writes, :mod:`megatron_ext.launch.faults`); else how the first failing rank ended."""
     from megatron_ext.launch import faults

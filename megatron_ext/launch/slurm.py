@@ -23,10 +23,11 @@ import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.launch import heartbeat
 
 POLL_S = 2.0
@@ -40,7 +41,7 @@ class Step:
     module: str
     args: list[str]
     log_dir: Path
-    before: Optional[str] = None  # a shell command run before the step (checkpoint preparation)
+    before: str | None = None  # a shell command run before the step (checkpoint preparation)
 
 
 @dataclass
@@ -54,11 +55,11 @@ class SlurmJob:
     workdir: Path
     python: str
     env: dict[str, str] = field(default_factory=dict)
-    gpus_per_node: Optional[int] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    account: str | None = None
     time: str = "00:30:00"
-    container_image: Optional[str] = None
+    container_image: str | None = None
     container_mounts: list[str] = field(default_factory=list)
     sbatch_args: list[str] = field(default_factory=list)
 
@@ -84,7 +85,7 @@ def time_limit_seconds(text: str) -> int:
 
 def _check_directive_values(job: SlurmJob) -> None:
     """#SBATCH lines cannot be quoted for bash (they are comments); refuse line breaks."""
-    from megatron_ext.recipes.safety import check_directives
+    from megatron_ext.launch.shell import check_directives
 
     check_directives(
         [
@@ -101,7 +102,7 @@ def _check_directive_values(job: SlurmJob) -> None:
 
 def sbatch_script(job: SlurmJob) -> str:
     """The batch script. Every value that reaches shell is quoted; values on #SBATCH lines
-    are checked (:class:`megatron_ext.recipes.safety.UnsafeValueError`)."""
+    are checked (:class:`megatron_ext.launch.shell.UnsafeValueError`)."""
     q = shlex.quote
     _check_directive_values(job)
     run_dir = str(job.run_dir)
@@ -132,7 +133,7 @@ def sbatch_script(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
     ]
-    from megatron_ext.recipes.safety import is_secret, secret_check_line
+    from megatron_ext.launch.shell import is_secret, secret_check_line
 
     # Secrets reach the job through sbatch's environment (--export=ALL), never the script.
     lines += [secret_check_line(k) for k in job.env if is_secret(k)]
@@ -155,7 +156,7 @@ def sbatch_script(job: SlurmJob) -> str:
             f"--container-mounts={','.join(mounts)}",
             f"--container-workdir={job.workdir}",
         ]
-    from megatron_ext.recipes.safety import ENV_KEY, UnsafeValueError
+    from megatron_ext.launch.shell import ENV_KEY, UnsafeValueError
 
     for key in job.env:
         if not ENV_KEY.match(str(key)):
@@ -201,7 +202,7 @@ def sbatch_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
-class SlurmError(RuntimeError):
+class SlurmError(MegatronExtError, RuntimeError):
     pass
 
 
@@ -222,13 +223,13 @@ class StepWatch:
         self,
         steps: list[Step],
         nproc: int,
-        stall_s: Optional[float] = None,
-        startup_s: Optional[float] = None,
+        stall_s: float | None = None,
+        startup_s: float | None = None,
     ):
         self.dirs = [heartbeat_dir(step) for step in steps]
         self.nproc, self.stall_s, self.startup_s = nproc, stall_s, startup_s
-        self.active: Optional[int] = None
-        self.watchdog: Optional[heartbeat.Watchdog] = None
+        self.active: int | None = None
+        self.watchdog: heartbeat.Watchdog | None = None
 
     def clear(self) -> None:
         """Remove heartbeat directories an earlier job left (before submitting): a step
@@ -236,7 +237,7 @@ class StepWatch:
         for directory in self.dirs:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def check(self) -> Optional[heartbeat.Stall]:
+    def check(self) -> heartbeat.Stall | None:
         started = [i for i, d in enumerate(self.dirs) if d.is_dir()]
         if not started:
             return None  # the job's first step has not begun
@@ -250,7 +251,7 @@ class StepWatch:
         return self.watchdog.check()
 
 
-def submit(script: Path, env: Optional[dict[str, str]] = None) -> str:
+def submit(script: Path, env: dict[str, str] | None = None) -> str:
     """sbatch the script; returns the job id. ``env``: variables (the recipe's secrets) that
     the job inherits through sbatch's environment instead of the script."""
     import os
@@ -268,7 +269,7 @@ def submit(script: Path, env: Optional[dict[str, str]] = None) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def _squeue_state(job_id: str) -> Optional[str]:
+def _squeue_state(job_id: str) -> str | None:
     proc = subprocess.run(
         ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
     )
@@ -277,7 +278,7 @@ def _squeue_state(job_id: str) -> Optional[str]:
     return proc.stdout.strip() or None
 
 
-def job_state(job_id: str) -> tuple[Optional[str], Optional[int]]:
+def job_state(job_id: str) -> tuple[str | None, int | None]:
     """(JobState, exit code) from scontrol, or (None, None) once Slurm has forgotten the job."""
     proc = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -294,11 +295,11 @@ def cancel(job_id: str) -> None:
 @dataclass
 class JobResult:
     job_id: str
-    state: Optional[str]
-    exit_code: Optional[int]
+    state: str | None
+    exit_code: int | None
     seconds: float
     timed_out: bool = False
-    stall: Optional[heartbeat.Stall] = None
+    stall: heartbeat.Stall | None = None
     """Set when the job was cancelled because no rank progressed (state STALLED)."""
 
     @property
@@ -315,9 +316,9 @@ def wait(
     job_id: str,
     run_dir: Path,
     timeout_s: float,
-    on_poll: Optional[Callable[[], None]] = None,
-    on_state: Optional[Callable[[str], None]] = None,
-    watch: Optional[StepWatch] = None,
+    on_poll: Callable[[], None] | None = None,
+    on_state: Callable[[str], None] | None = None,
+    watch: StepWatch | None = None,
 ) -> JobResult:
     """Block until the job leaves the queue (cancelling it after ``timeout_s``, or once
     ``watch`` reports a stall while it runs)."""

@@ -27,7 +27,8 @@ import contextlib
 import functools
 import gc
 import inspect
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from megatron_ext import registry
 

@@ -19,7 +19,8 @@ import argparse
 import functools
 import importlib
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ def machine_defaults(on_cpu: bool) -> dict[str, Any]:
 
 
 def _with_parser_defaults(
-    providers: Iterable[Optional[ArgsProvider]], parser_defaults: dict[str, Any]
+    providers: Iterable[ArgsProvider | None], parser_defaults: dict[str, Any]
 ) -> ArgsProvider:
     """One extra_args_provider that adds every entry-specific group and then the defaults."""
 
@@ -169,7 +170,7 @@ POSITIVE_SIZE_FLAGS = (
 )
 
 
-def size_flag_problem(argv: Iterable[str]) -> Optional[str]:
+def size_flag_problem(argv: Iterable[str]) -> str | None:
     """The first size flag given a whole number below 1 (``--flag N`` or ``--flag=N``)."""
     argv = list(argv)
     for i, token in enumerate(argv):
@@ -199,9 +200,9 @@ ARGUMENT_ERRORS = (
 
 
 def parse_megatron_args(
-    extra_args_providers: Iterable[Optional[ArgsProvider]] = (),
-    args_defaults: Optional[dict[str, Any]] = None,
-    parser_defaults: Optional[dict[str, Any]] = None,
+    extra_args_providers: Iterable[ArgsProvider | None] = (),
+    args_defaults: dict[str, Any] | None = None,
+    parser_defaults: dict[str, Any] | None = None,
 ) -> argparse.Namespace:
     """Parse and validate Megatron's flags from ``sys.argv``, and set megatron's global args.
 
@@ -209,9 +210,9 @@ def parse_megatron_args(
     (Megatron's post-parse defaults for arguments still None) they do not warn each time the
     user's flag overrides them.
     """
-    from megatron.training.arguments import parse_and_validate_args
-
     import sys
+
+    from megatron.training.arguments import parse_and_validate_args
 
     defaults = {"eval_interval": DEFAULT_EVAL_INTERVAL, **(parser_defaults or {})}
     provider = _with_parser_defaults(extra_args_providers, defaults)
@@ -231,7 +232,7 @@ def parse_megatron_args(
     return args
 
 
-def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> Optional[str]:
+def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> str | None:
     """``--mhc-*`` flags (and ``--use-fused-mhc``) are ignored unless mHC is on, so a forgotten
     ``--enable-mhc-connections`` would train a different model without a word: refuse."""
     if getattr(args, "enable_mhc_connections", False):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -39,7 +39,7 @@ def h_res_width(n: int, method: str) -> int:
     return math.factorial(n) if method == "birkhoff" else n * n
 
 
-@lru_cache(maxsize=None)
+@cache
 def _permutation_table_cpu(n: int) -> torch.Tensor:
     perms = list(itertools.permutations(range(n)))
     table = torch.zeros(len(perms), n, n, dtype=torch.float64)

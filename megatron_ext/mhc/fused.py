@@ -49,7 +49,6 @@ import functools
 import importlib.util
 import math
 import os
-from typing import Optional
 
 import torch
 
@@ -65,7 +64,7 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def fused_unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
+def fused_unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the fused kernels cannot run (None when they can): no triton, or a device that is
     neither CUDA nor the CPU under the interpreter."""
     # find_spec, not import: importing triton costs seconds and must come after
@@ -92,7 +91,7 @@ def _pow2(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     """The kernels, imported (and so triton imported) on first use."""
     from megatron_ext.mhc import _fused_kernels as k

@@ -37,14 +37,15 @@ keeps the straightforward formulas as the reference.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING
 
 import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
 from megatron_ext.mhc import stats
+from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
 from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
 from megatron_ext.mhc.reference import (
     reference_aggregate,
@@ -147,7 +148,7 @@ def merge_rows(
     residual: torch.Tensor,
     post_col: torch.Tensor,
     y: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     *,
     dropout_p: float = 0.0,
     training: bool = False,
@@ -226,7 +227,7 @@ def bias_dropout_add_streams(
     h_res: torch.Tensor,
     residual: torch.Tensor,
     h_post: torch.Tensor,
-    out_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
+    out_with_bias: tuple[torch.Tensor, torch.Tensor | None],
     dropout_p: float,
     training: bool,
 ) -> torch.Tensor:
@@ -263,7 +264,12 @@ def keep_fp32_when_halving(fn):
 HC_HEAD_PARAMETERS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
-class KeepsHCHeadFP32:
+# For the type checker a mixin is the nn.Module it is mixed into; at runtime it adds no base
+# (the module's own megatron base class brings nn.Module, after the mixin in the MRO).
+_ModuleMixin = torch.nn.Module if TYPE_CHECKING else object
+
+
+class KeepsHCHeadFP32(_ModuleMixin):  # type: ignore[misc,valid-type]
     """Mixin for a module that owns ``hc_head_*`` parameters directly: a cast to bf16/fp16
     leaves those fp32 (as :meth:`HyperConnectionModule._apply` does for the maps' parameters;
     upstream: ``mark_keep_in_fp32``). Only those tensors (and their grads) are exempt; the
@@ -346,7 +352,7 @@ class HyperConnectionModule(MegatronModule):
             torch.nn.init.xavier_uniform_(self.mapping_proj.weight)
         for param in self.parameters():
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
 
     def _apply(self, fn, recurse=True):
         """Keep the five mHC parameters fp32 when the model is cast to bf16/fp16.
@@ -412,7 +418,7 @@ class HyperConnectionModule(MegatronModule):
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
-    def compute_mappings(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compute_mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
         self._record_sample(x)
         if self.use_reference_path:
@@ -465,14 +471,14 @@ class HyperConnectionModule(MegatronModule):
 
     def forward(
         self, hidden_states: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s,b,n*h] -> (sub-layer input [s,b,h], h_res [s,b,n,n], h_post [s,b,n])``."""
         h_pre, h_post, h_res = self.compute_mappings(hidden_states)
         aggregate_with = reference_aggregate if self.use_reference_path else aggregate
         return aggregate_with(hidden_states, h_pre), h_res, h_post
 
 
-def _method_of_width(width: int, n: int) -> Optional[str]:
+def _method_of_width(width: int, n: int) -> str | None:
     """Which ``mhc_h_res_method`` a ``2n + res``-wide bias belongs to (None: neither)."""
     for method in ("sinkhorn", "birkhoff"):
         if width == 2 * n + h_res_width(n, method):

@@ -31,8 +31,9 @@ extra activation exists at a time.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ from megatron_ext import registry
 _RANDOM = "megatron.core.tensor_parallel.random"
 
 
-def plan_recompute_groups(num_layers: int, layers_per_group: Optional[int]) -> list[bool]:
+def plan_recompute_groups(num_layers: int, layers_per_group: int | None) -> list[bool]:
     """For each local layer, whether it ends a recompute group.
 
     A group ends every ``layers_per_group`` layers and always at the block's last layer;
@@ -63,7 +64,7 @@ def plan_recompute_groups(num_layers: int, layers_per_group: Optional[int]) -> l
 class LayerRecompute:
     """What one layer needs for one forward: its group, and whether its output ends it."""
 
-    group: "MHCRecomputeGroup"
+    group: MHCRecomputeGroup
     ends_group: bool
 
 
@@ -93,7 +94,7 @@ class _OutputDiscardingFunction(torch.autograd.Function):
     that :meth:`_Checkpoint.recompute` rebuilt."""
 
     @staticmethod
-    def forward(ctx, checkpoint: "_Checkpoint", *args):
+    def forward(ctx, checkpoint: _Checkpoint, *args):
         with torch.no_grad():
             outputs = checkpoint.function(*args)
         ctx.checkpoint = checkpoint
@@ -112,7 +113,7 @@ class _OutputDiscardingFunction(torch.autograd.Function):
         outputs, inputs = checkpoint.replay
         checkpoint.replay = None
         roots, grads = [], []
-        for output, grad in zip(outputs, grad_outputs):
+        for output, grad in zip(outputs, grad_outputs, strict=True):
             if grad is not None and output.requires_grad:
                 roots.append(output)
                 grads.append(grad)
@@ -129,12 +130,13 @@ class _Checkpoint:
     """One function whose outputs are discarded after forward and rebuilt on demand."""
 
     def __init__(self, function: Callable):
-        self.function = function
-        self.rng_states = _rng_states()
-        self.ctx = None
+        # function and rng_states are dropped (None) once recompute() has used them.
+        self.function: Any = function
+        self.rng_states: Any = _rng_states()
+        self.ctx: Any = None  # the autograd context, set by _OutputDiscardingFunction.forward
         self._input_storages: set[int] = set()
         self.outputs: tuple[torch.Tensor, ...] = ()
-        self.replay = None
+        self.replay: tuple[tuple, tuple] | None = None
 
     def run(self, *args):
         self._input_storages = {
@@ -171,7 +173,7 @@ class _Checkpoint:
                 outputs = self.function(*inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         with torch.no_grad():
-            for original, rebuilt in zip(self.outputs, outputs):
+            for original, rebuilt in zip(self.outputs, outputs, strict=True):
                 self._refill(original, rebuilt)
                 if rebuilt.untyped_storage().data_ptr() not in saved_by_graph:
                     # Backward needs only the rebuilt tensor's graph, not its values.
@@ -212,7 +214,7 @@ class MHCRecomputeGroup:
     def __len__(self) -> int:
         return len(self._checkpoints)
 
-    def checkpoint(self, function: Callable, *args: Optional[torch.Tensor]):
+    def checkpoint(self, function: Callable, *args: torch.Tensor | None):
         """``function(*args)`` whose outputs will be discarded at the end of the group.
 
         ``args`` are tensors (or None); anything else ``function`` needs must be bound into
@@ -254,7 +256,7 @@ class MHCRecomputeGroup:
 
 
 def run_maybe_checkpointed(
-    group: Optional[MHCRecomputeGroup], function: Callable, args: Sequence[Optional[torch.Tensor]]
+    group: MHCRecomputeGroup | None, function: Callable, args: Sequence[torch.Tensor | None]
 ):
     """``function(*args)``, through ``group`` when recompute is on for this call."""
     if group is None:

@@ -14,9 +14,9 @@ run it, so whole layers and models can be compared too.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.mhc.birkhoff import birkhoff_reference, h_res_width
@@ -79,7 +79,7 @@ def reference_bias_dropout_add_streams(
     h_res: torch.Tensor,
     residual: torch.Tensor,
     h_post: torch.Tensor,
-    out_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]],
+    out_with_bias: tuple[torch.Tensor, torch.Tensor | None],
     dropout_p: float,
     training: bool,
 ) -> torch.Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -72,7 +72,7 @@ class Recorder:
         self.samples[key] = (connection, maps)
 
 
-_recorder: Optional[Recorder] = None
+_recorder: Recorder | None = None
 
 
 def enable() -> Recorder:
@@ -87,7 +87,7 @@ def disable() -> None:
     _recorder = None
 
 
-def recorder() -> Optional[Recorder]:
+def recorder() -> Recorder | None:
     return _recorder
 
 

@@ -13,7 +13,8 @@ the original.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_ext.mhc import stats
 

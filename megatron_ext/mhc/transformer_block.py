@@ -9,8 +9,9 @@ block-level mHC steps, placed so that pipeline stages compose:
 * contract: where the final layernorm is in this stage, the streams are averaged back to
   ``[s, b, h]`` just before it (upstream GPT's mean contraction), or, with
   ``mhc_learned_output_contract=True``, contracted by upstream dev's learned contraction with
-  ``decoder.hc_head_fn/base/scale`` (the HybridStack's). Other stages return the
-  n-stream tensor, which is what travels to the next stage.
+  ``decoder.hc_head_fn/base/scale`` (the
+  :class:`~megatron_ext.mhc.learned_contraction.LearnedContraction` mixin, shared with the
+  HybridStack). Other stages return the n-stream tensor, which travels to the next stage.
 
 It also plans the "mhc" selective recompute (:mod:`megatron_ext.mhc.recompute`): before each
 training forward, consecutive local layers are put into groups of ``mhc_recompute_layer_num``
@@ -25,7 +26,8 @@ directly works as well.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +37,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from megatron_ext import registry
-from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, contract_mean, expand_streams
+from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
+from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
 
@@ -69,7 +72,7 @@ def _contract_before_norm(num_streams: int, _norm: torch.nn.Module, args: tuple)
     return (contract_mean(hidden_states, num_streams), *rest)
 
 
-class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
+class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
     """megatron-core's TransformerBlock with mHC expansion, contraction and recompute groups.
 
     Same constructor as ``TransformerBlock``; ``config.enable_mhc_connections`` must be True and
@@ -81,7 +84,7 @@ class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
         self._setup_streams()
 
     @classmethod
-    def adopt(cls, block: TransformerBlock) -> "HyperConnectionTransformerBlock":
+    def adopt(cls, block: TransformerBlock) -> HyperConnectionTransformerBlock:
         """Make a just-built megatron-core ``TransformerBlock`` this class, in place."""
         registry.adopt(block, cls)  # (refuses anything but a plain TransformerBlock)
         block._setup_streams()
@@ -113,27 +116,20 @@ class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
 
     # ------------------------------------------------------------------ learned contraction
     # Upstream dev's GPT contracts with DeepSeek-V4's learned contraction (decoder.hc_head_*),
-    # as our HybridStack does; the parameters and maths are the HybridStack's own.
+    # as our HybridStack does: both take it from the LearnedContraction mixin.
 
     def _use_learned_contraction(self) -> None:
-        from megatron_ext.models.hybrid.hybrid_stack import HybridStack
-
-        HybridStack._build_learned_contraction(self)
+        self._build_learned_contraction()
         self.final_layernorm.register_forward_pre_hook(self._contract_learned_before_norm)
 
     def _contract_learned_before_norm(self, _norm: torch.nn.Module, args: tuple) -> tuple:
-        from megatron_ext.models.hybrid.hybrid_stack import HybridStack
-
         hidden_states, *rest = args
-        return (HybridStack.contract_streams(self, hidden_states), *rest)
+        return (self.contract_streams(hidden_states), *rest)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """megatron-core's entries plus the block's own ``hc_head_*`` parameters, which the base
-        class (it iterates child modules) would leave out of distributed checkpoints."""
-        from megatron_ext.models.hybrid.hybrid_stack import with_own_parameters
-
+        """megatron-core's entries plus the block's own ``hc_head_*`` parameters."""
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        return with_own_parameters(self, sharded_state_dict, prefix, sharded_offsets, metadata)
+        return self._with_own_parameters(sharded_state_dict, prefix, sharded_offsets, metadata)
 
     # ------------------------------------------------------------------ expand
 
@@ -160,7 +156,7 @@ class HyperConnectionTransformerBlock(KeepsHCHeadFP32, TransformerBlock):
             )
         group = MHCRecomputeGroup()
         ends = plan_recompute_groups(len(self.layers), self.config.mhc_recompute_layer_num)
-        for layer, ends_group in zip(self.layers, ends):
+        for layer, ends_group in zip(self.layers, ends, strict=True):
             layer.mhc_recompute = LayerRecompute(group, ends_group)
             if ends_group:
                 group = MHCRecomputeGroup()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,8 +42,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_ext import guards
-from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
+from megatron_ext.mhc.reference import reference_aggregate
 
 # Where the error messages send people who built a non-mHC layer spec.
 MHC_SPEC_HINT = (
@@ -63,9 +63,9 @@ class HyperConnectionTransformerLayerSubmodules(TransformerLayerSubmodules):
     Cross-attention hyper connections are not supported.
     """
 
-    self_attention_hyper_connection: Union[ModuleSpec, type] = IdentityOp
-    cross_attention_hyper_connection: Union[ModuleSpec, type] = IdentityOp
-    mlp_hyper_connection: Union[ModuleSpec, type] = IdentityOp
+    self_attention_hyper_connection: ModuleSpec | type = IdentityOp
+    cross_attention_hyper_connection: ModuleSpec | type = IdentityOp
+    mlp_hyper_connection: ModuleSpec | type = IdentityOp
 
 
 def _is_identity(spec: Any) -> bool:
@@ -112,13 +112,13 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         config,
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
-        hidden_dropout: Optional[float] = None,
+        hidden_dropout: float | None = None,
         pg_collection=None,
-        vp_stage: Optional[int] = None,
+        vp_stage: int | None = None,
         is_mtp_layer: bool = False,
         add_layer_offset: bool = True,
-        pp_layer_offset: Optional[int] = None,
-        name: Optional[str] = None,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
         allow_moe_mlp: bool = False,
     ):
         _check_config(config)
@@ -159,8 +159,8 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             )
         # Set by HyperConnectionTransformerBlock before each training forward when the "mhc"
         # selective recompute is on; taken (and cleared) by this layer's forward.
-        self.mhc_recompute: Optional[LayerRecompute] = None
-        self._active_recompute: tuple[Optional[MHCRecomputeGroup], bool] = (None, False)
+        self.mhc_recompute: LayerRecompute | None = None
+        self._active_recompute: tuple[MHCRecomputeGroup | None, bool] = (None, False)
 
     def _build_connection(self, sublayer, submodules, name: str):
         """The hyper connection of one sub-layer, or None when the sub-layer is absent."""
@@ -263,18 +263,18 @@ class HyperConnectionTransformerLayer(TransformerLayer):
     def _forward_attention(
         self,
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
-        context: Optional[Tensor] = None,
-        context_mask: Optional[Tensor] = None,
-        rotary_pos_emb: Optional[Tensor] = None,
-        rotary_pos_cos: Optional[Tensor] = None,
-        rotary_pos_sin: Optional[Tensor] = None,
-        rotary_pos_cos_sin: Optional[Tensor] = None,
-        attention_bias: Optional[Tensor] = None,
+        attention_mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | None = None,
+        rotary_pos_cos: Tensor | None = None,
+        rotary_pos_sin: Tensor | None = None,
+        rotary_pos_cos_sin: Tensor | None = None,
+        attention_bias: Tensor | None = None,
         inference_context=None,
         packed_seq_params=None,
-        sequence_len_offset: Optional[Tensor] = None,
-        padding_mask: Optional[Tensor] = None,
+        sequence_len_offset: Tensor | None = None,
+        padding_mask: Tensor | None = None,
         *,
         inference_params=None,
     ):
@@ -321,7 +321,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self,
         hidden_states: Tensor,
         inference_context=None,
-        padding_mask: Optional[Tensor] = None,
+        padding_mask: Tensor | None = None,
         packed_seq_params=None,
     ) -> Tensor:
         """MLP sub-layer on the n streams: ``[s, b, n*h] -> [s, b, n*h]`` (viewless)."""
@@ -355,6 +355,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             inp=output, requires_grad=output.requires_grad, keep_graph=True
         )
         if ends_group:
+            assert group is not None  # only a layer in a recompute group ends one
             group.discard_and_recompute_on_backward(output)
         return output
 

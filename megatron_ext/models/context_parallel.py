@@ -34,7 +34,6 @@ or called.
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -119,10 +118,10 @@ class ContextParallelDotProductAttention(DotProductAttention):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None and config.context_parallel_size > 1:
@@ -174,10 +173,10 @@ class ContextParallelDotProductAttention(DotProductAttention):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         if self.cp_size == 1:
             return super().forward(

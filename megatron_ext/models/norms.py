@@ -10,6 +10,7 @@ norms already do this; this builder is what our local specs use when neither is 
 from __future__ import annotations
 
 import torch
+
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -44,5 +45,5 @@ class LocalNorm:
         norm = _norm_class(config.normalization)(normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
         return norm

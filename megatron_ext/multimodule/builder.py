@@ -25,13 +25,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext import registry
+from megatron_ext.errors import Problem
 from megatron_ext.multimodule.communicator import MultiModuleCommunicator
 from megatron_ext.multimodule.errors import MultiModuleBuildError, MultiModulePlanError
 from megatron_ext.multimodule.grads import finalize_multimodule_grads
@@ -59,9 +61,9 @@ class ModuleImpl:
     """
 
     factory: Callable[[StageContext], torch.nn.Module]
-    forward: Optional[StageForward] = None
+    forward: StageForward | None = None
     config: Any = None
-    input_width: Optional[int] = None
+    input_width: int | None = None
     """The last dim its first stage takes from its bridges (None: derived from the built
     module, see :func:`input_width_of`; a module that receives and shows no width fails the
     build). A sender whose output has another width raises BridgeShapeError before sending,
@@ -174,7 +176,7 @@ def _is_member(group: Any) -> bool:
     return group is not None and group is not non_member
 
 
-def input_width_of(module: torch.nn.Module) -> Optional[int]:
+def input_width_of(module: torch.nn.Module) -> int | None:
     """The last dim ``module`` (a first stage, before DDP) takes from its bridges, as the
     module shows it: its ``input_width`` attribute; for a megatron language model its
     hidden_size (its first stage takes the bridged ``decoder_input`` [s, b, h]); else the input
@@ -198,8 +200,8 @@ def input_width_of(module: torch.nn.Module) -> Optional[int]:
 
 
 def resolve_input_widths(
-    plan: MultiModulePlan, impls: dict[str, ModuleImpl], shown: list[dict[str, Optional[int]]]
-) -> tuple[dict[str, int], list[str]]:
+    plan: MultiModulePlan, impls: dict[str, ModuleImpl], shown: list[dict[str, int | None]]
+) -> tuple[dict[str, int], list[Problem]]:
     """Every bridge receiver's width: its ``ModuleImpl.input_width``, else what its first-stage
     ranks derived (``shown``: one {module: width} per rank). Returns (widths, problems): a
     receiver that shows no width, or different ones on different ranks, is a problem."""
@@ -213,23 +215,28 @@ def resolve_input_widths(
         found = {rank_widths[name] for rank_widths in shown if name in rank_widths}
         if found == {None} or not found:
             problems.append(
-                f"module {name!r} receives from {plan.predecessors(name)} but shows no input "
-                "width (no input_width attribute, not a megatron language model, no linear "
-                "layer), so what crosses its bridges cannot be checked; give "
-                f"ModuleImpl(input_width=...) for {name!r} or its module an input_width "
-                "attribute"
+                Problem(
+                    "",
+                    f"module {name!r} receives from {plan.predecessors(name)} but shows no input "
+                    "width (no input_width attribute, not a megatron language model, no linear "
+                    "layer), so what crosses its bridges cannot be checked; give "
+                    f"ModuleImpl(input_width=...) for {name!r} or its module an input_width "
+                    "attribute",
+                )
             )
         elif len(found) > 1:
             problems.append(
-                f"module {name!r}: its first-stage ranks show different input widths "
-                f"{sorted(found, key=str)}"
+                Problem(
+                    f"module {name!r}",
+                    f"its first-stage ranks show different input widths {sorted(found, key=str)}",
+                )
             )
         else:
             widths[name] = found.pop()
     return widths, problems
 
 
-def _agree(problem: Optional[str], what: str) -> None:
+def _agree(problem: str | None, what: str) -> None:
     """Raise the same error on every rank if any rank has a problem."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem)
@@ -323,19 +330,29 @@ def build(
     problems = plan.problems(config)
     if set(impls) != set(plan.modules):
         problems.append(
-            f"impls name {sorted(impls)} but the plan's modules are {sorted(plan.modules)}"
+            Problem(
+                "", f"impls name {sorted(impls)} but the plan's modules are {sorted(plan.modules)}"
+            )
         )
     if not hasattr(config, "calculate_per_token_loss"):
         problems.append(
-            f"the pipeline config ({type(config).__name__}) has no calculate_per_token_loss, "
-            "which the schedule reads; use megatron_ext.multimodule.MultiModulePipelineConfig "
-            "or a TransformerConfig"
+            Problem(
+                "",
+                f"the pipeline config ({type(config).__name__}) has no calculate_per_token_loss, "
+                "which the schedule reads; use megatron_ext.multimodule.MultiModulePipelineConfig "
+                "or a TransformerConfig",
+            )
         )
     if not dist.is_initialized():
-        problems.append("torch.distributed is not initialised; call init_process_group first")
+        problems.append(
+            Problem("", "torch.distributed is not initialised; call init_process_group first")
+        )
     elif dist.get_world_size() != plan.world_size:
         problems.append(
-            f"the plan is for {plan.world_size} ranks but the world has {dist.get_world_size()}"
+            Problem(
+                "",
+                f"the plan is for {plan.world_size} ranks but the world has {dist.get_world_size()}",
+            )
         )
     if problems:
         raise MultiModulePlanError(problems)
@@ -444,19 +461,24 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
         declared = m.output_ndim
         if len(inferred) > 1:
             ndim_problems.append(
-                f"module {name!r}: its last-stage ranks report different output_ndim "
-                f"{sorted(inferred)}"
+                Problem(
+                    f"module {name!r}",
+                    f"its last-stage ranks report different output_ndim {sorted(inferred)}",
+                )
             )
         elif declared is not None and inferred and inferred != {declared}:
             ndim_problems.append(
-                f"module {name!r}: the plan says output_ndim={declared}, the built module says "
-                f"{sorted(inferred)}; fix one of them"
+                Problem(
+                    f"module {name!r}",
+                    f"the plan says output_ndim={declared}, the built module says "
+                    f"{sorted(inferred)}; fix one of them",
+                )
             )
         output_ndim[name] = declared or (min(inferred) if inferred else 3)
-    _agree("; ".join(ndim_problems) if ndim_problems else None, "checking output ndims")
+    _agree("; ".join(map(str, ndim_problems)) if ndim_problems else None, "checking output ndims")
 
     input_width, width_problems = resolve_input_widths(plan, impls, [w for _, w in everyone])
-    _agree("; ".join(width_problems) if width_problems else None, "checking input widths")
+    _agree("; ".join(map(str, width_problems)) if width_problems else None, "checking input widths")
 
     pg_cache: dict = {}
     communicator = MultiModuleCommunicator(

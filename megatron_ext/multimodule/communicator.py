@@ -32,10 +32,11 @@ also caches those groups per pipeline rather than per process, so a pipeline's
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator,
@@ -75,7 +76,7 @@ def abort_marker(error: type, ndim: int, batch_dim: int, dtype: torch.dtype) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def aborted_with(tensor: Any) -> Optional[type]:
+def aborted_with(tensor: Any) -> type | None:
     """The error class an abort marker names, or None for an ordinary tensor."""
     if isinstance(tensor, list):
         tensor = tensor[0] if len(tensor) == 1 else None
@@ -94,7 +95,7 @@ class GridBridgeCommunicator(BridgeCommunicator):
         self._pg_cache = pg_cache
         super().__init__(*args, **kwargs)
 
-    def _backend(self) -> Optional[str]:
+    def _backend(self) -> str | None:
         return self.src_grid.backend
 
     # Upstream calls these through ``self``, so instance methods take precedence over its
@@ -124,7 +125,7 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
         config: Any,
         module_output_ndim: dict[str, int],
         pg_cache: dict,
-        input_width: Optional[dict[str, int]] = None,
+        input_width: dict[str, int] | None = None,
     ) -> None:
         self.plan = plan
         self.input_width = dict(input_width or {})
@@ -169,7 +170,7 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
         info = self.rank_module_map[name]
         return f"rank {self.current_rank} (module {name!r}, pipeline stage {info.pp_rank} of {info.pp_size})"
 
-    def _outgoing_problem(self, output_dict: dict) -> Optional[tuple[type, str]]:
+    def _outgoing_problem(self, output_dict: dict) -> tuple[type, str] | None:
         for name, info in self.rank_module_map.items():
             last = info.pp_rank == info.pp_size - 1
             if last and not info.bridge_comms_as_src_module:
@@ -214,7 +215,7 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
                 )
         return None
 
-    def _width_problem(self, name: str, info: Any, shape: tuple) -> Optional[str]:
+    def _width_problem(self, name: str, info: Any, shape: tuple) -> str | None:
         """The first bridge whose receiver takes another last dim than ``shape``'s."""
         for bridge in info.bridge_comms_as_src_module:
             dst = bridge.dest_module_name
@@ -313,7 +314,7 @@ class MultiModuleCommunicator(MultiModulePipelineCommunicator):
         return grad_dict
 
 
-def _accumulate(grads: dict, key: str, grad: Optional[torch.Tensor]) -> None:
+def _accumulate(grads: dict, key: str, grad: torch.Tensor | None) -> None:
     if grad is None:
         grads.setdefault(key, None)
     elif grads.get(key) is None:

@@ -9,20 +9,22 @@ rank that finds them and carried downstream to every rank waiting for that micro
 
 from __future__ import annotations
 
+from megatron_ext.errors import MegatronExtError, Problem
 
-class MultiModuleError(RuntimeError):
+
+class MultiModuleError(MegatronExtError, RuntimeError):
     """Base class of everything this package raises on purpose."""
 
 
 class MultiModulePlanError(MultiModuleError, ValueError):
     """The plan (modules, rank ranges, topology, config) cannot run; nothing was started.
 
-    ``problems`` holds one line per problem; the message lists them all.
+    ``problems`` holds one :class:`~megatron_ext.errors.Problem` each; the message lists them all.
     """
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
-        lines = "\n  - ".join(self.problems)
+        lines = "\n  - ".join(map(str, self.problems))
         super().__init__(f"{len(self.problems)} problem(s) in the multi-module plan:\n  - {lines}")
 
 

@@ -25,18 +25,19 @@ Both are linear in the gradients, so ``grad_scale_func`` (loss scaling) carries 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from megatron.core.distributed import finalize_model_grads
 
 
 def finalize_multimodule_grads(
     model: list[torch.nn.Module],
-    num_tokens: Optional[torch.Tensor] = None,
+    num_tokens: torch.Tensor | None = None,
     pg_collection: Any = None,
-    force_all_reduce: Optional[bool] = False,
+    force_all_reduce: bool | None = False,
 ) -> None:
     """``config.finalize_model_grads_func`` for a :class:`MultiModuleModel` (see module doc)."""
     (joint,) = model

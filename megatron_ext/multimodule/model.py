@@ -11,16 +11,18 @@ one model: a joint ``no_sync``, ``zero_grad_buffer`` and the collections finalis
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
+
 from megatron.core.enums import ModelType
 
 # forward(module, batch, inputs, stage) -> output tensor. ``inputs`` is ``{predecessor: tensor}``
 # on the first stage of a module that has predecessors and None everywhere else (later stages
 # get their input through the module's own set_input_tensor).
-StageForward = Callable[[torch.nn.Module, Any, Optional[dict], "StageContext"], Any]
+StageForward = Callable[[torch.nn.Module, Any, dict | None, "StageContext"], Any]
 
 
 @dataclass
@@ -50,9 +52,7 @@ class StageContext:
         return self.pp_rank == self.pp_size - 1
 
 
-def default_forward(
-    module: torch.nn.Module, batch: Any, inputs: Optional[dict], stage: StageContext
-):
+def default_forward(module: torch.nn.Module, batch: Any, inputs: dict | None, stage: StageContext):
     """``module(batch, inputs)``: for modules written against this package's contract."""
     return module(batch, inputs)
 

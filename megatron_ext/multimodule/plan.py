@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 
+from megatron_ext.errors import Problem
 from megatron_ext.multimodule.errors import MultiModulePlanError
 from megatron_ext.parallel_plan import ParallelPlan
 
@@ -49,7 +50,7 @@ class ModulePlan:
     dp: int = 1
     cp: int = 1
     first_rank: int = 0
-    output_ndim: Optional[int] = None
+    output_ndim: int | None = None
 
     @property
     def parallel(self) -> ParallelPlan:
@@ -90,8 +91,8 @@ class MultiModulePlan:
     modules: dict[str, ModulePlan]
     topology: dict[str, list[str]]
     language_model: str
-    world_size: Optional[int] = None
-    backend: Optional[str] = None  # of every grid and bridge group; None: the default group's
+    world_size: int | None = None
+    backend: str | None = None  # of every grid and bridge group; None: the default group's
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -131,7 +132,9 @@ class MultiModulePlan:
                 return
             if state.get(name) == "active":
                 cycle = " -> ".join(path[path.index(name) :] + (name,))
-                raise MultiModulePlanError([f"the topology has a cycle: {cycle}; it must be a DAG"])
+                raise MultiModulePlanError(
+                    [Problem("", f"the topology has a cycle: {cycle}; it must be a DAG")]
+                )
             state[name] = "active"
             for src in self.predecessors(name):
                 visit(src, path + (name,))
@@ -213,9 +216,9 @@ class MultiModulePlan:
         return range(dp_rank * mbs, (dp_rank + 1) * mbs)
 
     # ------------------------------------------------------------------ validation
-    def problems(self, config: Any = None) -> list[str]:
+    def problems(self, config: Any = None) -> list[Problem]:
         """Every reason this plan cannot run, one line each (empty when it can)."""
-        problems: list[str] = []
+        problems: list[Problem] = []
         problems += self._module_problems()
         if problems:
             return problems
@@ -229,87 +232,116 @@ class MultiModulePlan:
             problems += pipeline_config_problems(config)
         return problems
 
-    def validate(self, config: Any = None) -> "MultiModulePlan":
+    def validate(self, config: Any = None) -> MultiModulePlan:
         """Raise :class:`MultiModulePlanError` listing every problem; returns the plan."""
         problems = self.problems(config)
         if problems:
             raise MultiModulePlanError(problems)
         return self
 
-    def _module_problems(self) -> list[str]:
-        problems = []
+    def _module_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         if not self.modules:
-            problems.append("the plan has no modules")
+            problems.append(Problem("", "the plan has no modules"))
         for name, m in self.modules.items():
             for bad in m.parallel.size_problems():
-                value = getattr(m, bad.field)
+                value = getattr(m, bad.where)
                 problems.append(
-                    f"module {name!r}: {bad.field}={value!r} must be a positive integer"
+                    Problem(f"module {name!r}", f"{bad.where}={value!r} must be a positive integer")
                 )
             if not isinstance(m.first_rank, int) or m.first_rank < 0:
-                problems.append(f"module {name!r}: first_rank={m.first_rank!r} must be >= 0")
+                problems.append(
+                    Problem(f"module {name!r}", f"first_rank={m.first_rank!r} must be >= 0")
+                )
             if m.output_ndim not in (None, 2, 3):
                 problems.append(
-                    f"module {name!r}: output_ndim={m.output_ndim!r}; bridges carry 3-D "
-                    "[s, b, h] or 2-D [N, h] tensors (2, 3, or None to infer)"
+                    Problem(
+                        f"module {name!r}",
+                        f"output_ndim={m.output_ndim!r}; bridges carry 3-D "
+                        "[s, b, h] or 2-D [N, h] tensors (2, 3, or None to infer)",
+                    )
                 )
         if self.language_model not in self.modules:
             problems.append(
-                f"language_model={self.language_model!r} is not one of the modules "
-                f"{sorted(self.modules)}"
+                Problem(
+                    "",
+                    f"language_model={self.language_model!r} is not one of the modules "
+                    f"{sorted(self.modules)}",
+                )
             )
         return problems
 
-    def _graph_problems(self) -> list[str]:
-        problems = []
+    def _graph_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         for src, dests in self.topology.items():
             if src not in self.modules:
                 problems.append(
-                    f"topology names {src!r}, which is not a module ({sorted(self.modules)})"
+                    Problem(
+                        "",
+                        f"topology names {src!r}, which is not a module ({sorted(self.modules)})",
+                    )
                 )
             for dst in dests:
                 if dst not in self.modules:
-                    problems.append(f"topology edge {src} -> {dst}: {dst!r} is not a module")
+                    problems.append(
+                        Problem(f"topology edge {src} -> {dst}", f"{dst!r} is not a module")
+                    )
                 elif dst == src:
-                    problems.append(f"topology edge {src} -> {dst} feeds a module into itself")
+                    problems.append(
+                        Problem("", f"topology edge {src} -> {dst} feeds a module into itself")
+                    )
             if len(set(dests)) != len(dests):
-                problems.append(f"topology lists a successor of {src!r} twice: {dests}")
+                problems.append(
+                    Problem("", f"topology lists a successor of {src!r} twice: {dests}")
+                )
         if problems:
             return problems
         try:
-            self.topological_order
+            self.topological_order  # noqa: B018 (evaluated for the cycle check it raises)
         except MultiModulePlanError as error:
             return error.problems
         if self.successors(self.language_model):
             problems.append(
-                f"the language model {self.language_model!r} feeds "
-                f"{self.successors(self.language_model)}; it computes the loss, so it must be "
-                "the last module of the pipeline"
+                Problem(
+                    "",
+                    f"the language model {self.language_model!r} feeds "
+                    f"{self.successors(self.language_model)}; it computes the loss, so it must be "
+                    "the last module of the pipeline",
+                )
             )
         for sink in self.sinks:
             if sink != self.language_model:
                 problems.append(
-                    f"module {sink!r} feeds no other module, but only the language model "
-                    f"({self.language_model!r}) may end the pipeline (the loss is computed "
-                    f"there); add an edge {sink} -> ... or set language_model={sink!r}"
+                    Problem(
+                        "",
+                        f"module {sink!r} feeds no other module, but only the language model "
+                        f"({self.language_model!r}) may end the pipeline (the loss is computed "
+                        f"there); add an edge {sink} -> ... or set language_model={sink!r}",
+                    )
                 )
         return problems
 
-    def _rank_problems(self) -> list[str]:
-        problems = []
+    def _rank_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         world = self.world_size
         for name, m in self.modules.items():
             if m.ranks.stop > world:
                 problems.append(
-                    f"module {name!r} needs ranks {m.first_rank}..{m.ranks.stop - 1} "
-                    f"(tp {m.tp} x cp {m.cp} x pp {m.pp} x dp {m.dp} = {m.size} ranks from "
-                    f"first_rank {m.first_rank}), but the world has {world} ranks"
+                    Problem(
+                        "",
+                        f"module {name!r} needs ranks {m.first_rank}..{m.ranks.stop - 1} "
+                        f"(tp {m.tp} x cp {m.cp} x pp {m.pp} x dp {m.dp} = {m.size} ranks from "
+                        f"first_rank {m.first_rank}), but the world has {world} ranks",
+                    )
                 )
         idle = [r for r in range(world) if not self.modules_on(r)]
         if idle and not problems:
             problems.append(
-                f"ranks {idle} belong to no module; every rank must run a stage "
-                "(shrink the world or give a module those ranks)"
+                Problem(
+                    "",
+                    f"ranks {idle} belong to no module; every rank must run a stage "
+                    "(shrink the world or give a module those ranks)",
+                )
             )
         names = list(self.modules)
         for i, a in enumerate(names):
@@ -323,56 +355,71 @@ class MultiModulePlan:
                 if self.reachable(a, b) or self.reachable(b, a):
                     first, second = (a, b) if self.reachable(a, b) else (b, a)
                     problems.append(
-                        f"modules {a!r} and {b!r} overlap on {span}, but {first!r} feeds "
-                        f"{second!r}: pipelined modules must have disjoint rank ranges (a "
-                        "rank cannot bridge to itself, and 1F1B would need its output before "
-                        "it has run); move one module's first_rank"
+                        Problem(
+                            "",
+                            f"modules {a!r} and {b!r} overlap on {span}, but {first!r} feeds "
+                            f"{second!r}: pipelined modules must have disjoint rank ranges (a "
+                            "rank cannot bridge to itself, and 1F1B would need its output before "
+                            "it has run); move one module's first_rank",
+                        )
                     )
                     continue
                 for rank in shared:
                     wa, wb = self._warmup_of(a, rank), self._warmup_of(b, rank)
                     if wa != wb:
                         problems.append(
-                            f"modules {a!r} and {b!r} share rank {rank}, where {a!r} runs "
-                            f"{wa} warm-up micro-batch(es) and {b!r} {wb}; one rank runs one "
-                            "1F1B schedule, so co-located modules must sit at the same depth "
-                            "(give them the same pp and successors, or separate ranks)"
+                            Problem(
+                                "",
+                                f"modules {a!r} and {b!r} share rank {rank}, where {a!r} runs "
+                                f"{wa} warm-up micro-batch(es) and {b!r} {wb}; one rank runs one "
+                                "1F1B schedule, so co-located modules must sit at the same depth "
+                                "(give them the same pp and successors, or separate ranks)",
+                            )
                         )
                         break
         return problems
 
-    def _bridge_problems(self) -> list[str]:
-        problems = []
+    def _bridge_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         for src, dst in self.edges:
             a, b = self.modules[src], self.modules[dst]
             if a.cp > 1 or b.cp > 1:
                 problems.append(
-                    f"bridge {src} -> {dst}: context parallelism across a bridge is not "
-                    f"supported by megatron-core's BridgeCommunicator ({src} cp={a.cp}, "
-                    f"{dst} cp={b.cp}); set cp=1 on both"
+                    Problem(
+                        f"bridge {src} -> {dst}",
+                        f"context parallelism across a bridge is not "
+                        f"supported by megatron-core's BridgeCommunicator ({src} cp={a.cp}, "
+                        f"{dst} cp={b.cp}); set cp=1 on both",
+                    )
                 )
             if a.dp % b.dp and b.dp % a.dp:
                 problems.append(
-                    f"bridge {src} -> {dst}: dp sizes {a.dp} and {b.dp} neither divide nor are "
-                    "divided by each other, so the batch cannot be gathered (fan-in) or split "
-                    "(fan-out) evenly; make one a multiple of the other"
+                    Problem(
+                        f"bridge {src} -> {dst}",
+                        f"dp sizes {a.dp} and {b.dp} neither divide nor are "
+                        "divided by each other, so the batch cannot be gathered (fan-in) or split "
+                        "(fan-out) evenly; make one a multiple of the other",
+                    )
                 )
         return problems
 
-    def _schedule_problems(self) -> list[str]:
-        problems = []
+    def _schedule_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         for name in self.modules:
             successors = self.successors(name)
             depths = {s: self.modules[s].pp + self.stages_after(s) for s in successors}
             if len(set(depths.values())) > 1:
                 described = ", ".join(f"{s} ({d} stage(s))" for s, d in depths.items())
                 problems.append(
-                    f"module {name!r} feeds modules that lead to the language model through "
-                    f"different numbers of pipeline stages: {described}. Its last stage would "
-                    "need a different 1F1B warm-up for each successor, and one rank has one "
-                    "warm-up count, so this graph deadlocks in megatron-core's non-interleaved "
-                    "schedule; give the paths the same number of stages (pp sizes), or feed "
-                    "only successors at the same depth"
+                    Problem(
+                        "",
+                        f"module {name!r} feeds modules that lead to the language model through "
+                        f"different numbers of pipeline stages: {described}. Its last stage would "
+                        "need a different 1F1B warm-up for each successor, and one rank has one "
+                        "warm-up count, so this graph deadlocks in megatron-core's non-interleaved "
+                        "schedule; give the paths the same number of stages (pp sizes), or feed "
+                        "only successors at the same depth",
+                    )
                 )
         return problems
 
@@ -389,29 +436,41 @@ class MultiModulePipelineConfig(ModelParallelConfig):
     """Normalise by the global number of loss tokens instead of per micro-batch."""
 
 
-def pipeline_config_problems(config: Any) -> list[str]:
+def pipeline_config_problems(config: Any) -> list[Problem]:
     """What the schedule's config must say for a multi-module pipeline."""
-    problems = []
+    problems: list[Problem] = []
     if not getattr(config, "variable_seq_lengths", False):
         problems.append(
-            "config.variable_seq_lengths is False: multi-module pipelines exchange every "
-            "tensor's shape (encoder and language-model tensors differ, bridges gather and "
-            "split batches), which megatron-core's schedule only does with "
-            "variable_seq_lengths=True; set it in the pipeline config"
+            Problem(
+                "",
+                "config.variable_seq_lengths is False: multi-module pipelines exchange every "
+                "tensor's shape (encoder and language-model tensors differ, bridges gather and "
+                "split batches), which megatron-core's schedule only does with "
+                "variable_seq_lengths=True; set it in the pipeline config",
+            )
         )
     if getattr(config, "pipeline_dtype", None) is None:
         problems.append(
-            "config.pipeline_dtype is None: P2P and bridge buffers are allocated in it; set "
-            "it (e.g. torch.float32 or torch.bfloat16)"
+            Problem(
+                "",
+                "config.pipeline_dtype is None: P2P and bridge buffers are allocated in it; set "
+                "it (e.g. torch.float32 or torch.bfloat16)",
+            )
         )
     if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
         problems.append(
-            "config.virtual_pipeline_model_parallel_size is set, but megatron-core has no "
-            "interleaved multi-module schedule; leave it None"
+            Problem(
+                "",
+                "config.virtual_pipeline_model_parallel_size is set, but megatron-core has no "
+                "interleaved multi-module schedule; leave it None",
+            )
         )
     if getattr(config, "overlap_p2p_comm", False):
         problems.append(
-            "config.overlap_p2p_comm=True: the non-interleaved schedule (the only one for "
-            "multi-module pipelines) rejects it; set it False"
+            Problem(
+                "",
+                "config.overlap_p2p_comm=True: the non-interleaved schedule (the only one for "
+                "multi-module pipelines) rejects it; set it False",
+            )
         )
     return problems

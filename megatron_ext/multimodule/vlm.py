@@ -15,16 +15,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
+
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.multimodule.builder import ModuleImpl
 from megatron_ext.multimodule.model import StageContext, core_module
-from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.runtime.config_fields import CPU_SAFE_FIELDS
 
 CPU_FRIENDLY = dict(
@@ -87,10 +89,10 @@ class VisionEncoder(MegatronModule):
             pg_collection=stage.pg_collection,
         )
 
-    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.block.set_input_tensor(input_tensor)
 
-    def forward(self, images: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, images: torch.Tensor | None) -> torch.Tensor:
         hidden = self.patch_embed(images) if self.pre_process else None
         hidden = self.block(hidden_states=hidden, attention_mask=None)
         if self.post_process and self.flatten_output:

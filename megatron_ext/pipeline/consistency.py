@@ -26,24 +26,27 @@ only shows at run time), and later communicators exchanging that shape gather no
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_ext.errors import MegatronExtError
 
 # What each communicator's stages agreed on (the exchanged shape, None when nothing is held to
 # one), kept beside megatron's communicators rather than as attributes on them.
-_agreed_shapes: "weakref.WeakKeyDictionary[Any, Optional[list[int]]]" = weakref.WeakKeyDictionary()
+_agreed_shapes: weakref.WeakKeyDictionary[Any, list[int] | None] = weakref.WeakKeyDictionary()
 
 # Pipeline groups whose stages agreed on every field before the model was built
 # (agree_before_build) -> the exchanged shape they agreed on since (_NO_SHAPE_YET until their
 # first exchange). One entry per process and group, however many schedules run.
 _NO_SHAPE_YET = object()
-_agreed_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_agreed_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-class PipelineConsistencyError(RuntimeError):
+class PipelineConsistencyError(MegatronExtError, RuntimeError):
     """Two pipeline stages were built to exchange different tensors."""
 
 
-def _dtype_name(dtype: Any) -> Optional[str]:
+def _dtype_name(dtype: Any) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
@@ -54,7 +57,7 @@ def _variable_shapes(config: Any) -> bool:
     )
 
 
-def stage_fields(config: Any, exchanged_shape: Optional[Sequence[int]]) -> dict[str, Any]:
+def stage_fields(config: Any, exchanged_shape: Sequence[int] | None) -> dict[str, Any]:
     """What defines this stage's inter-stage tensors, in the order mismatches are reported
     (the configuration fields first: they say what to fix; the shape then says what it does)."""
     mhc = bool(getattr(config, "enable_mhc_connections", False))
@@ -94,7 +97,7 @@ def build_fields(config: Any, **run_fields: Any) -> dict[str, Any]:
     return {**fields, **run_fields}
 
 
-def first_difference(records: list[dict[str, Any]]) -> Optional[str]:
+def first_difference(records: list[dict[str, Any]]) -> str | None:
     """The message for the first field on which the stages differ (None if they agree).
     ``records[i]`` is pipeline stage i's :func:`stage_fields` plus its global ``rank``."""
     for name in records[0]:
@@ -116,9 +119,7 @@ def first_difference(records: list[dict[str, Any]]) -> Optional[str]:
     return None
 
 
-def _exchanged_shape(
-    tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]
-) -> Optional[list[int]]:
+def _exchanged_shape(tensor_shape: Sequence[int] | None, sends: Sequence[Any]) -> list[int] | None:
     if tensor_shape is not None and len(tensor_shape):
         return list(tensor_shape)
     for tensor in sends:
@@ -154,7 +155,7 @@ def agree_before_build(config: Any, pp_group: Any, run_fields: dict[str, Any]) -
     _agreed_groups[pp_group] = _NO_SHAPE_YET
 
 
-def _check_shape_of_agreed_group(communicator: Any, shape: Optional[list[int]]) -> None:
+def _check_shape_of_agreed_group(communicator: Any, shape: list[int] | None) -> None:
     """A communicator of a group agreed before build: its stages agree on the exchanged shape
     once (the fields are agreed already); a shape agreed before is held without a collective."""
     group = communicator.pp_group
@@ -169,9 +170,7 @@ def _check_shape_of_agreed_group(communicator: Any, shape: Optional[list[int]]) 
     _agreed_shapes[communicator] = None if agreed is _NO_SHAPE_YET else agreed
 
 
-def check_once(
-    communicator: Any, tensor_shape: Optional[Sequence[int]], sends: Sequence[Any]
-) -> None:
+def check_once(communicator: Any, tensor_shape: Sequence[int] | None, sends: Sequence[Any]) -> None:
     """On the communicator's first exchange: all-gather :func:`stage_fields` over its
     pipeline group and raise on every rank if the stages differ (only the shape, and only
     when it is new, where :func:`agree_before_build` agreed on the fields already)."""

@@ -12,18 +12,16 @@ buffer on both sides; for distinct neighbours the order changes nothing.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 
 def batched_p2p_ops_forward_first(
     *,
-    tensor_send_prev: Optional[torch.Tensor],
-    tensor_recv_prev: Optional[torch.Tensor],
-    tensor_send_next: Optional[torch.Tensor],
-    tensor_recv_next: Optional[torch.Tensor],
+    tensor_send_prev: torch.Tensor | None,
+    tensor_recv_prev: torch.Tensor | None,
+    tensor_send_next: torch.Tensor | None,
+    tensor_recv_next: torch.Tensor | None,
     group: dist.ProcessGroup,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,

@@ -15,7 +15,8 @@ shapes and ignores the fixed ones.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def pipeline_hidden_size(config: Any, pipeline_parallel_size: int) -> int:
@@ -26,8 +27,8 @@ def pipeline_hidden_size(config: Any, pipeline_parallel_size: int) -> int:
 
 
 def pipeline_tensor_shape(
-    config: Any, tensor_shape: Optional[Sequence[int]], pipeline_parallel_size: int
-) -> Optional[Sequence[int]]:
+    config: Any, tensor_shape: Sequence[int] | None, pipeline_parallel_size: int
+) -> Sequence[int] | None:
     """``tensor_shape`` as megatron sized it ([s', b, hidden_size]) with the pipeline width."""
     if tensor_shape is None or len(tensor_shape) == 0:
         return tensor_shape

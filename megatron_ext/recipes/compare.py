@@ -29,7 +29,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy
 
@@ -43,9 +43,9 @@ class Rule:
     """How one metric is checked (see the module docstring)."""
 
     deterministic: bool = False
-    rtol: Optional[float] = None
+    rtol: float | None = None
     atol: float = 0.0
-    max_failing_steps: Optional[int] = None
+    max_failing_steps: int | None = None
 
     @property
     def checked(self) -> bool:
@@ -133,7 +133,7 @@ class CheckResult:
     steps: int
     failing: list[int] = field(default_factory=list)
     allowed: int = 0
-    worst: Optional[Worst] = None
+    worst: Worst | None = None
     detail: str = ""
     reference: str = "golden"
 
@@ -238,7 +238,7 @@ def check_metric(
                 rtol=rule.rtol,
                 atol=rule.atol,
             )
-            failing = [s for s, ok in zip(steps, close) if not ok]
+            failing = [s for s, ok in zip(steps, close, strict=True) if not ok]
             allowed = (
                 rule.max_failing_steps
                 if rule.max_failing_steps is not None
@@ -260,7 +260,7 @@ def check_metric(
     return results
 
 
-def _worst(actual: dict[int, float], golden: dict[int, float], steps: list[int]) -> Optional[Worst]:
+def _worst(actual: dict[int, float], golden: dict[int, float], steps: list[int]) -> Worst | None:
     candidates = [Worst(s, _value(actual, s), golden[s]) for s in steps]
     if not candidates:
         return None

@@ -14,7 +14,6 @@ Reading entry-point metadata imports nothing.
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Optional
 
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
@@ -36,7 +35,7 @@ def known_entries() -> dict[str, str]:
     return {**{m: "megatron-ext" for m in OUR_ENTRIES}, **registered_entries()}
 
 
-def entry_problem(entry: Optional[str]) -> Optional[Problem]:
+def entry_problem(entry: str | None) -> Problem | None:
     """None when ``entry`` is one of :func:`known_entries`; else why it will not be run."""
     if entry is None:
         return None  # plan_problems reports a missing entry

@@ -22,13 +22,13 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
+from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipes import schema, upstream
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
-
 
 MAX_ALIASES = 32
 """Anchors and aliases are fine for sharing a block; nested alias bombs (a 1.3 KB document
@@ -45,6 +45,8 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._aliases = 0
         self._depth = 0
+        self.duplicates: list[tuple[Any, Any]] = []
+        """(key, its second occurrence's mark) of each key a mapping gives twice."""
 
     def compose_node(self, parent, index):  # noqa: D102 - PyYAML hook
         if self.check_event(yaml.AliasEvent):
@@ -80,12 +82,7 @@ class _Loader(yaml.SafeLoader):
                 except TypeError:
                     duplicate = False  # unhashable: construct_mapping reports it
                 if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        "while reading a mapping",
-                        node.start_mark,
-                        f"duplicate key {key!r} (the first value would be silently replaced)",
-                        key_node.start_mark,
-                    )
+                    self.duplicates.append((key, key_node.start_mark))
                 if not isinstance(key, (list, dict)):
                     seen[key] = True
         return super().construct_mapping(node, deep=deep)
@@ -106,8 +103,29 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
     return " ".join(f"{what}{where}".split())
 
 
+def parse_document(text: str) -> tuple[Any, list[str]]:
+    """The parsed document and, for a Megatron-LM test case, the keys it gives twice
+    ("key (line N)"): upstream's loader keeps the last value, so the importer does too and
+    notes it. In a recipe a duplicate key is an error (the first value would be silently
+    replaced)."""
+    loader = _Loader(text)
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    if loader.duplicates and not upstream.is_test_case(data):
+        key, mark = loader.duplicates[0]
+        raise yaml.constructor.ConstructorError(
+            "while reading a mapping",
+            None,
+            f"duplicate key {key!r} (the first value would be silently replaced)",
+            mark,
+        )
+    return data, [f"{key} (line {mark.line + 1})" for key, mark in loader.duplicates]
+
+
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+    return parse_document(text)[0]
 
 
 @dataclass
@@ -115,7 +133,7 @@ class LoadedRecipe:
     """A recipe ready to run: the typed recipe plus where it came from."""
 
     recipe: Recipe
-    source: Optional[Path]
+    source: Path | None
     platform: str
     overrides: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -148,7 +166,7 @@ class LoadedRecipe:
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)
 
-    def golden_path(self) -> Optional[Path]:
+    def golden_path(self) -> Path | None:
         pattern = self.recipe.test.golden_values
         if not pattern:
             return None
@@ -180,7 +198,7 @@ def _known_keys_at(path: list[str]) -> list[str]:
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
 
 
-def _check_key(parts: list[str]) -> Optional[str]:
+def _check_key(parts: list[str]) -> str | None:
     """None when the dotted key names a schema field, else why not."""
     for depth in range(1, len(parts) + 1):
         prefix = parts[:depth]
@@ -264,21 +282,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 
 
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
-# (DeepSeek-V4 configs) and the TransformerConfig field names of both.
-MHC_EXTRA_ARG_ALIASES = {
-    "enabled": (
-        "--enable-mhc-connections",
-        "--enable-hyper-connections",
-        "enable_mhc_connections",
-        "enable_hyper_connections",
-    ),
-    "num_residual_streams": (
-        "--mhc-num-residual-streams",
-        "--num-residual-streams",
-        "mhc_num_residual_streams",
-        "num_residual_streams",
-    ),
-}
+# (DeepSeek-V4 configs) and the TransformerConfig field names of both (the one alias table).
+MHC_EXTRA_ARG_ALIASES = {alias.recipe_field: alias.spellings for alias in MHC_ALIASES}
 
 
 def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
@@ -392,7 +397,7 @@ def load(
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)
     try:
-        raw = parse_yaml(path.read_text(encoding="utf-8"))
+        raw, duplicates = parse_document(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:
@@ -413,12 +418,12 @@ def load(
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
-        conversion = upstream.convert(raw, path.resolve().parent)
+        conversion = upstream.convert(raw, path.resolve().parent, duplicates=tuple(duplicates))
         raw = conversion.recipe
         problems += conversion.problems + upstream.platform_problems(conversion, platform)
         notes = upstream.notes_for(conversion, platform)
     recipe, recipe_problems = resolve(raw, platform, overrides)
-    problems += recipe_problems
+    problems += recipe_problems + upstream.async_save_problems(recipe.extra_args)
     if problems:
         raise RecipeError(str(path), problems)
     return LoadedRecipe(
@@ -445,7 +450,7 @@ def platforms_of(path: str | Path) -> list[str]:
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
-    from megatron_ext.recipes.safety import redact_env, redact_override
+    from megatron_ext.launch.shell import redact_env, redact_override
 
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name

@@ -25,13 +25,14 @@ iteration's own loss, so the two sources differ at that step only.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import logging
 import math
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional, Union
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION_LINE = re.compile(
@@ -58,7 +59,7 @@ TENSORBOARD_SUBDIR = "tensorboard"
 ckpt-resume's second run)."""
 
 
-def parse_iteration_line(line: str) -> Optional[tuple[int, int, dict[str, float]]]:
+def parse_iteration_line(line: str) -> tuple[int, int, dict[str, float]] | None:
     """(iteration, train_iters, {metric: value}) for a Megatron iteration line, else None."""
     match = ITERATION_LINE.search(line)
     if not match:
@@ -95,12 +96,12 @@ def parse_lines(lines: Iterable[str]) -> Metrics:
     return metrics
 
 
-def parse_log(path: Union[str, Path]) -> Metrics:
+def parse_log(path: str | Path) -> Metrics:
     with open(path, errors="replace") as f:
         return parse_lines(f)
 
 
-def parse_run_logs(log_dir: Union[str, Path]) -> Metrics:
+def parse_run_logs(log_dir: str | Path) -> Metrics:
     """The metrics of one run's per-rank logs: the rank that printed iteration lines (the last
     pipeline stage's last rank, Megatron's print_rank_last)."""
     logs = sorted(Path(log_dir).glob("rank-*.log"), key=lambda p: -_rank_of(p))
@@ -116,7 +117,7 @@ def _rank_of(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def to_golden(metrics: Metrics, names: Optional[Iterable[str]] = None) -> dict:
+def to_golden(metrics: Metrics, names: Iterable[str] | None = None) -> dict:
     """Megatron's golden-value layout for ``names`` (all metrics when None)."""
     out = {}
     for name in names if names is not None else sorted(metrics):
@@ -124,7 +125,7 @@ def to_golden(metrics: Metrics, names: Optional[Iterable[str]] = None) -> dict:
         if not series:
             continue
         steps = sorted(series)
-        interval = min((b - a for a, b in zip(steps, steps[1:])), default=1)
+        interval = min((b - a for a, b in itertools.pairwise(steps)), default=1)
         out[name] = {
             "start_step": steps[0],
             "end_step": steps[-1],
@@ -149,20 +150,18 @@ def from_golden(data: dict) -> Metrics:
     return metrics
 
 
-def write_golden(
-    path: Union[str, Path], metrics: Metrics, names: Optional[Iterable[str]] = None
-) -> Path:
+def write_golden(path: str | Path, metrics: Metrics, names: Iterable[str] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(to_golden(metrics, names), indent=2) + "\n")
     return path
 
 
-def read_golden(path: Union[str, Path]) -> Metrics:
+def read_golden(path: str | Path) -> Metrics:
     return from_golden(json.loads(Path(path).read_text()))
 
 
-def read_validation_losses(path: Union[str, Path]) -> Series:
+def read_validation_losses(path: str | Path) -> Series:
     out: Series = {}
     with open(path, errors="replace") as f:
         for line in f:
@@ -173,13 +172,13 @@ def read_validation_losses(path: Union[str, Path]) -> Series:
 
 
 # ---- TensorBoard ---------------------------------------------------------------------------------
-def event_files(directory: Union[str, Path]) -> list[str]:
+def event_files(directory: str | Path) -> list[str]:
     """The event files directly in ``directory``, oldest first (Megatron-LM's order)."""
     files = glob.glob(os.path.join(str(directory), "events*tfevents*"))
     return sorted(files, key=os.path.getmtime)
 
 
-def read_tensorboard(directory: Union[str, Path]) -> Metrics:
+def read_tensorboard(directory: str | Path) -> Metrics:
     """Every scalar series of the event files in ``directory`` ({} when there are none).
 
     Several files (a restarted writer) merge step by step, the first file's value winning,
@@ -205,7 +204,7 @@ def read_tensorboard(directory: Union[str, Path]) -> Metrics:
     return metrics
 
 
-def read_run_metrics(run_dir: Union[str, Path], phase: str = "") -> tuple[Metrics, str]:
+def read_run_metrics(run_dir: str | Path, phase: str = "") -> tuple[Metrics, str]:
     """(metrics, source) of one phase of a run: TensorBoard when the phase wrote event files,
     else its log lines. ``phase``: "" (the first run) or "resume"."""
     run_dir = Path(run_dir)

@@ -8,7 +8,6 @@ torch). To hold golden values for them, list them in ``test.metrics``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from megatron_ext.recipes.plot import write_png_plot
 
@@ -24,7 +23,7 @@ def recorded_names(recipe, names: list[str]) -> list[str]:
     return names + [name for name in GAIN_NAMES if name not in names]
 
 
-def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Optional[Path]:
+def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
     """The gains per logged step in ``mhc.png`` (None when the run logged none)."""
     series = {name: run_metrics[name] for name in GAIN_NAMES if run_metrics.get(name)}
     if not series:

@@ -19,7 +19,6 @@ without starting anything, what the plan accepts but the entry
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from megatron_ext.multimodule.plan import ModulePlan, MultiModulePlan
 from megatron_ext.recipes.loader import load
@@ -30,7 +29,7 @@ PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "first_rank", "output_ndim")
 ENTRY = "megatron_ext.pretrain_multimodule"
 
 
-def plan_of(recipe: Recipe, world_size: Optional[int] = None) -> MultiModulePlan:
+def plan_of(recipe: Recipe, world_size: int | None = None) -> MultiModulePlan:
     """The modules' grids and graph; raises ValueError listing what makes it no plan."""
     modules = recipe.model.modules or {}
     problems = []
@@ -73,7 +72,7 @@ def num_microbatches(recipe: Recipe, plan: MultiModulePlan) -> int:
 
 
 def validate_recipe(
-    path: str, overrides: list[str] = (), world_size: Optional[int] = None
+    path: str, overrides: list[str] = (), world_size: int | None = None
 ) -> list[str]:
     """Every problem of a multimodule recipe file, found without starting anything."""
     try:
@@ -83,13 +82,13 @@ def validate_recipe(
     return recipe_problems(recipe, world_size)
 
 
-def recipe_problems(recipe: Recipe, world_size: Optional[int] = None) -> list[str]:
+def recipe_problems(recipe: Recipe, world_size: int | None = None) -> list[str]:
     """Every problem of a loaded multimodule recipe's plan (``megatron-ext validate``)."""
     try:
         plan = plan_of(recipe, world_size)
     except (ValueError, TypeError) as error:
         return [str(error)]
-    problems = plan.problems() + module_problems(recipe, plan)
+    problems = [str(p) for p in plan.problems()] + module_problems(recipe, plan)
     if recipe.training.lr_schedule != "constant":
         problems.append(
             f"training.lr_schedule={recipe.training.lr_schedule!r}: this entry trains "

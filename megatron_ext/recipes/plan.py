@@ -20,7 +20,7 @@ import math
 import re
 import string
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
@@ -79,7 +79,7 @@ def hybrid_layer_count(pattern: str) -> int:
     return sum(len(s) for s in hybrid_segments(pattern)[0])
 
 
-def virtual_stages(recipe: Recipe) -> Optional[int]:
+def virtual_stages(recipe: Recipe) -> int | None:
     """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
     model, par = recipe.model, recipe.parallelism
     stages = None
@@ -211,6 +211,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     _flag(args, "--tokenizer-model", d.tokenizer.model)
     _flag(args, "--vocab-file", d.tokenizer.vocab_file)
     _flag(args, "--merge-file", d.tokenizer.merge_file)
+    if r.test.ckpt_format != "torch_dist":  # megatron's default; ckpt-resume passes it anyway
+        _flag(args, "--ckpt-format", r.test.ckpt_format)
     # Every iteration logged: the metrics and golden values are per step.
     _flag(args, "--log-interval", 1)
     _flag(args, "--log-num-zeros-in-grad", "num-zeros" in r.test.metrics)
@@ -268,7 +270,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     m = r.model
 
     for problem in parallel_plan(r).size_problems():
-        add(f"parallelism.{problem.field}", problem.message)
+        add(f"parallelism.{problem.where}", problem.what)
     if problems:
         return problems
 
@@ -349,6 +351,13 @@ def _check_model(r: Recipe, add) -> None:
         add(
             "model.num_attention_heads",
             f"{m.num_attention_heads} heads do not split over tp={p.tp}",
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+        # Megatron finds this only when it builds the MLP, a minute into start-up.
+        add(
+            "model.ffn_hidden_size",
+            f"{m.ffn_hidden_size} does not split over tp={p.tp} (the MLP's columns are "
+            "divided between the tensor-parallel ranks)",
         )
     if m.num_query_groups is not None and (
         m.num_attention_heads % m.num_query_groups or m.num_query_groups % p.tp
@@ -464,8 +473,8 @@ def _check_parallel_plan(r: Recipe, add) -> None:
     plan = parallel_plan(r)
     for problem in plan.problems():
         add(
-            "launch.nproc" if problem.field == "world_size" else f"parallelism.{problem.field}",
-            problem.message,
+            "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
+            problem.what,
         )
     if p.cp > 1:
         _check_context_parallel(r, add)
@@ -630,7 +639,7 @@ def _check_test(r: Recipe, add) -> None:
             add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
 
 
-def _tolerance_problem(key: str, value: Any) -> Optional[str]:
+def _tolerance_problem(key: str, value: Any) -> str | None:
     """What is wrong with one test.tolerances value (compare.py reads them as they are)."""
     if key == "deterministic":
         return None if isinstance(value, bool) else f"is true or false, got {value!r}"

@@ -16,7 +16,6 @@ quantity in one panel (the older interface, kept for callers that have only loss
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
 
 Series = dict[int, float]
 Metrics = dict[str, Series]
@@ -34,7 +33,7 @@ def _pyplot():
     return plt
 
 
-def _panel_of(metric: str) -> Optional[str]:
+def _panel_of(metric: str) -> str | None:
     if metric.endswith("loss"):
         return "loss"
     return PANELS.get(metric)
@@ -47,11 +46,11 @@ def _draw(ax, series: Series, **style) -> None:
 
 
 def write_run_plot(
-    path: Union[str, Path],
+    path: str | Path,
     run: Metrics,
-    golden: Optional[Metrics] = None,
-    resumed: Optional[Metrics] = None,
-    resume_step: Optional[int] = None,
+    golden: Metrics | None = None,
+    resumed: Metrics | None = None,
+    resume_step: int | None = None,
     title: str = "",
 ) -> Path:
     """Losses, gradient norm and learning rate of a run (see the module docstring)."""
@@ -72,7 +71,7 @@ def write_run_plot(
         len(panels), 1, sharex=True, squeeze=False, figsize=(8, 2.2 + 2.0 * len(panels))
     )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, panel in zip(axes[:, 0], panels):
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
         for i, metric in enumerate(m for m in metrics if _panel_of(m) == panel):
             colour = colours[i % len(colours)]
             _draw(
@@ -127,7 +126,7 @@ def write_run_plot(
     return path
 
 
-def write_png_plot(path: Union[str, Path], series: dict[str, Series], title: str = "") -> Path:
+def write_png_plot(path: str | Path, series: dict[str, Series], title: str = "") -> Path:
     """Named series of one quantity (e.g. ``{"run": ..., "golden": ...}``) in one panel;
     series named "golden" are dashed."""
     plt = _pyplot()

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from megatron_ext.schedules.schedule import build_schedule, compare, simulate, textbook_bubble
 from megatron_ext.schedules.timeline import (
@@ -38,7 +39,7 @@ def read_ranks(trace_dir: Path) -> list[dict]:
     return ranks
 
 
-def failing_step(trace_dir: Path) -> Optional[str]:
+def failing_step(trace_dir: Path) -> str | None:
     """Where the first pass or exchange that raised was (rank, chunk, step), if any."""
     for data in read_ranks(trace_dir) if Path(trace_dir).is_dir() else []:
         failed = [e for e in data["events"] if e.error]
@@ -54,7 +55,7 @@ def failing_step(trace_dir: Path) -> Optional[str]:
     return None
 
 
-def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Optional[dict]:
+def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict | None:
     """Write trace.json and timeline.png; return the run summary's "pipeline" entry."""
     from megatron_ext.recipes.schedule import plan_from_loaded
 

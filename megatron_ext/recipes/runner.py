@@ -34,15 +34,12 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
-from megatron_ext.recipes import compare as cmp
-from megatron_ext.recipes import metrics as met
-from megatron_ext.recipes import mhc_report
-from megatron_ext.recipes import plan
-from megatron_ext.recipes import safety
+from megatron_ext.launch import shell
+from megatron_ext.recipes import compare as cmp, metrics as met, mhc_report, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -138,24 +135,24 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     env = plan.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
-        safety.comment(
+        shell.comment(
             f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
             + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
             + ")"
         ),
-        safety.comment(f"# {plan.describe(loaded)}"),
+        shell.comment(f"# {plan.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
     ]
     for key in env:
-        if not safety.ENV_KEY.match(str(key)):
-            raise safety.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
-    lines += [safety.secret_check_line(k) for k in env if safety.is_secret(k)]
-    plain = {k: v for k, v in env.items() if not safety.is_secret(k)}
+        if not shell.ENV_KEY.match(str(key)):
+            raise shell.UnsafeValueError(f"launch.env key {str(key)!r} is not a variable name")
+    lines += [shell.secret_check_line(k) for k in env if shell.is_secret(k)]
+    plain = {k: v for k, v in env.items() if not shell.is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
-    for i, phase in enumerate(phases(loaded, run_dir)):
+    for phase in phases(loaded, run_dir):
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
@@ -174,12 +171,12 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
 
 
 def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
-    return [safety.redact_override(o) for o in loaded.overrides]
+    return [shell.redact_override(o) for o in loaded.overrides]
 
 
 def dry_run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
@@ -219,10 +216,19 @@ def format_command(head: list[str], args: list[str]) -> str:
 PLAIN_PROGRESS = re.compile(r"^multimodule: iteration (\d+)/(\d+) \| (.*)$")
 
 
+LOSS_SOURCES = (
+    "  (losses below: Megatron's log line, averaged over the iteration's micro-batches as it "
+    "prints them; metrics.json, loss.png and the golden comparison use the per-step "
+    "TensorBoard scalars, which can differ from them)"
+)
+TRAINING_LOOP_MARKER = "before the start of training step"
+"""What Megatron's rank 0 prints once set-up is over and the training loop begins."""
+
+
 class Progress:
     """Turns the followed rank's log lines into one short line per event."""
 
-    def __init__(self, echo: Echo, phase: str, start: Optional[float] = None):
+    def __init__(self, echo: Echo, phase: str, start: float | None = None):
         """``start``: when the ranks were started (None: at the first line seen, as for a
         Slurm job whose start the submitter does not see)."""
         self.echo, self.phase, self.start = echo, phase, start
@@ -240,6 +246,7 @@ class Progress:
                     f"  first iteration after {time.monotonic() - self.start:.1f} s "
                     "(imports, process groups, model, data)"
                 )
+                self.echo(LOSS_SOURCES)
             parts = [f"  iteration {step:>4}/{total}"]
             for name in sorted(values):
                 if name.endswith("loss"):
@@ -268,7 +275,7 @@ class Progress:
 @dataclass
 class Outcome:
     exit_code: int
-    run_dir: Optional[Path]
+    run_dir: Path | None
     reports: list[cmp.Report] = field(default_factory=list)
     seconds: float = 0.0
     message: str = ""
@@ -279,10 +286,10 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     for where, value in (("name", loaded.name), ("platform", loaded.platform)):
         problem = safety.name_problem(where, value)
         if problem is not None:
-            raise safety.UnsafeValueError(str(problem))
+            raise shell.UnsafeValueError(str(problem))
     base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
     if not safety.inside(root, base):
-        raise safety.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
+        raise shell.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
         n += 1
@@ -290,7 +297,7 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     return candidate
 
 
-def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> Optional[str]:
+def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> str | None:
     """Why this recipe cannot start here (None: it can). Prints the problems."""
     validation = validate(loaded, megatron_checks=megatron_checks)
     if validation.problems:
@@ -313,7 +320,7 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
     script.chmod(0o755)
 
 
-def _stall_environment_problem() -> Optional[str]:
+def _stall_environment_problem() -> str | None:
     """A malformed MEGATRON_EXT_STALL_TIMEOUT_S / MEGATRON_EXT_STARTUP_TIMEOUT_S, before any rank starts."""
     from megatron_ext.launch import heartbeat
 
@@ -326,7 +333,7 @@ def _stall_environment_problem() -> Optional[str]:
 
 def run(
     loaded: LoadedRecipe,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     compare_golden: bool = True,
     force_compare: bool = False,
@@ -404,6 +411,17 @@ def _write_interrupted_summary(
     echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
 
 
+def _training_loop_started(job, progress: Progress) -> bool:
+    """Whether the ranks got past set-up: an iteration was logged, or rank 0 printed
+    Megatron's training-loop marker."""
+    if progress.training_seen:
+        return True
+    try:
+        return TRAINING_LOOP_MARKER in job.log_path(0).read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _echo_first_failure(job, result, echo: Echo) -> None:
     from megatron_ext.launch import local
 
@@ -448,7 +466,8 @@ def _run_phases(
             stall_timeout_s=recipe.launch.stall_timeout_s,
             startup_timeout_s=recipe.launch.startup_timeout_s,
         )
-        result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
+        progress = Progress(echo, phase.name, start=time.monotonic())
+        result = local.launch(job, on_line=progress)
         results.append(
             {
                 "phase": phase.name,
@@ -481,7 +500,10 @@ def _run_phases(
                 if where:
                     echo(f"failed at pipeline step: {where}")
                     what += f"; failed at pipeline step: {where}"
-            elif recipe.parallelism.pp > 1 or recipe.model.type == "multimodule":
+            elif (
+                recipe.parallelism.pp > 1 or recipe.model.type == "multimodule"
+            ) and _training_loop_started(job, progress):
+                # A start-up error (arguments, imports, model build) has no pipeline step.
                 echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
             _write_summary(
                 loaded, run_dir, "training-failed", results, [], time.monotonic() - started
@@ -623,14 +645,25 @@ def finalize(
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
-        echo(f"  lm loss {losses[first]:.4f} (step {first}) -> {losses[last]:.4f} (step {last})")
+        per_step = "TensorBoard per-step" if source == "tensorboard" else "log line"
+        echo(
+            f"  lm loss ({per_step}) {losses[first]:.4f} (step {first}) -> "
+            f"{losses[last]:.4f} (step {last})"
+        )
     for line in mhc_report.summary_lines(run_metrics):
         echo(f"  {line}")
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
     if mhc_plot is not None:
         echo(f"  mHC plot {mhc_plot}")
-    echo(f"{'PASSED' if passed else 'FAILED'}: {loaded.name} in {seconds:.1f} s")
+    echo(f"{verdict(reports)}: {loaded.name} in {seconds:.1f} s")
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
+
+
+def verdict(reports: list[cmp.Report]) -> str:
+    """PASSED or FAILED only when something was compared with golden values."""
+    if not reports:
+        return "FINISHED (nothing compared with golden values)"
+    return "PASSED" if all(r.passed for r in reports) else "FAILED"
 
 
 def _readable_golden(path: Path, echo: Echo) -> bool:
@@ -703,7 +736,7 @@ def versions() -> dict:
 
     import megatron_ext
 
-    def version(name: str) -> Optional[str]:
+    def version(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -766,9 +799,9 @@ def _write_summary(
     phase_results: list[dict],
     reports: list[cmp.Report],
     seconds: float,
-    pipeline: Optional[dict] = None,
-    performance: Optional[dict] = None,
-    metrics_source: Optional[str] = None,
+    pipeline: dict | None = None,
+    performance: dict | None = None,
+    metrics_source: str | None = None,
 ) -> None:
     golden = loaded.golden_path()
     summary = {

@@ -4,7 +4,7 @@ message size on each pipeline edge, from the typed recipe."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.schedules.report import DTYPE_BYTES, MessageSize
 from megatron_ext.schedules.schedule import SchedulePlan
@@ -12,14 +12,14 @@ from megatron_ext.schedules.schedule import SchedulePlan
 
 def plan_from_recipe(
     path: str, overrides: list[str], platform: str = "cpu"
-) -> tuple[SchedulePlan, Optional[MessageSize]]:
+) -> tuple[SchedulePlan, MessageSize | None]:
     """The schedule plan (and message size) a recipe trains with."""
     from megatron_ext.recipes.loader import load
 
     return plan_from_loaded(load(path, platform, overrides))
 
 
-def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
+def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
     """:func:`plan_from_recipe` for an already loaded recipe."""
     r = loaded.recipe
     if r.model.type == "multimodule":

@@ -16,8 +16,10 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
+from megatron_ext.errors import MegatronExtError, Problem
+from megatron_ext.mhc_flags import MHC_DEFAULTS
 from megatron_ext.parallel_plan import ParallelPlan
 
 SCHEMA_VERSION = 1
@@ -31,22 +33,7 @@ DEFAULT_PLATFORM = "cpu"
 """The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them)."""
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a recipe: where (dotted path, or "" for the whole recipe) and what."""
-
-    where: str
-    what: str
-
-    def __str__(self) -> str:
-        text = f"{self.where}: {self.what}" if self.where else self.what
-        # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
-        return "".join(
-            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
-        )
-
-
-class RecipeError(ValueError):
+class RecipeError(MegatronExtError, ValueError):
     """A recipe that cannot be used; ``problems`` lists every reason, one per line."""
 
     def __init__(self, source: str, problems: list[Problem]):
@@ -64,21 +51,31 @@ def _doc(text: str, **kwargs: Any) -> Any:
 class MHC:
     """Manifold-constrained hyper-connections (upstream Megatron-LM's mHC flags)."""
 
-    enabled: bool = _doc("--enable-mhc-connections", default=False)
-    num_residual_streams: int = _doc("--mhc-num-residual-streams (n)", default=4)
-    sinkhorn_iterations: int = _doc("--mhc-sinkhorn-iterations", default=20)
+    # Defaults: MHCTransformerConfig's, from the one declaration both read.
+    enabled: bool = _doc("--enable-mhc-connections", default=MHC_DEFAULTS["enable_mhc_connections"])
+    num_residual_streams: int = _doc(
+        "--mhc-num-residual-streams (n)", default=MHC_DEFAULTS["mhc_num_residual_streams"]
+    )
+    sinkhorn_iterations: int = _doc(
+        "--mhc-sinkhorn-iterations", default=MHC_DEFAULTS["mhc_sinkhorn_iterations"]
+    )
     h_res_method: Literal["sinkhorn", "birkhoff"] = _doc(
         "--mhc-h-res-method (birkhoff: mHC-lite, exact doubly-stochastic H_res, n <= 6)",
-        default="sinkhorn",
+        default=MHC_DEFAULTS["mhc_h_res_method"],
     )
-    init_gating_factor: float = _doc("--mhc-init-gating-factor", default=0.01)
+    init_gating_factor: float = _doc(
+        "--mhc-init-gating-factor", default=MHC_DEFAULTS["mhc_init_gating_factor"]
+    )
     recompute: bool = _doc(
         "--recompute-granularity selective --recompute-modules mhc", default=False
     )
-    recompute_layer_num: Optional[int] = _doc(
-        "--mhc-recompute-layer-num (None: one group per stage)", default=None
+    recompute_layer_num: int | None = _doc(
+        "--mhc-recompute-layer-num (None: one group per stage)",
+        default=MHC_DEFAULTS["mhc_recompute_layer_num"],
     )
-    fused: bool = _doc("--use-fused-mhc (Triton kernels; CUDA only)", default=False)
+    fused: bool = _doc(
+        "--use-fused-mhc (Triton kernels; CUDA only)", default=MHC_DEFAULTS["use_fused_mhc"]
+    )
     log_stats: bool = _doc(
         "--log-mhc-stats (mhc/... scalars: H_res residuals, H_pre/H_post ranges, gains)",
         default=False,
@@ -89,7 +86,7 @@ class MHC:
 class Module:
     """One module of a multimodule recipe: its kind, its grid and its size."""
 
-    kind: Optional[Literal["vision_encoder", "projector", "language_model"]] = _doc(
+    kind: Literal["vision_encoder", "projector", "language_model"] | None = _doc(
         "what the module is (required; exactly one language_model)", default=None
     )
     tp: int = _doc("tensor-parallel size of the module's grid", default=1)
@@ -97,7 +94,7 @@ class Module:
     dp: int = _doc("data-parallel replicas of the module", default=1)
     cp: int = _doc("context-parallel size of the module's grid", default=1)
     first_rank: int = _doc("the module's first rank (its ranks are contiguous)", default=0)
-    output_ndim: Optional[int] = _doc(
+    output_ndim: int | None = _doc(
         "ndim of what its last stage sends on (None: the built module's, else 3)", default=None
     )
     num_layers: int = _doc("transformer layers", default=2)
@@ -121,18 +118,16 @@ class Model:
     type: Literal["gpt", "hybrid", "multimodule"] = _doc(
         "which model family (and default entry)", default="gpt"
     )
-    entry: Optional[str] = _doc("python module run with -m; None: the type's default", default=None)
-    num_layers: Optional[int] = _doc(
-        "--num-layers (hybrid: derived from the pattern)", default=None
-    )
+    entry: str | None = _doc("python module run with -m; None: the type's default", default=None)
+    num_layers: int | None = _doc("--num-layers (hybrid: derived from the pattern)", default=None)
     hidden_size: int = _doc("--hidden-size", default=64)
-    ffn_hidden_size: Optional[int] = _doc("--ffn-hidden-size (None: 4 * hidden_size)", default=None)
+    ffn_hidden_size: int | None = _doc("--ffn-hidden-size (None: 4 * hidden_size)", default=None)
     num_attention_heads: int = _doc("--num-attention-heads", default=4)
-    num_query_groups: Optional[int] = _doc(
+    num_query_groups: int | None = _doc(
         "--num-query-groups (sets --group-query-attention)", default=None
     )
     seq_length: int = _doc("--seq-length", default=32)
-    max_position_embeddings: Optional[int] = _doc(
+    max_position_embeddings: int | None = _doc(
         "--max-position-embeddings (None: seq_length)", default=None
     )
     position_embedding: Literal["learned_absolute", "rope", "none"] = _doc(
@@ -145,27 +140,27 @@ class Model:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _doc(
         "--transformer-impl; auto: the entry's machine default (TE when importable)", default="auto"
     )
-    pipeline_layout: Optional[str] = _doc(
+    pipeline_layout: str | None = _doc(
         "gpt: --pipeline-model-parallel-layout, e.g. 'E|tt|tt|L' (sets the virtual stages)",
         default=None,
     )
-    hybrid_layer_pattern: Optional[str] = _doc(
+    hybrid_layer_pattern: str | None = _doc(
         "hybrid: --hybrid-layer-pattern; '|' separates pipeline segments, '/' starts MTP depths",
         default=None,
     )
-    mtp_num_layers: Optional[int] = _doc(
+    mtp_num_layers: int | None = _doc(
         "gpt: --mtp-num-layers (hybrid: the pattern's '/' depths)", default=None
     )
-    num_experts: Optional[int] = _doc("--num-experts (MoE)", default=None)
+    num_experts: int | None = _doc("--num-experts (MoE)", default=None)
     moe_router_topk: int = _doc("--moe-router-topk", default=2)
     mhc: MHC = field(default_factory=MHC, metadata={"doc": "mHC residual streams"})
-    modules: Optional[dict[str, Module]] = _doc(
+    modules: dict[str, Module] | None = _doc(
         "multimodule: the modules by name (fields: model.modules.NAME.*)", default=None
     )
-    topology: Optional[dict[str, list[str]]] = _doc(
+    topology: dict[str, list[str]] | None = _doc(
         "multimodule: module graph, {module: [modules it feeds]}", default=None
     )
-    recipe_flag: Optional[str] = _doc(
+    recipe_flag: str | None = _doc(
         "multimodule: flag that hands the resolved recipe file to the entry (None: not passed)",
         default="--recipe",
     )
@@ -175,7 +170,7 @@ class Model:
 class Parallelism:
     tp: int = _doc("--tensor-model-parallel-size", default=1)
     pp: int = _doc("--pipeline-model-parallel-size", default=1)
-    vpp: Optional[int] = _doc(
+    vpp: int | None = _doc(
         "virtual stages per pipeline rank (--num-virtual-stages-per-pipeline-rank); with a "
         "pipeline layout or hybrid '|' segments it is derived and only checked",
         default=None,
@@ -197,15 +192,15 @@ class Training:
         "--lr-decay-style", default="constant"
     )
     lr_warmup_iters: int = _doc("--lr-warmup-iters", default=0)
-    lr_warmup_fraction: Optional[float] = _doc(
+    lr_warmup_fraction: float | None = _doc(
         "--lr-warmup-fraction (of lr_decay_iters; instead of lr_warmup_iters)", default=None
     )
-    lr_decay_iters: Optional[int] = _doc("--lr-decay-iters (None: iterations)", default=None)
+    lr_decay_iters: int | None = _doc("--lr-decay-iters (None: iterations)", default=None)
     weight_decay: float = _doc("--weight-decay", default=0.01)
     clip_grad: float = _doc("--clip-grad", default=1.0)
     seed: int = _doc("--seed", default=1234)
     dtype: Literal["fp32", "bf16", "fp16"] = _doc("--bf16 / --fp16 (fp32: neither)", default="fp32")
-    eval_interval: Optional[int] = _doc(
+    eval_interval: int | None = _doc(
         "--eval-interval; None: no evaluation (--eval-iters 0)", default=None
     )
     eval_iters: int = _doc("--eval-iters when eval_interval is set", default=1)
@@ -217,10 +212,10 @@ class Training:
 @dataclass
 class Tokenizer:
     type: str = _doc("--tokenizer-type", default="NullTokenizer")
-    vocab_size: Optional[int] = _doc("--vocab-size (NullTokenizer)", default=128)
-    model: Optional[str] = _doc("--tokenizer-model", default=None)
-    vocab_file: Optional[str] = _doc("--vocab-file", default=None)
-    merge_file: Optional[str] = _doc("--merge-file", default=None)
+    vocab_size: int | None = _doc("--vocab-size (NullTokenizer)", default=128)
+    model: str | None = _doc("--tokenizer-model", default=None)
+    vocab_file: str | None = _doc("--vocab-file", default=None)
+    merge_file: str | None = _doc("--merge-file", default=None)
 
 
 @dataclass
@@ -247,7 +242,7 @@ class Test:
         "metrics recorded in metrics.json and compared (Megatron-LM's default list)",
         default_factory=lambda: ["lm loss", "num-zeros"],
     )
-    golden_values: Optional[str] = _doc(
+    golden_values: str | None = _doc(
         "golden-value JSON, relative to the recipe file; {name} and {platform} are filled in",
         default="golden/{name}/golden_values_{platform}.json",
     )
@@ -262,13 +257,13 @@ class Test:
 
 @dataclass
 class Slurm:
-    partition: Optional[str] = _doc("#SBATCH --partition", default=None)
-    account: Optional[str] = _doc("#SBATCH --account", default=None)
+    partition: str | None = _doc("#SBATCH --partition", default=None)
+    account: str | None = _doc("#SBATCH --account", default=None)
     time: str = _doc("#SBATCH --time", default="00:30:00")
-    gpus_per_node: Optional[int] = _doc(
+    gpus_per_node: int | None = _doc(
         "GPUs (= tasks) per node; None: world size / nodes", default=None
     )
-    container_image: Optional[str] = _doc("srun --container-image (pyxis/enroot)", default=None)
+    container_image: str | None = _doc("srun --container-image (pyxis/enroot)", default=None)
     container_mounts: list[str] = _doc(
         "srun --container-mounts entries (the run dir is added)", default_factory=list
     )
@@ -281,13 +276,13 @@ class Launch:
         "cpu: gloo + the CPU runtime (GPUs hidden); gpu: NCCL", default="cpu"
     )
     nodes: int = _doc("nodes (Slurm); local runs use one", default=1)
-    nproc: Optional[int] = _doc(
+    nproc: int | None = _doc(
         "ranks; None: tp * pp * cp * dp (required for multimodule)", default=None
     )
     timeout_s: int = _doc(
         "wall-clock limit of one training run; the ranks are stopped after it", default=900
     )
-    stall_timeout_s: Optional[int] = _doc(
+    stall_timeout_s: int | None = _doc(
         "no progress on any rank for this long stops the run and names the stalled rank (0: off); "
         "None: max(30 s, 10 x the slowest step)",
         default=None,
@@ -305,7 +300,7 @@ class Launch:
 @dataclass
 class Recipe:
     version: int = _doc("schema version; this megatron-ext reads 1", default=SCHEMA_VERSION)
-    name: Optional[str] = _doc("recipe name; None: the file name without .yaml", default=None)
+    name: str | None = _doc("recipe name; None: the file name without .yaml", default=None)
     description: str = _doc("one paragraph: what the recipe exercises", default="")
     model: Model = field(default_factory=Model, metadata={"doc": "model"})
     parallelism: Parallelism = field(default_factory=Parallelism, metadata={"doc": "parallel plan"})
@@ -333,7 +328,7 @@ class Recipe:
         return ParallelPlan(tp=p.tp, pp=p.pp, cp=p.cp, dp_size=p.dp).world_size
 
     @property
-    def entry(self) -> Optional[str]:
+    def entry(self) -> str | None:
         """The python module the ranks run."""
         return self.model.entry or DEFAULT_ENTRIES.get(self.model.type)
 

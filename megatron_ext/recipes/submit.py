@@ -12,31 +12,30 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-from megatron_ext.launch import slurm
+from megatron_ext.launch import shell, slurm
 from megatron_ext.launch.local import LogFollower
-from megatron_ext.recipes import plan, runner, safety
+from megatron_ext.launch.shell import UnsafeValueError
+from megatron_ext.recipes import plan, runner
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.safety import UnsafeValueError
 from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 
 @dataclass
 class SlurmOptions:
-    nodes: Optional[int] = None
-    gpus_per_node: Optional[int] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time: Optional[str] = None
-    container_image: Optional[str] = None
-    container_mounts: Optional[list[str]] = None
-    python: Optional[str] = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    container_image: str | None = None
+    container_mounts: list[str] | None = None
+    python: str | None = None
 
 
 def build_job(
     loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions
-) -> tuple[Optional[slurm.SlurmJob], list[str]]:
+) -> tuple[slurm.SlurmJob | None, list[str]]:
     """The job for this recipe, or None and the reasons it cannot be laid out."""
     recipe = loaded.recipe
     cfg = recipe.launch.slurm
@@ -97,7 +96,7 @@ def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
 def submit(
     loaded: LoadedRecipe,
     options: SlurmOptions,
-    run_dir: Optional[Path] = None,
+    run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
     dry_run: bool = False,
     wait: bool = True,
@@ -144,7 +143,7 @@ def submit(
     watch.clear()
     try:
         job_id = slurm.submit(
-            script_path, env={k: v for k, v in job.env.items() if safety.is_secret(k)}
+            script_path, env={k: v for k, v in job.env.items() if shell.is_secret(k)}
         )
     except (slurm.SlurmError, FileNotFoundError) as exc:
         echo(f"cannot submit: {exc}")

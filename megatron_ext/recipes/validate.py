@@ -16,6 +16,7 @@ Three layers, each reporting every problem it finds:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -25,10 +26,12 @@ import re
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from megatron_ext import registry
+from megatron_ext.launch import shell
 from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
@@ -49,7 +52,7 @@ class Validation:
         return not self.problems
 
 
-def entry_importable(module: Optional[str]) -> bool:
+def entry_importable(module: str | None) -> bool:
     """Whether ``python -m module`` would find it (finding it imports its parent packages,
     whose import-time warnings are not this question's business)."""
     if not module:
@@ -167,15 +170,16 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
 
 
 def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
-    """Every value of the recipe that no quoting can make safe (:mod:`~megatron_ext.recipes.safety`'s
-    rules, applied to the recipe's names, environment keys and Slurm directives)."""
+    """Every value of the recipe that no quoting can make safe (the rules of
+    :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
+    recipe's names, environment keys and Slurm directives)."""
     recipe = loaded.recipe
-    problems: list[Optional[Problem]] = [
+    problems: list[Problem | None] = [
         safety.name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
         safety.name_problem("platform", loaded.platform),
     ]
     for key in recipe.launch.env:
-        if not safety.ENV_KEY.match(str(key)):
+        if not shell.ENV_KEY.match(str(key)):
             problems.append(
                 Problem(
                     f"launch.env.{key}",
@@ -186,12 +190,12 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(
-            safety.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
+            shell.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
         )
     for i, value in enumerate([*slurm.sbatch_args]):
-        problems.append(safety.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
+        problems.append(shell.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
     for i, value in enumerate([*slurm.container_mounts]):
-        problems.append(safety.directive_problem(f"launch.slurm.container_mounts[{i}]", value))
+        problems.append(shell.directive_problem(f"launch.slurm.container_mounts[{i}]", value))
     return [p for p in problems if p is not None]
 
 
@@ -308,8 +312,41 @@ def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
 _MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu", re.IGNORECASE)
 
 
+def _with_close_flags(message: str, provider: Any) -> str:
+    """Megatron's "unrecognized arguments: ..." with the flag each one was probably meant to
+    be (a mistyped flag in extra_args), from the parser the entry builds."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    import argparse
+
+    from megatron.training import arguments as megatron_arguments
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    megatron_arguments.add_megatron_arguments(parser)
+    if provider is not None:
+        provider(parser)
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for flag in message.split(":", 1)[1].split():
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        if flag.startswith("--") and close:
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    return "; ".join([message, *hints])
+
+
+def _machine_dependent(exc: BaseException, message: str) -> bool:
+    """Whether a check failed for want of this machine's libraries rather than for the recipe.
+    A combination megatron-ext rejects (e.g. mHC with CUDA graphs) is the recipe's, whatever
+    words its message uses."""
+    from megatron_ext.guards import UnsupportedCombinationError
+
+    if isinstance(exc, UnsupportedCombinationError):
+        return False
+    return bool(_MACHINE_DEPENDENT.search(message))
+
+
 def megatron_problems(
-    loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None
+    loaded: LoadedRecipe, module_name: str, notes: list[str] | None = None
 ) -> list[Problem]:
     """Megatron's argument validation, the config's checks and the guards, for rank 0 of the
     recipe's world. At most one problem: Megatron stops at its first.
@@ -333,7 +370,7 @@ def argv_problems(
     world_size: int,
     device: str = "cpu",
     model_type: str = "gpt",
-    notes: Optional[list[str]] = None,
+    notes: list[str] | None = None,
 ) -> list[Problem]:
     """:func:`megatron_problems` for a command line of Megatron flags (what the entry
     ``module_name`` would parse on rank 0 of ``world_size`` ranks), without a recipe."""
@@ -386,7 +423,7 @@ def argv_problems(
                     return [
                         Problem(
                             stage,
-                            message[-1].split("error:", 1)[1].strip()
+                            _with_close_flags(message[-1].split("error:", 1)[1].strip(), provider)
                             if message
                             else "Megatron's parser rejected the command line",
                         )
@@ -412,7 +449,7 @@ def argv_problems(
     ) as exc:
         message = _first_line(exc)
         elsewhere = recipe.launch.device == "gpu" and not torch.cuda.is_available()
-        if elsewhere and _MACHINE_DEPENDENT.search(message) and stage != "guard":
+        if elsewhere and _machine_dependent(exc, message) and stage != "guard":
             if notes is not None:
                 notes.append(
                     f"{stage} could not be checked on this machine (it lacks the GPU "

@@ -21,12 +21,15 @@ import os
 import torch
 
 from megatron_ext import registry
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.runtime.cpu import CudaToCpuMode
+
+__all__ = ["GpuPresentError", "cpu_active", "describe", "stop_cpu", "use_cpu"]
 
 _mode: CudaToCpuMode | None = None
 
 
-class GpuPresentError(RuntimeError):
+class GpuPresentError(MegatronExtError, RuntimeError):
     """The CPU runtime was asked for on a machine where CUDA is available."""
 
 

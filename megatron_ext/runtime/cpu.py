@@ -77,7 +77,7 @@ class FakeStream:
     def wait_event(self, _event: Any) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> "FakeEvent":
+    def record_event(self, event: Any = None) -> FakeEvent:
         return event or FakeEvent()
 
     def synchronize(self) -> None:
@@ -105,7 +105,7 @@ class FakeEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, _other: "FakeEvent") -> float:
+    def elapsed_time(self, _other: FakeEvent) -> float:
         return 0.0
 
 

@@ -5,7 +5,6 @@ and bytes per pipeline edge, for a plan given on the command line or taken from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ext.schedules.schedule import (
     Schedule,
@@ -74,7 +73,7 @@ def kind_of(plan: SchedulePlan) -> str:
 
 
 def report(
-    plan: SchedulePlan, size: Optional[MessageSize] = None, steps: bool = False
+    plan: SchedulePlan, size: MessageSize | None = None, steps: bool = False
 ) -> tuple[list[str], Schedule]:
     """The printed report and the schedule it describes."""
     schedule = build_schedule(plan)

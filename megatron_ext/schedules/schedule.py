@@ -33,8 +33,11 @@ steps from a real run; :func:`compare` says where they differ.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any
+
+from megatron_ext.errors import MegatronExtError, Problem
 
 # The order megatron-ext's batched P2P posts one call's messages (megatron_ext.pipeline.p2p).
 DIRECTIONS = ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -60,8 +63,8 @@ class Message:
     (on this rank) that produced it (sends) or will consume it (receives)."""
 
     direction: str  # one of DIRECTIONS
-    microbatch: Optional[int]
-    chunk: Optional[int]
+    microbatch: int | None
+    chunk: int | None
 
     def label(self, chunks: int = 1) -> str:
         verb = "s" if self.direction.startswith("send") else "r"
@@ -83,7 +86,7 @@ class Exchange:
         return "+".join(m.label(chunks) for m in self.messages) or "-"
 
 
-Step = Union[Compute, Exchange]
+Step = Compute | Exchange
 
 
 def step_label(step: Step, chunks: int = 1) -> str:
@@ -101,9 +104,9 @@ class SchedulePlan:
     megatron's ``microbatch_group_size_per_vp_stage`` (None: ``pp``, megatron's default)."""
 
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     microbatches: int = 1
-    microbatch_group_size: Optional[int] = None
+    microbatch_group_size: int | None = None
     multimodule: Any = None
 
     @property
@@ -114,32 +117,43 @@ class SchedulePlan:
     def group_size(self) -> int:
         return self.microbatch_group_size or self.pp
 
-    def problems(self) -> list[str]:
-        """Why megatron-core would refuse this plan (one line each, with the fix)."""
-        problems = []
+    def problems(self) -> list[Problem]:
+        """Why megatron-core would refuse this plan (one each, with the fix)."""
+        problems: list[Problem] = []
         if self.multimodule is not None:
             return problems
         if self.pp < 1:
-            problems.append(f"--pp {self.pp}: the pipeline needs at least one stage")
+            problems.append(Problem(f"--pp {self.pp}", "the pipeline needs at least one stage"))
         if self.microbatches < 1:
-            problems.append(f"--microbatches {self.microbatches}: at least one micro-batch")
+            problems.append(
+                Problem(f"--microbatches {self.microbatches}", "at least one micro-batch")
+            )
         if self.vpp is not None and self.vpp < 1:
-            problems.append(f"--vpp {self.vpp}: at least one chunk per rank (or leave it out)")
+            problems.append(
+                Problem(f"--vpp {self.vpp}", "at least one chunk per rank (or leave it out)")
+            )
         if problems or self.vpp is None:
             return problems
         if self.pp == 1:
-            problems.append("--vpp needs --pp > 1: megatron interleaves chunks only across stages")
+            problems.append(
+                Problem("--vpp needs --pp > 1", "megatron interleaves chunks only across stages")
+            )
         g, m = self.group_size, self.microbatches
         if g > m or g < self.pp:
             problems.append(
-                f"microbatch_group_size_per_vp_stage={g} must lie in [pp={self.pp}, "
-                f"microbatches={m}] (megatron-core raises otherwise); use at least {self.pp} "
-                "micro-batches"
+                Problem(
+                    f"microbatch_group_size_per_vp_stage={g}",
+                    f"must lie in [pp={self.pp}, microbatches={m}] (megatron-core raises "
+                    f"otherwise); use at least {self.pp} micro-batches",
+                )
             )
         elif 0 < m % g < self.pp:
             problems.append(
-                f"{m} micro-batches leave a last group of {m % g} < pp={self.pp} (megatron-core "
-                f"raises: dependency bubbles); use a multiple of {g} or a remainder >= {self.pp}"
+                Problem(
+                    f"--microbatches {m}",
+                    f"leaves a last group of {m % g} < pp={self.pp} (megatron-core raises: "
+                    f"dependency bubbles); use a multiple of {g} or a remainder >= {self.pp}",
+                )
             )
         return problems
 
@@ -153,8 +167,9 @@ class _RankBuilder:
 
     def __init__(self) -> None:
         self.steps: list[Step] = []
-        self._received = {"F": {}, "B": {}}  # kind -> chunk -> tensors received so far
-        self._consumed = {"F": {}, "B": {}}
+        # kind -> chunk -> tensors received (consumed) so far
+        self._received: dict[str, dict[int, int]] = {"F": {}, "B": {}}
+        self._consumed: dict[str, dict[int, int]] = {"F": {}, "B": {}}
 
     def compute(self, kind: str, microbatch: int, chunk: int) -> None:
         self.steps.append(Compute(kind, microbatch, chunk))
@@ -405,7 +420,7 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
     """Every rank's steps for ``plan`` (raises ValueError when megatron-core would refuse it)."""
     problems = plan.problems()
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError("; ".join(map(str, problems)))
     m = plan.microbatches
     if plan.multimodule is not None:
         mm = plan.multimodule
@@ -502,7 +517,7 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / (self.ranks * span)
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlock(MegatronExtError, RuntimeError):
     """No rank can take its next step: the schedule waits on itself."""
 
 
@@ -598,7 +613,7 @@ def message_bytes(
 # Text
 # ---------------------------------------------------------------------------------------------
 def format_timeline(
-    timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: Optional[tuple[int, int]] = None
+    timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: tuple[int, int] | None = None
 ) -> str:
     """The ranks x time-slots grid: one column per ``unit`` of time, each compute step's label
     in its first column and ``~`` in the rest, ``.`` where the rank idles. ``mark``:
@@ -623,7 +638,7 @@ def format_timeline(
 
 
 def format_steps(
-    schedule: Schedule, rank: int, mark: Optional[int] = None, detail: bool = True
+    schedule: Schedule, rank: int, mark: int | None = None, detail: bool = True
 ) -> str:
     """One rank's steps, numbered; ``mark`` flags one of them (as PyTorch pipelining does)."""
     lines = []
@@ -644,8 +659,8 @@ def format_steps(
 class Mismatch:
     rank: int
     index: int
-    expected: Optional[Step]
-    actual: Optional[Step]
+    expected: Step | None
+    actual: Step | None
     chunks: int = 1
 
     def __str__(self) -> str:
@@ -666,7 +681,7 @@ class Mismatch:
 
 
 def describe_step(
-    rank: int, index: int, step: Optional[Step], chunks: int = 1, module: Optional[str] = None
+    rank: int, index: int, step: Step | None, chunks: int = 1, module: str | None = None
 ) -> str:
     """ "rank 2, chunk 1, step 7: B3" -- where a step sits in the schedule."""
     parts = [f"rank {rank}"]
@@ -686,6 +701,8 @@ def compare(
 ) -> list[Mismatch]:
     """The first difference on each rank between two orders (empty: identical)."""
     mismatches = []
+    want: Sequence[Step]
+    got: Sequence[Step]
     for rank, (want, got) in enumerate(itertools.zip_longest(expected, actual, fillvalue=[])):
         for index, (a, b) in enumerate(itertools.zip_longest(want, got)):
             if a != b:
@@ -694,7 +711,7 @@ def compare(
     return mismatches
 
 
-class ScheduleMismatch(AssertionError):
+class ScheduleMismatch(MegatronExtError, AssertionError):
     """A recorded order differs from megatron-core's rules."""
 
 

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 from megatron_ext.schedules.schedule import Compute, Slot, Timeline
 
@@ -46,7 +46,7 @@ def iterations(events_per_rank: Sequence[Iterable]) -> list[int]:
 def chrome_trace(
     events_per_rank: Sequence[Iterable],
     chunks: int = 1,
-    modules: Optional[Sequence[Optional[str]]] = None,
+    modules: Sequence[str | None] | None = None,
 ) -> dict:
     """Trace-event JSON ({"traceEvents": [...]}): complete ("X") events in microseconds."""
     trace = []
@@ -93,8 +93,8 @@ def plot_timeline(
     title: str,
     chunks: int = 1,
     unit: str = "time units",
-    note: Optional[str] = None,
-    row_labels: Optional[Sequence[str]] = None,
+    note: str | None = None,
+    row_labels: Sequence[str] | None = None,
 ) -> Path:
     """One horizontal bar per pass, one row per rank (rank 0 on top); ``note`` goes under
     the title."""

@@ -30,9 +30,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from megatron_ext import registry
 from megatron_ext.schedules.schedule import (
@@ -55,8 +56,8 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 @dataclass
 class _Message:
     direction: str
-    microbatch: Optional[int] = None
-    chunk: Optional[int] = None
+    microbatch: int | None = None
+    chunk: int | None = None
     nbytes: int = 0  # of the tensors a send carries (0 for receives)
 
 
@@ -68,15 +69,17 @@ class Event:
     index: int
     start_ns: int
     end_ns: int = 0
-    kind: Optional[str] = None
-    microbatch: Optional[int] = None
-    chunk: Optional[int] = None
-    call: Optional[str] = None
+    kind: str | None = None
+    microbatch: int | None = None
+    chunk: int | None = None
+    call: str | None = None
     messages: list[_Message] = field(default_factory=list)
-    error: Optional[str] = None  # the exception this step raised
+    error: str | None = None  # the exception this step raised
 
     def step(self) -> Step:
         if self.call is None:
+            # A pass: _event(kind=..., microbatch=...) set both.
+            assert self.kind is not None and self.microbatch is not None
             return Compute(self.kind, self.microbatch, self.chunk or 0)
         return Exchange(
             self.call, tuple(Message(m.direction, m.microbatch, m.chunk) for m in self.messages)
@@ -97,7 +100,7 @@ class Event:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Event":
+    def from_dict(cls, data: dict) -> Event:
         messages = [_Message(*m) for m in data.pop("messages")]
         return cls(**data, messages=messages)
 
@@ -105,16 +108,18 @@ class Event:
 class Tracer:
     """This rank's recording. ``schedule``: the theory, to mark a failing step in errors."""
 
-    def __init__(self, rank: Optional[int] = None, schedule: Optional[Schedule] = None) -> None:
+    def __init__(self, rank: int | None = None, schedule: Schedule | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.events: list[Event] = []
         self.iteration = -1
         self._index = 0
-        self._produced: dict[int, tuple[Any, int, int]] = {}  # id -> (object, mb, chunk)
+        self._produced: dict[
+            int, tuple[Any, int | None, int | None]
+        ] = {}  # id -> (object, mb, chunk)
         self._received: dict[int, tuple[Any, _Message]] = {}  # id -> (object, its message)
-        self.module: Optional[str] = None  # multi-module: the rank's module names
-        self.pipeline_rank: Optional[int] = None  # the theory's rank (world rank if multi-module)
+        self.module: str | None = None  # multi-module: the rank's module names
+        self.pipeline_rank: int | None = None  # the theory's rank (world rank if multi-module)
 
     # ------------------------------------------------------------------ bookkeeping
     def begin_iteration(self) -> None:
@@ -129,18 +134,18 @@ class Tracer:
         self.events.append(event)
         return event
 
-    def _remember(self, obj: Any, microbatch: int, chunk: int) -> None:
+    def _remember(self, obj: Any, microbatch: int | None, chunk: int | None) -> None:
         for item in _flatten(obj):
             self._produced[id(item)] = (item, microbatch, chunk)
 
-    def _origin(self, obj: Any) -> tuple[Optional[int], Optional[int]]:
+    def _origin(self, obj: Any) -> tuple[int | None, int | None]:
         for item in _flatten(obj):
             if id(item) in self._produced:
                 _, mb, chunk = self._produced[id(item)]
                 return mb, chunk
         return None, None
 
-    def _consume(self, obj: Any, microbatch: int, chunk: int) -> None:
+    def _consume(self, obj: Any, microbatch: int | None, chunk: int | None) -> None:
         """A pass takes ``obj``: label the message that brought it."""
         for item in _flatten(obj):
             entry = self._received.pop(id(item), None)
@@ -170,8 +175,8 @@ class Tracer:
     def annotate(self, error: BaseException, event: Event) -> None:
         if getattr(error, "_megatron_ext_step", None) is not None:
             return  # an inner step already named itself
-        error._megatron_ext_step = self.where(event)
-        note = f"pipeline step: {error._megatron_ext_step}"
+        error._megatron_ext_step = self.where(event)  # type: ignore[attr-defined]  # our mark
+        note = f"pipeline step: {error._megatron_ext_step}"  # type: ignore[attr-defined]
         if self.schedule is not None and self._rank() < len(self.schedule.ranks):
             note += f"\nrank {self._rank()}'s schedule (megatron-core's rules):\n"
             note += format_steps(self.schedule, self._rank(), mark=event.index)
@@ -210,16 +215,16 @@ def _nbytes(obj: Any) -> int:
     )
 
 
-_ACTIVE: Optional[Tracer] = None
+_ACTIVE: Tracer | None = None
 _ENVIRONMENT_BLOCK: Any = None
 
 
-def active() -> Optional[Tracer]:
+def active() -> Tracer | None:
     return _ACTIVE
 
 
 @contextlib.contextmanager
-def tracing(tracer: Optional[Tracer] = None) -> Iterator[Tracer]:
+def tracing(tracer: Tracer | None = None) -> Iterator[Tracer]:
     """Record every pipelined schedule run inside the block (see the module docstring)."""
     global _ACTIVE
     if _ACTIVE is not None:
@@ -233,7 +238,7 @@ def tracing(tracer: Optional[Tracer] = None) -> Iterator[Tracer]:
         _ACTIVE = None
 
 
-def start_from_environment() -> Optional[Tracer]:
+def start_from_environment() -> Tracer | None:
     """With ``MEGATRON_EXT_TRACE_DIR`` set: trace for the rest of the process and write
     ``trace-rank-N.json`` there at exit. Does nothing otherwise."""
     directory = os.environ.get(TRACE_ENV)
@@ -334,7 +339,7 @@ def traced_backward_step(original: Callable) -> Callable:
 # How each communicator call says what it sends and receives: argument positions (and
 # names) of the activation sent, the gradient sent, the receive flags and the end-of-model
 # flags that suppress the whole call.
-_CALLS = {
+_CALLS: dict[str, dict[str, Any]] = {
     "recv_forward": dict(first=(1, "is_first_stage"), recv=("recv_prev",)),
     "recv_backward": dict(last=(1, "is_last_stage"), recv=("recv_next",)),
     "send_forward": dict(out=(0, "output_tensors"), last=(1, "is_last_stage")),

@@ -11,8 +11,8 @@ import contextlib
 import gc
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -125,10 +125,10 @@ def world_size() -> int:
 def model_parallel(
     tp: int = 1,
     pp: int = 1,
-    vpp: Optional[int] = None,
+    vpp: int | None = None,
     cp: int = 1,
     ep: int = 1,
-    etp: Optional[int] = None,
+    etp: int | None = None,
     seed: int = 1234,
 ) -> Iterator[None]:
     """megatron-core's model-parallel state for one test; data parallel takes the rest. Its

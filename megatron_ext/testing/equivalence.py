@@ -18,16 +18,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.testing.configs import CPU_SAFE_FIELDS
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import (
     Piece,
@@ -40,7 +42,7 @@ from megatron_ext.testing.shards import (
 ModelFactory = Callable[..., torch.nn.Module]  # (config, pre_process, post_process, vp_stage)
 
 
-class EquivalenceError(AssertionError):
+class EquivalenceError(MegatronExtError, AssertionError):
     """The sharded run differs from the single-rank reference."""
 
 
@@ -50,7 +52,7 @@ class TrainPlan:
 
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
@@ -58,7 +60,7 @@ class TrainPlan:
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
-    num_moe_experts: Optional[int] = None
+    num_moe_experts: int | None = None
     vocab_size: int = 64
     seq_length: int = 16
     micro_batch_size: int = 2
@@ -71,7 +73,7 @@ class TrainPlan:
     # and MTP, s // (2 * cp) zeroes every chunk's first token: megatron scales MTP losses by
     # each CP rank's own token counts before and after its roll, which then equal the whole
     # sequence's.
-    loss_mask_zero_every: Optional[int] = None
+    loss_mask_zero_every: int | None = None
     config_overrides: dict[str, Any] = field(default_factory=dict)
     # Only for the sharded run's config (e.g. pipeline_model_parallel_layout).
     parallel_overrides: dict[str, Any] = field(default_factory=dict)
@@ -160,7 +162,7 @@ def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
     the mHC layer spec when the config enables mHC."""
     from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 
-    def build(config, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+    def build(config, pre_process: bool, post_process: bool, vp_stage: int | None):
         mhc = bool(getattr(config, "enable_mhc_connections", False))
         return GPTModel(
             config,
@@ -354,11 +356,14 @@ def run_sharded(
     forward_step,
     initial_weights: dict[str, torch.Tensor],
     config_class=None,
-    on_gradients: Optional[Callable[[int, list], None]] = None,
+    on_gradients: Callable[[int, list], None] | None = None,
 ) -> tuple[list[StepRecord], list[Piece]]:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=plan.seed):
@@ -452,10 +457,10 @@ def compare_pieces(
 
 def check_equivalence(
     plan: TrainPlan,
-    factory: Optional[ModelFactory] = None,
+    factory: ModelFactory | None = None,
     forward_step=gpt_forward_step,
     config_class=None,
-    on_gradients: Optional[Callable[[int, list], None]] = None,
+    on_gradients: Callable[[int, list], None] | None = None,
 ) -> Reference:
     """Run the plan sharded and on one rank; raise :class:`EquivalenceError` on any
     difference in loss, gradients (every step) or final weights. Returns the reference."""

@@ -10,7 +10,7 @@ their layers (and name their checkpoint keys) identically.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
@@ -49,7 +49,7 @@ def hybrid_model_factory(
     *,
     position_embedding_type: str = "rope",
     share_embeddings_and_output_weights: bool = True,
-    spec: Optional[Any] = None,
+    spec: Any | None = None,
 ) -> ModelFactory:
     """megatron-ext's HybridModel with the local stack spec (mHC when the config enables it);
     chunks of a pipelined config take their segment of ``pattern``.
@@ -59,7 +59,7 @@ def hybrid_model_factory(
     (megatron_ext.models.tied_output)."""
     from megatron_ext.models.hybrid import HybridModel, get_hybrid_stack_local_spec
 
-    def build(config, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+    def build(config, pre_process: bool, post_process: bool, vp_stage: int | None):
         mhc = bool(getattr(config, "enable_mhc_connections", False))
         if config.pipeline_model_parallel_size == 1:
             stage_pattern = pattern_without_pipeline_segments(pattern)

@@ -5,7 +5,6 @@ same figures from the same weights and micro-batch, however the model is split."
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from megatron_ext.mhc import stats
 
@@ -17,9 +16,9 @@ class StatsCheck:
     def __init__(self, steps: int, rtol: float = 1e-5):
         self.steps, self.rtol = steps, rtol
         self.recorder = stats.enable()
-        self.reference: Optional[dict] = None
-        self.first: Optional[dict] = None
-        self.last: Optional[dict] = None
+        self.reference: dict | None = None
+        self.first: dict | None = None
+        self.last: dict | None = None
 
     def on_gradients(self, step: int, chunks: list) -> None:
         ours = {id(m) for chunk in chunks for m in chunk.modules()}

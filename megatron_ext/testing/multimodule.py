@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.multimodule.builder import ModuleImpl, build, ensure_global_memory_buffer
 from megatron_ext.multimodule.model import StageContext
 from megatron_ext.multimodule.plan import MultiModulePipelineConfig, MultiModulePlan
@@ -36,12 +38,12 @@ from megatron_ext.multimodule.vlm import (
     make_forward_step,
     masked_lm_loss,
 )
-from megatron_ext.testing.equivalence import compare_pieces, raise_differences
 from megatron_ext.testing import shards
+from megatron_ext.testing.equivalence import compare_pieces, raise_differences
 from megatron_ext.testing.shards import ShardedParam, full_tensors, load_full_weights, local_pieces
 
 
-class PipelineEquivalenceError(AssertionError):
+class PipelineEquivalenceError(MegatronExtError, AssertionError):
     """The multi-module pipeline differs from the single-process reference."""
 
 
@@ -250,8 +252,8 @@ def _run_reference(run: PipelineRun, seed: int) -> Reference:
 # ---------------------------------------------------------------------------------------------
 def run_pipeline(
     run: PipelineRun,
-    initial: Optional[dict[str, torch.Tensor]] = None,
-    on_gradients: Optional[Callable[[int, Any], None]] = None,
+    initial: dict[str, torch.Tensor] | None = None,
+    on_gradients: Callable[[int, Any], None] | None = None,
 ) -> tuple[list[list[dict]], list[list], list]:
     """The multi-module pipeline from ``initial``: (loss reports, gradient pieces per step,
     final weight pieces) of this rank."""
@@ -317,7 +319,7 @@ def _broadcast(obj: Any) -> Any:
 
 
 def check_pipeline_equivalence(
-    run: PipelineRun, on_gradients: Optional[Callable[[int, Any], None]] = None
+    run: PipelineRun, on_gradients: Callable[[int, Any], None] | None = None
 ) -> Reference:
     """Raise :class:`PipelineEquivalenceError` on every rank if the pipeline's losses,
     gradients (every step) or final weights differ from the reference."""

@@ -8,10 +8,11 @@ into full shapes and compare them with a single-rank reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
+
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -41,7 +42,9 @@ def _region(entry: ShardedTensor) -> Region:
     if entry.flattened_range is not None:
         raise NotImplementedError(f"{entry.key}: flattened sharded tensors are not supported")
     local_shape = (1,) * entry.prepend_axis_num + tuple(entry.data.shape)
-    return tuple((off, off + size) for off, size in zip(entry.global_offset, local_shape))
+    return tuple(
+        (off, off + size) for off, size in zip(entry.global_offset, local_shape, strict=True)
+    )
 
 
 def shard_index(

@@ -137,7 +137,7 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
                 proc.kill()
         raise AssertionError(
             f"megatron-ext {' '.join(args)} ran past {timeout} s:\n{(out + err)[-4000:]}"
-        )
+        ) from None
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,11 @@ module, and every mHC guard failing with a message that names the field."""
 
 import dataclasses
 import warnings
+from operator import attrgetter
 
 import pytest
 import torch
+
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MHCTransformerConfig
@@ -30,6 +32,67 @@ def test_defaults_match_upstream():
     assert config.mhc_recompute_layer_num is None
     assert config.recompute_modules == ["core_attn"]
     assert not config.mhc_recompute_enabled
+
+
+# The recipe schema's model.mhc field -> the MHCTransformerConfig field it fills.
+RECIPE_TO_CONFIG = {
+    "enabled": "enable_mhc_connections",
+    "num_residual_streams": "mhc_num_residual_streams",
+    "sinkhorn_iterations": "mhc_sinkhorn_iterations",
+    "init_gating_factor": "mhc_init_gating_factor",
+    "recompute_layer_num": "mhc_recompute_layer_num",
+    "fused": "use_fused_mhc",
+}
+
+
+def test_recipe_schema_mhc_defaults_are_the_configs():
+    from megatron_ext.recipes.schema import MHC
+
+    config = _config()
+    recipe = MHC()
+    for recipe_field, config_field in RECIPE_TO_CONFIG.items():
+        assert getattr(recipe, recipe_field) == getattr(config, config_field), recipe_field
+
+
+def test_every_mhc_flag_spelling_comes_from_one_alias_table():
+    from megatron_ext import checkout, training_steps
+    from megatron_ext.mhc_flags import MHC_ALIASES
+    from megatron_ext.recipes import loader, upstream
+
+    main = {a.main_flag: a for a in MHC_ALIASES}
+    assert set(main) == {"--enable-mhc-connections", "--mhc-num-residual-streams"}
+    assert training_steps.FLAG_ALIASES == {
+        "--enable-mhc-connections": ("--enable-hyper-connections",),
+        "--mhc-num-residual-streams": ("--num-residual-streams",),
+    }
+    assert upstream.MHC_FLAGS == {
+        "--enable-hyper-connections": "enabled",
+        "--enable-mhc-connections": "enabled",
+        "--num-residual-streams": "num_residual_streams",
+        "--mhc-num-residual-streams": "num_residual_streams",
+    }
+    assert loader.MHC_EXTRA_ARG_ALIASES == {
+        "enabled": (
+            "--enable-mhc-connections",
+            "--enable-hyper-connections",
+            "enable_mhc_connections",
+            "enable_hyper_connections",
+        ),
+        "num_residual_streams": (
+            "--mhc-num-residual-streams",
+            "--num-residual-streams",
+            "mhc_num_residual_streams",
+            "num_residual_streams",
+        ),
+    }
+    assert checkout.UPSTREAM_MHC_FIELDS == {
+        "enable_mhc_connections": "--enable-mhc-connections",
+        "enable_hyper_connections": "--enable-hyper-connections",
+    }
+    assert all(
+        f in MHCTransformerConfig.__dataclass_fields__
+        for f in map(attrgetter("main_field"), MHC_ALIASES)
+    )
 
 
 def test_disabled_mhc_is_exactly_transformer_config():

@@ -67,7 +67,7 @@ def _setup_py_requirement(name: str) -> "SpecifierSet":
     text = (REPO_ROOT / "setup.py").read_text()
     found = [
         Requirement(r)
-        for r in re.findall(r'"((?:%s)[^"]*)"' % re.escape(name), text)
+        for r in re.findall(rf'"((?:{re.escape(name)})[^"]*)"', text)
         if Requirement(r).name == name
     ]
     assert len(found) == 1, f"setup.py declares {name} once, got {found}"
@@ -116,7 +116,7 @@ def test_dockerfile_parses_and_pins_a_megatron_core_that_setup_py_admits():
         "recipes",
         "tests",
         "Makefile",
-        "pytest.ini",
+        "pyproject.toml",
         "scripts",
         "bench",
     ):

@@ -30,7 +30,7 @@ def test_seq_len_divisor(plan, divisor):
 
 def test_every_problem_at_once():
     problems = ParallelPlan(tp=1, sp=True, ep=3, dp_size=2, world=4).problems()
-    assert [(p.field, p.message) for p in problems] == [
+    assert [(p.where, p.what) for p in problems] == [
         (
             "world_size",
             "4 ranks, but tp(1) * pp(1) * cp(1) * dp(2) = 2; leave nproc null or change dp",
@@ -38,7 +38,7 @@ def test_every_problem_at_once():
         ("sp", "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)"),
         ("ep", "ep=3 must divide tp * dp * cp = 2"),
     ]
-    assert [p.field for p in ParallelPlan(tp=0, vpp=0, dp_size=-1).problems()] == [
+    assert [p.where for p in ParallelPlan(tp=0, vpp=0, dp_size=-1).problems()] == [
         "tp",
         "dp",
         "vpp",

@@ -17,10 +17,10 @@ With mHC (``enable_mhc_connections=True``, and mHC layers from the spec):
   flattened n-stream residual ``[s, b, n*h]``; later stages receive that from the previous
   stage, so every stage boundary carries ``n*h``.
 * contract: where ``post_process``, DeepSeek-V4's learned contraction
-  (:func:`megatron_ext.mhc.learned_contract`) maps the streams back to ``[s, b, h]`` right
-  before the final norm. Its parameters live on the stack: ``hc_head_fn [n, n*h]`` (xavier),
-  ``hc_head_base [n]`` (zeros), ``hc_head_scale [1]`` (ones), so checkpoint keys are
-  ``decoder.hc_head_*`` as upstream. They are replicated across tensor parallelism and carry
+  (:class:`megatron_ext.mhc.learned_contraction.LearnedContraction`) maps the streams back to
+  ``[s, b, h]`` right before the final norm. Its parameters live on the stack:
+  ``hc_head_fn [n, n*h]`` (xavier), ``hc_head_base [n]`` (zeros), ``hc_head_scale [1]``
+  (ones), so checkpoint keys are ``decoder.hc_head_*`` as upstream. They are replicated across tensor parallelism and carry
   ``sequence_parallel`` so their gradients are summed over TP under sequence parallelism.
 * MTP: when the model's MTP block runs on this chunk, the stack returns
   ``(normalised contraction, n-stream state)``; the MTP block consumes the streams (see
@@ -34,25 +34,21 @@ With mHC (``enable_mhc_connections=True``, and mHC layers from the spec):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.inference.utils import InferenceMode
-from megatron.core.models.hybrid.hybrid_block import HybridStack as _CoreHybridStack
 from megatron.core.models.hybrid.hybrid_block import (
+    HybridStack as _CoreHybridStack,
     HybridStackSubmodules as _CoreHybridStackSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.utils import (
-    ensure_metadata_has_dp_cp_group,
-    make_sharded_tensors_for_checkpoint,
-)
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, expand_streams, learned_contract
+from megatron_ext.mhc.hyper_connection import expand_streams
+from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
 
 
@@ -61,14 +57,14 @@ class HybridStackSubmodules(_CoreHybridStackSubmodules):
     """megatron-core's ``HybridStackSubmodules`` plus the final norm (megatron-core's choice,
     TENorm, by default; local specs use :class:`~megatron_ext.models.norms.LocalNorm`)."""
 
-    final_norm: Union[ModuleSpec, type] = TENorm
+    final_norm: ModuleSpec | type = TENorm
 
 
 def _mhc_enabled(config) -> bool:
     return bool(getattr(config, "enable_mhc_connections", False))
 
 
-class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
+class HybridStack(LearnedContraction, _CoreHybridStack):
     """megatron-core's HybridStack; same constructor (see the module doc for the additions)."""
 
     def __init__(
@@ -76,7 +72,7 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         config,
         submodules: _CoreHybridStackSubmodules,
         pre_process: bool = True,
-        layer_type_list: Optional[list[str]] = None,
+        layer_type_list: list[str] | None = None,
         pp_layer_offset: int = 0,
         post_layer_norm: bool = True,
         post_process: bool = True,
@@ -84,7 +80,7 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         dtype=None,
         pg_collection=None,
         is_mtp_layer: bool = False,
-        name: Optional[str] = None,
+        name: str | None = None,
     ) -> None:
         # The base class would build a TENorm; build ours from the spec instead.
         super().__init__(
@@ -119,7 +115,7 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         self.returns_streams_for_mtp = False
         # During one forward that hands its streams to MTP: where the final norm's pre-hook
         # leaves the n-stream state it contracted.
-        self._streams_for_mtp: Optional[list] = None
+        self._streams_for_mtp: list | None = None
         self.mhc_recompute_enabled = self.carries_streams and bool(
             getattr(config, "mhc_recompute_enabled", False)
         )
@@ -134,27 +130,6 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
             self.final_norm.register_forward_pre_hook(self._contract_before_final_norm)
 
     # ------------------------------------------------------------------ learned contraction
-
-    def _build_learned_contraction(self) -> None:
-        n, h = self.num_residual_streams, self.config.hidden_size
-        self.hc_head_fn = torch.nn.Parameter(torch.empty(n, n * h))
-        self.hc_head_base = torch.nn.Parameter(torch.zeros(n))
-        self.hc_head_scale = torch.nn.Parameter(torch.ones(1))
-        torch.nn.init.xavier_uniform_(self.hc_head_fn)
-        for param in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", self.config.sequence_parallel)
-
-    def contract_streams(self, hidden_states: Tensor) -> Tensor:
-        """``[s, b, n*h] -> [s, b, h]`` with the learned contraction (eps = layernorm eps)."""
-        return learned_contract(
-            hidden_states,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            self.num_residual_streams,
-            self.config.layernorm_epsilon,
-        )
 
     def _contract_before_final_norm(self, _norm: torch.nn.Module, args: tuple) -> tuple:
         """Forward pre-hook of the final norm: the norm sees the contracted residual."""
@@ -174,7 +149,7 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         layers = [layer for layer in self.layers if hasattr(layer, "mhc_recompute")]
         group = MHCRecomputeGroup()
         ends = plan_recompute_groups(len(layers), self.config.mhc_recompute_layer_num)
-        for layer, ends_group in zip(layers, ends):
+        for layer, ends_group in zip(layers, ends, strict=True):
             layer.mhc_recompute = LayerRecompute(group, ends_group)
             if ends_group:
                 group = MHCRecomputeGroup()
@@ -226,25 +201,7 @@ class HybridStack(KeepsHCHeadFP32, _CoreHybridStack):
         """megatron-core's entries plus this stack's own parameters (``hc_head_*``), which the
         base class (iterating child modules only) would leave out."""
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        return with_own_parameters(self, sharded_state_dict, prefix, sharded_offsets, metadata)
+        return self._with_own_parameters(sharded_state_dict, prefix, sharded_offsets, metadata)
 
 
 __all__ = ["HybridStack", "HybridStackSubmodules"]
-
-
-def with_own_parameters(module, sharded_state_dict: dict, prefix: str, sharded_offsets, metadata):
-    """Add ``module``'s own parameters (not its children's: the learned contraction's
-    ``hc_head_*``) to megatron's sharded state dict, as replicated tensors of ``prefix``."""
-    own = dict(module.named_parameters(recurse=False))
-    if own:
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        sharded_state_dict.update(
-            make_sharded_tensors_for_checkpoint(
-                own,
-                prefix,
-                sharded_offsets=sharded_offsets or (),
-                tp_group=module.tp_group,
-                dp_cp_group=metadata["dp_cp_group"],
-            )
-        )
-    return sharded_state_dict

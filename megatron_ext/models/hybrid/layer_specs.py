@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -339,7 +339,7 @@ def get_hybrid_stack_with_transformer_engine_spec(
     return ModuleSpec(module=HybridStack, submodules=submodules)
 
 
-def stack_layer_specs(submodules: Any, pattern: Optional[str]) -> dict[str, Any]:
+def stack_layer_specs(submodules: Any, pattern: str | None) -> dict[str, Any]:
     """The layer spec each symbol of ``pattern`` (main and MTP parts) is built from."""
     used = {symbol for symbol in (pattern or "") if symbol in LAYER_FIELDS}
     return {symbol: getattr(submodules, LAYER_FIELDS[symbol][0]) for symbol in sorted(used)}

@@ -22,7 +22,6 @@ activations, and recompute groups are formed from the stack's other mHC layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from torch import Tensor
 
@@ -42,7 +41,7 @@ from megatron_ext.mhc.hyper_connection import (
 class HyperConnectionMambaLayerSubmodules(MambaLayerSubmodules):
     """``MambaLayerSubmodules`` plus the mixer's hyper connection."""
 
-    mixer_hyper_connection: Union[ModuleSpec, type] = HyperConnectionModule
+    mixer_hyper_connection: ModuleSpec | type = HyperConnectionModule
 
 
 class HyperConnectionMambaLayer(MambaLayer):
@@ -60,7 +59,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         layer_number: int = 1,
         pg_collection=None,
         pp_layer_offset: int = 0,
-        name: Optional[str] = None,
+        name: str | None = None,
     ):
         if not getattr(config, "enable_mhc_connections", False):
             raise ValueError(
@@ -83,9 +82,9 @@ class HyperConnectionMambaLayer(MambaLayer):
     def forward(
         self,
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Tensor | None = None,
         inference_context=None,
-        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_emb: Tensor | None = None,
         *,
         inference_params=None,
         packed_seq_params=None,

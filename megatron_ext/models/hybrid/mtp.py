@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext import registry
-from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, learned_contract
+from megatron_ext.mhc.learned_contraction import LearnedContraction
 
 
 def _mhc_enabled(config) -> bool:
@@ -58,11 +58,11 @@ class HyperConnectionMTPLayerSubmodules(MultiTokenPredictionLayerSubmodules):
     """MTP layer submodules plus the two per-stream projections used with mHC (``eh_proj`` is
     used only without mHC)."""
 
-    e_proj: Union[ModuleSpec, type] = None
-    h_proj: Union[ModuleSpec, type] = None
+    e_proj: ModuleSpec | type = None
+    h_proj: ModuleSpec | type = None
 
 
-class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
+class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
     """megatron-core's Hybrid MTP layer; with mHC it carries n streams (see the module doc).
 
     Same constructor as ``MultiTokenPredictionLayer``. Without mHC it is that class.
@@ -73,12 +73,12 @@ class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
         config,
         submodules: MultiTokenPredictionLayerSubmodules,
         layer_number: int = 1,
-        vp_stage: Optional[int] = None,
+        vp_stage: int | None = None,
         pg_collection=None,
-        mtp_layer_pattern: Optional[str] = None,
+        mtp_layer_pattern: str | None = None,
         hybrid_submodules=None,
         mamba_submodules=None,
-        name: Optional[str] = None,
+        name: str | None = None,
     ):
         carries_streams = _mhc_enabled(config)
         base_submodules = submodules
@@ -115,18 +115,10 @@ class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
         self.submodules = submodules
         self.eh_proj = None
         self.num_residual_streams = config.mhc_num_residual_streams
-        h = config.hidden_size
         self.e_proj = self._build_projection(submodules.e_proj, "mtp_e_proj", pg_collection)
         self.h_proj = self._build_projection(submodules.h_proj, "mtp_h_proj", pg_collection)
 
-        n = self.num_residual_streams
-        self.hc_head_fn = torch.nn.Parameter(torch.empty(n, n * h))
-        self.hc_head_base = torch.nn.Parameter(torch.zeros(n))
-        self.hc_head_scale = torch.nn.Parameter(torch.ones(1))
-        torch.nn.init.xavier_uniform_(self.hc_head_fn)
-        for param in (self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
-            # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+        self._build_learned_contraction()
 
     def _build_projection(self, spec, buffer_name: str, pg_collection):
         h = self.config.hidden_size
@@ -182,14 +174,7 @@ class HyperConnectionMTPLayer(KeepsHCHeadFP32, MultiTokenPredictionLayer):
     def contract_for_loss(self, streams: Tensor) -> Tensor:
         """``[s, b, n*h] -> [s, b, h]``: this depth's learned contraction, then its final
         layernorm (eps = layernorm eps)."""
-        contracted = learned_contract(
-            streams,
-            self.hc_head_fn,
-            self.hc_head_base,
-            self.hc_head_scale,
-            self.num_residual_streams,
-            self.config.layernorm_epsilon,
-        )
+        contracted = self.contract_streams(streams)
         normalised = apply_module(self.final_layernorm)(contracted)
         return make_viewless_tensor(inp=normalised, requires_grad=True, keep_graph=True)
 
@@ -212,7 +197,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
     """
 
     @classmethod
-    def adopt(cls, block: MultiTokenPredictionBlock) -> "HyperConnectionMTPBlock":
+    def adopt(cls, block: MultiTokenPredictionBlock) -> HyperConnectionMTPBlock:
         if type(block) is not MultiTokenPredictionBlock:
             registry.adopt(block, cls)  # raises: only a plain MultiTokenPredictionBlock
         plain = [
@@ -235,17 +220,17 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
         position_ids: Tensor,
         hidden_states,
         attention_mask: Tensor,
-        padding_mask: Optional[Tensor] = None,
-        context: Optional[Tensor] = None,
-        context_mask: Optional[Tensor] = None,
-        rotary_pos_emb: Optional[Tensor] = None,
-        rotary_pos_cos: Optional[Tensor] = None,
-        rotary_pos_sin: Optional[Tensor] = None,
-        attention_bias: Optional[Tensor] = None,
+        padding_mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        rotary_pos_emb: Tensor | None = None,
+        rotary_pos_cos: Tensor | None = None,
+        rotary_pos_sin: Tensor | None = None,
+        attention_bias: Tensor | None = None,
         inference_params=None,
         packed_seq_params=None,
-        sequence_len_offset: Optional[Tensor] = None,
-        extra_block_kwargs: Optional[dict] = None,
+        sequence_len_offset: Tensor | None = None,
+        extra_block_kwargs: dict | None = None,
         embedding=None,
     ) -> Tensor:
         """``hidden_states = (main [s, b, h], streams [s, b, n*h])`` -> ``[(1+D)*s, b, h]``:

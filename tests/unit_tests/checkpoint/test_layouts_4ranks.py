@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch.distributed as dist
@@ -95,7 +94,7 @@ def _parameter_names(sharded: dict) -> list[str]:
 
 
 def _at_layout(
-    layout: str, load_dir: Optional[Path], save_dir: Path
+    layout: str, load_dir: Path | None, save_dir: Path
 ) -> tuple[float, float, list[str]]:
     """Build ``layout`` (fresh weights unless loading), load, measure the loss, save."""
     from megatron.core import dist_checkpointing

@@ -86,7 +86,7 @@ def _sharded(tp: int, cp: int, attention_class=None):
 def test_cp_attention_matches_whole_sequence(tp, cp):
     reference = _reference()
     shards, mine = _sharded(tp, cp)
-    for name, got, expected in zip(("output", "dq", "dk", "dv"), shards, reference):
+    for name, got, expected in zip(("output", "dq", "dk", "dv"), shards, reference, strict=True):
         torch.testing.assert_close(got, mine(expected), atol=1e-5, rtol=1e-5, msg=name)
 
 

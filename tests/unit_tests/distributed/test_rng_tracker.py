@@ -35,6 +35,6 @@ def test_tracker_streams_per_tensor_parallel_rank_and_reseeding_reproduces():
         "the default stream must agree across TP ranks"
     )
     tp_again, default_again, dropout_again = _draws(seed=42)
-    assert all(torch.equal(a, b) for a, b in zip(tp_draws, tp_again))
-    assert all(torch.equal(a, b) for a, b in zip(default_draws, default_again))
+    assert all(torch.equal(a, b) for a, b in zip(tp_draws, tp_again, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(default_draws, default_again, strict=True))
     assert torch.equal(dropout, dropout_again)

@@ -97,10 +97,11 @@ def test_inference_wrapper_rejects_mhc_on_an_inference_pipeline_group():
 
 
 def test_inference_guard_is_installed_on_megatron_core():
-    import megatron_ext
     from megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
         AbstractModelInferenceWrapper,
     )
+
+    import megatron_ext
 
     megatron_ext.install()
     assert AbstractModelInferenceWrapper.__init__.__wrapped__ is not None

@@ -124,7 +124,9 @@ def _reference_mappings(module, x):
 def test_compute_mappings_follows_the_formula():
     module = _randomise(_module())
     x = _streams()
-    for ours, reference in zip(module.compute_mappings(x), _reference_mappings(module, x)):
+    for ours, reference in zip(
+        module.compute_mappings(x), _reference_mappings(module, x), strict=True
+    ):
         assert ours.dtype == torch.float32
         torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-6)
 
@@ -146,7 +148,9 @@ def test_h_res_is_doubly_stochastic():
 def test_bf16_activations_keep_fp32_maps_and_bf16_outputs():
     module = _randomise(_module())
     x = _streams(torch.bfloat16)
-    for from_bf16, from_fp32 in zip(module.compute_mappings(x), module.compute_mappings(x.float())):
+    for from_bf16, from_fp32 in zip(
+        module.compute_mappings(x), module.compute_mappings(x.float()), strict=True
+    ):
         assert from_bf16.dtype == torch.float32
         assert torch.equal(from_bf16, from_fp32)
     aggregated, h_res, h_post = module(x)
@@ -328,7 +332,7 @@ def test_gradcheck_of_the_whole_module_in_float64():
 
     def layer(x, y, *weights):
         aggregated, h_res, h_post = torch.func.functional_call(
-            module, dict(zip(names, weights)), (x,)
+            module, dict(zip(names, weights, strict=True)), (x,)
         )
         return aggregated, bias_dropout_add_streams(
             h_res, x, h_post, (y * aggregated, None), 0.0, False

@@ -10,11 +10,11 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
 from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron_ext.testing.configs import small_config
 from megatron_ext.testing.distributed import model_parallel
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")

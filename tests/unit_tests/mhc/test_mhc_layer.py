@@ -11,7 +11,6 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
@@ -22,6 +21,7 @@ from megatron_ext.models.gpt import (
 )
 from megatron_ext.models.gpt.layer_specs import transformer_engine_available
 from megatron_ext.models.norms import LocalNorm
+from megatron_ext.testing.configs import small_config
 from megatron_ext.testing.distributed import model_parallel
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")

@@ -9,10 +9,10 @@ import torch
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_ext.testing.configs import small_config
 from megatron_ext.mhc.recompute import MHCRecomputeGroup, plan_recompute_groups
 from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_ext.models.norms import LocalNorm
+from megatron_ext.testing.configs import small_config
 from megatron_ext.testing.distributed import model_parallel
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")

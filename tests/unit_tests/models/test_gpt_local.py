@@ -4,6 +4,7 @@ under sequence parallelism."""
 import dataclasses
 
 import torch
+
 from megatron.core.models.gpt import GPTModel as CoreGPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as core_local_spec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm

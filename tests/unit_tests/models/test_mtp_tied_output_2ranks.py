@@ -12,13 +12,13 @@ import torch.distributed as dist
 import megatron_ext
 from megatron_ext import registry
 from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.distributed import model_parallel
 from megatron_ext.testing.equivalence import (
     TrainPlan,
     build_model_chunks,
     check_equivalence,
     transformer_config,
 )
-from megatron_ext.testing.distributed import model_parallel
 from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 
 pytestmark = [

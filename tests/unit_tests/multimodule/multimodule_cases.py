@@ -3,15 +3,15 @@ the single-process reference, and a check that every rank raised the same error.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.multimodule import ModuleImpl, ModulePlan, MultiModulePlan
-from megatron_ext.multimodule import vlm
-from megatron_ext.testing.multimodule import PipelineRun, check_pipeline_equivalence, run_pipeline
+from megatron_ext.multimodule import ModuleImpl, ModulePlan, MultiModulePlan, vlm
 from megatron_ext.testing.distributed import init_distributed
+from megatron_ext.testing.multimodule import PipelineRun, check_pipeline_equivalence, run_pipeline
 
 HIDDEN = 32
 PATCH = 12
@@ -28,7 +28,7 @@ def lm_config(layers: int = 2, **overrides: Any):
 
 
 def encoder(
-    flatten_output: bool = False, layers: int = 2, forward: Optional[Callable] = None
+    flatten_output: bool = False, layers: int = 2, forward: Callable | None = None
 ) -> ModuleImpl:
     impl = vlm.encoder_impl(encoder_config(layers), PATCH, flatten_output)
     if forward is not None:
@@ -37,7 +37,7 @@ def encoder(
 
 
 def language_model(
-    layers: int = 2, forward: Optional[Callable] = None, **overrides: Any
+    layers: int = 2, forward: Callable | None = None, **overrides: Any
 ) -> ModuleImpl:
     impl = vlm.language_model_impl(lm_config(layers, **overrides), VOCAB, MAX_SEQ)
     if forward is not None:

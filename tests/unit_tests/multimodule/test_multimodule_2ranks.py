@@ -26,8 +26,8 @@ from megatron_ext.multimodule import (
     ModulePlan as M,
     MultiModuleBuildError,
     OutputNdimError,
+    vlm,
 )
-from megatron_ext.multimodule import vlm
 from megatron_ext.multimodule.vlm import as_sbh
 
 pytestmark = pytest.mark.world_size(2)

@@ -94,7 +94,7 @@ def test_pipeline_config_problems_name_every_setting():
         pipeline_dtype=None, variable_seq_lengths=False, virtual_pipeline_model_parallel_size=None
     )
     found = pipeline_config_problems(config)
-    assert len(found) == 2 and "pipeline_dtype is None" in found[1]
+    assert len(found) == 2 and "pipeline_dtype is None" in str(found[1])
 
 
 def test_successors_at_different_depths_are_rejected_with_the_reason():
@@ -237,7 +237,7 @@ def test_a_receiver_without_a_declared_width_is_checked_at_the_width_it_shows():
     # one {module: width shown} per rank; only the receivers' first-stage ranks report
     assert resolve_input_widths(p, impls, [{"proj": 24}, {}]) == ({"proj": 24, "llm": 32}, [])
     _, (problem,) = resolve_input_widths(p, impls, [{"proj": None}, {}])
-    assert problem.startswith("module 'proj' receives from ['enc'] but shows no input width")
-    assert "give ModuleImpl(input_width=...) for 'proj'" in problem
+    assert str(problem).startswith("module 'proj' receives from ['enc'] but shows no input width")
+    assert "give ModuleImpl(input_width=...) for 'proj'" in str(problem)
     _, (problem,) = resolve_input_widths(p, impls, [{"proj": 24}, {"proj": 16}])
-    assert "first-stage ranks show different input widths [16, 24]" in problem
+    assert "first-stage ranks show different input widths [16, 24]" in str(problem)

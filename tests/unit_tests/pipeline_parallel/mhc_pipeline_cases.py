@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.testing.distributed import init_distributed
 from megatron_ext.mhc.stats import GAIN_NAMES
+from megatron_ext.testing.distributed import init_distributed
 from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
 from megatron_ext.testing.mhc_stats import StatsCheck
 

@@ -6,7 +6,6 @@ tensor is [s/cp (/tp under SP), b, n*h]. A negative control shows the harness ca
 global positions."""
 
 import pytest
-
 from mhc_pipeline_cases import (
     all_ranks,
     assert_every_exchange_is_n_streams_wide,

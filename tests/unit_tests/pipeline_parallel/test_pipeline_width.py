@@ -3,6 +3,7 @@
 import types
 
 import pytest
+
 from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
 from megatron_ext.pipeline.shapes import pipeline_hidden_size, pipeline_tensor_shape

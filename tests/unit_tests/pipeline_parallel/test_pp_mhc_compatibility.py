@@ -5,6 +5,15 @@ import os
 
 import pytest
 import torch
+from mhc_pipeline_cases import (
+    all_ranks,
+    assert_birkhoff_gains_are_one,
+    assert_every_exchange_is_n_streams_wide,
+    check_mhc,
+    check_mhc_and_stats,
+    mhc_plan,
+    recorded_p2p_shapes,
+)
 
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.testing.equivalence import (
@@ -12,16 +21,6 @@ from megatron_ext.testing.equivalence import (
     gpt_model_factory,
     run_reference,
     run_sharded,
-)
-
-from mhc_pipeline_cases import (
-    all_ranks,
-    assert_birkhoff_gains_are_one,
-    check_mhc_and_stats,
-    assert_every_exchange_is_n_streams_wide,
-    check_mhc,
-    mhc_plan,
-    recorded_p2p_shapes,
 )
 
 pytestmark = [
@@ -87,14 +86,14 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp, h_res_metho
     with_, final_with = run_sharded(
         recompute, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig
     )
-    for step, (a, b) in enumerate(zip(without, with_)):
+    for step, (a, b) in enumerate(zip(without, with_, strict=True)):
         assert a.losses == b.losses, step
-        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
+        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads, strict=True):
             assert (key, region) == (key_b, region_b)
             assert torch.equal(x, y), (
                 f"step {step}: gradient of {key}{region} differs with recompute"
             )
-    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
+    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with, strict=True):
         assert torch.equal(x, y), key
     check_mhc(recompute)
 

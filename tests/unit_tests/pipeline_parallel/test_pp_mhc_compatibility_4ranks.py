@@ -3,12 +3,11 @@ parallelism (the exchanged sequence is divided by TP); TP=2 x PP=2 runs mHC-lite
 H_res, the others Sinkhorn."""
 
 import pytest
-
 from mhc_pipeline_cases import (
     all_ranks,
     assert_birkhoff_gains_are_one,
-    check_mhc_and_stats,
     assert_every_exchange_is_n_streams_wide,
+    check_mhc_and_stats,
     mhc_plan,
     recorded_p2p_shapes,
 )

@@ -5,21 +5,20 @@ Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/te
 
 import pytest
 import torch
-
-from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.testing.hybrid import (
-    hybrid_forward_step,
-    hybrid_model_factory,
-    hybrid_plan,
-)
-from megatron_ext.testing.equivalence import check_equivalence, run_reference, run_sharded
-
 from mhc_pipeline_cases import (
     MHC_LR,
     STREAMS,
     all_ranks,
     assert_every_exchange_is_n_streams_wide,
     recorded_p2p_shapes,
+)
+
+from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.testing.equivalence import check_equivalence, run_reference, run_sharded
+from megatron_ext.testing.hybrid import (
+    hybrid_forward_step,
+    hybrid_model_factory,
+    hybrid_plan,
 )
 
 pytestmark = [
@@ -130,12 +129,12 @@ def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
     with_, final_with = run_sharded(
         recompute, *args, reference.initial_weights, MHCTransformerConfig
     )
-    for step, (a, b) in enumerate(zip(without, with_)):
+    for step, (a, b) in enumerate(zip(without, with_, strict=True)):
         assert a.losses == b.losses, step
-        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads):
+        for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads, strict=True):
             assert (key, region) == (key_b, region_b)
             assert torch.equal(x, y), (
                 f"step {step}: gradient of {key}{region} differs with recompute"
             )
-    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with):
+    for (key, _, _, x), (_, _, _, y) in zip(final_without, final_with, strict=True):
         assert torch.equal(x, y), key

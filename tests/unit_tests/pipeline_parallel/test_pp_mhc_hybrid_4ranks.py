@@ -2,7 +2,6 @@
 divided by TP), with MTP on the last chunk, and with virtual stages and an empty chunk."""
 
 import pytest
-
 from test_pp_mhc_hybrid import check_pipelined, fresh_mtp_loss_tracker  # noqa: F401
 
 pytestmark = [

@@ -214,9 +214,9 @@ def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatc
 
 
 def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatch):
-    from conftest import MINIMAL
-
     from megatron_ext.recipes import submit as submit_module
+
+    from conftest import MINIMAL
 
     log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
     recipe = tmp_path / "r.yaml"

@@ -179,7 +179,8 @@ HOSTILE_DOCUMENTS = {
     "alias bomb": (
         "a: &a [x, x, x, x, x, x, x, x, x]\n"
         + "".join(
-            f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")
+            f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n"
+            for p, n in zip("abcdefgh", "bcdefghi", strict=True)
         ),
         "refused as an alias bomb",
     ),

@@ -3,6 +3,7 @@
 parsers, so an upgrade that changes megatron's grammar fails here instead of in a run."""
 
 import pytest
+
 from megatron.core.models.hybrid import hybrid_layer_allocation as hybrid
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 

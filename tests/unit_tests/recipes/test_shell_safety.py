@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.launch import slurm
+from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes import load, runner
-from megatron_ext.recipes.safety import UnsafeValueError
 from megatron_ext.recipes.submit import SlurmOptions, submit
 from megatron_ext.recipes.validate import validate
 

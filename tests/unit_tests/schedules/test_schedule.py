@@ -88,8 +88,8 @@ def test_bytes_per_message_with_mhc():
 
 
 def test_megatrons_refusals_are_reported():
-    assert "must lie in [pp=4" in SchedulePlan(pp=4, vpp=2, microbatches=2).problems()[0]
-    assert "last group of 2" in SchedulePlan(pp=4, vpp=2, microbatches=6).problems()[0]
+    assert "must lie in [pp=4" in str(SchedulePlan(pp=4, vpp=2, microbatches=2).problems()[0])
+    assert "last group of 2" in str(SchedulePlan(pp=4, vpp=2, microbatches=6).problems()[0])
     with pytest.raises(ValueError, match="--vpp needs --pp > 1"):
         build_schedule(SchedulePlan(pp=1, vpp=2, microbatches=4))
 

@@ -118,7 +118,7 @@ def test_pp2_vpp2_order_and_tracing_changes_no_number():
     check_against_theory(plan, tracer)
     assert traced[0].losses == plain[0].losses
     assert len(traced[0].grads) == len(plain[0].grads) > 0
-    for (key, _, region, a), (key_b, _, _, b) in zip(traced[0].grads, plain[0].grads):
+    for (key, _, _region, a), (key_b, _, _, b) in zip(traced[0].grads, plain[0].grads, strict=True):
         assert key == key_b and torch.equal(a, b), key
 
 
@@ -184,8 +184,7 @@ def test_multimodule_encoders_of_different_depths():
     sys.path.insert(0, str(Path(__file__).parents[1] / "multimodule"))
     from multimodule_cases import encoder, language_model, make_plan  # noqa: E402
 
-    from megatron_ext.multimodule import ModulePlan as M
-    from megatron_ext.multimodule import vlm
+    from megatron_ext.multimodule import ModulePlan as M, vlm
     from megatron_ext.testing.multimodule import PipelineRun, run_pipeline
 
     modules = {"a": M(), "b": M(pp=2, first_rank=1), "llm": M(first_rank=3)}
@@ -214,8 +213,7 @@ def test_a_failing_shape_check_names_the_step_on_every_rank():
     sys.path.insert(0, str(Path(__file__).parents[1] / "multimodule"))
     from multimodule_cases import encoder, language_model, last_dim_one, pipeline_only  # noqa: E402
 
-    from megatron_ext.multimodule import AmbiguousShapeError
-    from megatron_ext.multimodule import ModulePlan as M
+    from megatron_ext.multimodule import AmbiguousShapeError, ModulePlan as M
 
     modules = {"enc": M(pp=2), "llm": M(pp=2, first_rank=2)}
     impls = {"enc": encoder(forward=last_dim_one), "llm": language_model()}

@@ -4,6 +4,7 @@ naming what to change."""
 import dataclasses
 
 import pytest
+
 from megatron.core.models.hybrid.hybrid_block import HybridStack as CoreHybridStack
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
@@ -198,8 +199,7 @@ def test_transformer_engine_spec_structure(monkeypatch, mhc):
     """The TE spec is only assembled here (its modules need Transformer Engine to build)."""
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
 
-    from megatron_ext.models.hybrid import HybridHyperConnectionLayer
-    from megatron_ext.models.hybrid import layer_specs
+    from megatron_ext.models.hybrid import HybridHyperConnectionLayer, layer_specs
 
     monkeypatch.setattr(layer_specs, "transformer_engine_available", lambda: True)
     spec = get_hybrid_stack_with_transformer_engine_spec(enable_mhc_connections=mhc)

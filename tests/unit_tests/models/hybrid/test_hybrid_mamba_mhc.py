@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.spec_utils import ModuleSpec
 

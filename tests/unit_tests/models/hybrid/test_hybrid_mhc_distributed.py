@@ -5,8 +5,8 @@ torchrun --nproc_per_node 2 -m pytest tests/unit_tests/models/hybrid/test_hybrid
 import pytest
 
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 from megatron_ext.testing.equivalence import EquivalenceError, check_equivalence
+from megatron_ext.testing.hybrid import hybrid_forward_step, hybrid_model_factory, hybrid_plan
 
 pytestmark = [
     pytest.mark.world_size(2),

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from megatron.core.models.hybrid import hybrid_block
 from megatron.core.models.hybrid.hybrid_model import HybridModel as CoreHybridModel
 from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor

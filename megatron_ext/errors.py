@@ -1,0 +1,40 @@
+"""The two shapes in which megatron-ext reports what is wrong.
+
+:class:`Problem` is one finding of a check that looks at everything before it fails (a recipe,
+a parallel plan, a pipeline schedule's sizes, a multi-module plan): where (the field, flag or
+dotted recipe path; "" for the whole) and what (the values involved and the fix). A check
+returns every problem at once and its caller raises them together.
+
+:class:`MegatronExtError` is the root of every exception megatron-ext raises on purpose, so a
+caller can catch the plugin's errors without catching megatron-core's or Python's. Each
+subclass also keeps the built-in base it had (``ValueError`` for bad input, ``RuntimeError``
+for a failed run, ...), so existing ``except`` clauses still match.
+
+Nothing here imports anything of the product, torch or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MegatronExtError(Exception):
+    """Base class of every error megatron-ext raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong: where (field, flag or dotted path; "" for the whole input) and what."""
+
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.what}" if self.where else self.what
+        # One line, whatever a recipe's keys and values hold (newlines, NUL, controls).
+        return "".join(
+            ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+        )
+
+
+__all__ = ["MegatronExtError", "Problem"]
