@@ -6,6 +6,10 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``plain``          megatron-core's layer from megatron-ext's local GPT spec, ``[s, b, h]``
 * ``mhc``            the mHC layer (lean native path, the default), ``[s, b, n*h]``
 * ``mhc+recompute``  the same with the "mhc" selective recompute (one-layer group)
+* ``mhc-birkhoff``   the lean path with mHC-lite's H_res (``mhc_h_res_method="birkhoff"``:
+                     softmax over the n! permutation matrices instead of Sinkhorn)
+* ``mhc+stats``      a logged step of ``--log-mhc-stats``: the recorder armed (each hyper
+                     connection's maps of its sample tokens) and the figures collected
 * ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
 * ``mhc-fused``      with ``--fused``: the Triton kernels of ``megatron_ext.mhc.fused``
                      (``use_fused_mhc``), also with recompute (``mhc-fused+recompute``)
@@ -17,7 +21,8 @@ taken to its own plain layer.
 
 Then each mHC op alone (fwd+bwd, one sub-layer's worth, same sizes). Lean path: maps +
 aggregate (RMS, the one projection, gates, sigmoids, Sinkhorn, Σ h_pre_i x_i: one Function),
-Sinkhorn alone, merge (mixing + H_post write-back of output and bias). Reference: maps,
+Sinkhorn alone, maps + aggregate with birkhoff, merge (mixing + H_post write-back of output and
+bias). Reference: maps,
 aggregate, merge.
 
 Not a test: absolute numbers depend on the machine and its load. Prints text, and as its
@@ -74,7 +79,7 @@ def _moe_mla_fields(args, moe: bool, mla: bool) -> dict:
     return fields
 
 
-def _config(args, mhc: bool, moe: bool = False, mla: bool = False):
+def _config(args, mhc: bool, moe: bool = False, mla: bool = False, h_res_method: str = "sinkhorn"):
     from megatron_ext.config import MHCMLATransformerConfig
     from megatron_ext.testing.configs import small_config
 
@@ -84,6 +89,7 @@ def _config(args, mhc: bool, moe: bool = False, mla: bool = False):
         num_attention_heads=args.heads,
         enable_mhc_connections=mhc,
         mhc_num_residual_streams=args.streams,
+        mhc_h_res_method=h_res_method,
         params_dtype=DTYPES[args.dtype],
         bf16=args.dtype == "bf16",
     )
@@ -100,6 +106,7 @@ def _layer(
     fused: bool = False,
     moe: bool = False,
     mla: bool = False,
+    h_res_method: str = "sinkhorn",
 ):
     from megatron.core.transformer.spec_utils import build_module
 
@@ -111,7 +118,7 @@ def _layer(
         num_experts=args.moe if moe else None,
         multi_latent_attention=mla,
     )
-    layer = build_module(spec, config=_config(args, mhc, moe, mla), layer_number=1)
+    layer = build_module(spec, config=_config(args, mhc, moe, mla, h_res_method), layer_number=1)
     layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
     for module in layer.modules():
         if hasattr(module, "use_reference_path"):
@@ -157,6 +164,24 @@ def _layer_step(layer, x, mask, recompute: bool):
     return run
 
 
+def _logged_step(layer, x, mask):
+    """A ``--log-mhc-stats`` logged step: recording armed, then the figures collected."""
+    from megatron_ext.mhc import stats
+
+    plain_step = _layer_step(layer, x, mask, False)
+
+    def run():
+        recorder = stats.enable()
+        try:
+            elapsed = plain_step()
+            elapsed += _timed(x.device.type, lambda: stats.collect(recorder))
+        finally:
+            stats.disable()
+        return elapsed
+
+    return run
+
+
 def _op_steps(args, connection, x, y):
     """fwd+bwd of each mHC op alone on ``connection`` (one sub-layer's worth)."""
     from megatron_ext.mhc.reference import reference_aggregate
@@ -183,7 +208,8 @@ def _op_steps(args, connection, x, y):
         _, h_post, h_res = (m.detach() for m in connection.streams_in(x))
         logits = torch.randn(n, n, tokens, device=x.device, requires_grad=True)
         ops = {"maps+aggregate": backward_of(lambda: connection.streams_in(x))}
-        if not connection.use_fused:  # (the fused Sinkhorn runs inside maps+aggregate)
+        if not connection.use_fused and connection.h_res_method == "sinkhorn":
+            # (the fused Sinkhorn runs inside maps+aggregate)
             ops["sinkhorn"] = backward_of(
                 lambda: sinkhorn_token_last(logits, connection.sinkhorn_iterations)
             )
@@ -285,7 +311,10 @@ def main() -> None:
             "plain": _layer_step(plain, x_plain, mask, False),
             "mhc": _layer_step(mhc, x_mhc, mask, False),
             "mhc+recompute": _layer_step(mhc, x_mhc, mask, True),
+            "mhc+stats": _logged_step(mhc, x_mhc, mask),
         }
+        birkhoff = _layer(args, True, h_res_method="birkhoff")
+        runs["mhc-birkhoff"] = _layer_step(birkhoff, x_mhc, mask, False)
         reference = None
         if not args.no_reference:
             reference = _layer(args, True, reference=True)
@@ -307,7 +336,8 @@ def main() -> None:
         y = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
         x_ops = x_mhc.detach().requires_grad_(True)
         op_runs = {}
-        for label, layer in (("lean", mhc), ("reference", reference), ("fused", fused)):
+        layers = (("lean", mhc), ("birkhoff", birkhoff), ("reference", reference), ("fused", fused))
+        for label, layer in layers:
             if layer is None:
                 continue
             connection = layer.mlp_hyper_connection

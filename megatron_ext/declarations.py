@@ -201,6 +201,37 @@ register(
 
 register(
     Patch(
+        target="megatron.training.training:training_log",
+        replacement="megatron_ext.mhc.stats_logging:logging_mhc_stats",
+        why=(
+            "--log-mhc-stats: megatron.training has no hook for model-specific scalars. Every "
+            "rank calls training_log after every step (train() looks it up by name), so the "
+            "wrapper gathers the mHC statistics recorded during a logged step there and writes "
+            "them with megatron's TensorBoard writer. Without --log-mhc-stats it only calls the "
+            "original."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.training.checkpointing:_maybe_setup_gpt_to_hybrid_load",
+        replacement="megatron_ext.guards.checkpoint_args:refusing_mhc_mismatch_before_loading",
+        why=(
+            "A torch_dist load reads tensors before check_checkpoint_args runs, so an mHC "
+            "checkpoint with another stream count or H_res method (sinkhorn n² vs birkhoff n! "
+            "logits) fails in dist checkpointing with a bare global shape mismatch. "
+            "load_checkpoint calls this private function with the checkpoint's args before "
+            "any tensor is read (looked up by name), so the mHC settings are compared there "
+            "and the refusal names the flags to pass."
+        ),
+    )
+)
+
+
+register(
+    Patch(
         target="megatron.training.checkpointing:maybe_msc",
         replacement="megatron_ext.checkpoint.tracker:AtomicTrackerStorage",
         why=(
@@ -473,6 +504,27 @@ declare(
         "HyperConnectionModule keeps its mapping parameters fp32 when the model is cast to "
         "bf16/fp16 (.half(), Float16Module): every cast goes through _apply.",
         ("self", "fn", "recurse"),
+        _TORCH,
+    )
+)
+
+declare(
+    Seam(
+        "torch.nn.modules.module:Module._load_from_state_dict",
+        "private_method_override",
+        "HyperConnectionModule refuses a state dict whose H_res block is the other "
+        "mhc_h_res_method's width (sinkhorn n², birkhoff n!) with the flag to pass, before "
+        "torch reports a bare size mismatch; then it defers to torch's.",
+        (
+            "self",
+            "state_dict",
+            "prefix",
+            "local_metadata",
+            "strict",
+            "missing_keys",
+            "unexpected_keys",
+            "error_msgs",
+        ),
         _TORCH,
     )
 )

@@ -20,6 +20,7 @@ MHC_DEFAULTS: dict[str, object] = {
     "enable_mhc_connections": False,
     "mhc_num_residual_streams": 4,
     "mhc_sinkhorn_iterations": 20,
+    "mhc_h_res_method": "sinkhorn",  # ours (mHC-lite's "birkhoff" is the other); not upstream's
     "mhc_init_gating_factor": 0.01,
     "mhc_recompute_layer_num": None,
     "mhc_learned_output_contract": False,

@@ -39,6 +39,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from megatron_ext import registry
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import training as launch
+from megatron_ext.mhc import stats_logging
 from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.pipeline import consistency
@@ -113,6 +114,15 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(
         parser,
         group,
+        "--mhc-h-res-method",
+        choices=("sinkhorn", "birkhoff"),
+        default=defaults["mhc_h_res_method"].default,
+        help="H_res: Sinkhorn-Knopp on n^2 logits (upstream) or birkhoff (mHC-lite: softmax "
+        "over the n! permutation matrices, exactly doubly stochastic; n <= 6, no fused kernel)",
+    )
+    _add_flag(
+        parser,
+        group,
         "--mhc-init-gating-factor",
         type=float,
         default=defaults["mhc_init_gating_factor"].default,
@@ -133,6 +143,15 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         action="store_true",
         help="run the mHC maths through the fused Triton kernels (CUDA; needs triton, "
         "n <= 8) instead of the native path",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--log-mhc-stats",
+        action="store_true",
+        help="log mHC statistics on the log interval (a fixed sample of tokens): per sub-layer "
+        "H_res row/column residual and H_pre/H_post ranges, the composite forward and backward "
+        "gains (TensorBoard mhc/...)",
     )
     _add_flag(
         parser,
@@ -464,6 +483,7 @@ def train(
     )
     check_args(args)
     fall_back_to_local_layers(args)
+    stats_logging.start_if_requested(args)
     launch.run_pretrain(
         args,
         train_valid_test_datasets_provider,

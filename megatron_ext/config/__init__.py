@@ -39,6 +39,11 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_sinkhorn_iterations: int = MHC_DEFAULTS["mhc_sinkhorn_iterations"]  # type: ignore[assignment]
     """Sinkhorn-Knopp iterations that make H_res doubly stochastic."""
 
+    mhc_h_res_method: str = MHC_DEFAULTS["mhc_h_res_method"]  # type: ignore[assignment]
+    """How H_res is made doubly stochastic: "sinkhorn" (Sinkhorn-Knopp on n² logits, upstream's
+    method) or "birkhoff" (mHC-lite: softmax weights over the n! permutation matrices, exactly
+    doubly stochastic; the projection's res block is then n! wide). Not an upstream field."""
+
     mhc_init_gating_factor: float = MHC_DEFAULTS["mhc_init_gating_factor"]  # type: ignore[assignment]
     """Initial value of alpha_pre, alpha_post and alpha_res (the dynamic-part gates)."""
 
@@ -82,6 +87,9 @@ class MHCTransformerConfig(TransformerConfig):
     def _validate_mhc(self) -> None:
         # The rules live in megatron_ext.guards (one list of every guard).
         guards.check_mhc_recompute(self)
+        if self.enable_mhc_connections:
+            # Before the fused check, so birkhoff + fused names birkhoff's reason.
+            guards.check_mhc_h_res_method(self)
         guards.check_fused_mhc(self)
         if self.enable_mhc_connections:
             guards.check_mhc_values(self)

@@ -11,6 +11,7 @@ checkpoint or a recipe and so live beside that code; each rule is checked in one
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,32 @@ def check_mhc_values(config: Any) -> None:
     if config.mhc_init_gating_factor < 0:
         raise ValueError(
             f"mhc_init_gating_factor must be non-negative, got {config.mhc_init_gating_factor}"
+        )
+
+
+def check_mhc_h_res_method(config: Any) -> None:
+    """``mhc_h_res_method``: a known method; birkhoff only for small n and without the fused
+    kernels (which implement Sinkhorn only)."""
+    from megatron_ext.mhc.birkhoff import H_RES_METHODS, MAX_BIRKHOFF_STREAMS
+
+    method = getattr(config, "mhc_h_res_method", "sinkhorn")
+    if method not in H_RES_METHODS:
+        raise ValueError(
+            f"mhc_h_res_method must be one of {', '.join(H_RES_METHODS)}, got {method!r}"
+        )
+    if method != "birkhoff":
+        return
+    n = config.mhc_num_residual_streams
+    if n > MAX_BIRKHOFF_STREAMS:
+        raise ValueError(
+            f"mhc_h_res_method='birkhoff' supports mhc_num_residual_streams <= "
+            f"{MAX_BIRKHOFF_STREAMS} (got {n}: its H_res logits are n! = {math.factorial(n)} "
+            "projection columns per sub-layer); use fewer streams or mhc_h_res_method='sinkhorn'"
+        )
+    if getattr(config, "use_fused_mhc", False):
+        raise ValueError(
+            "mhc_h_res_method='birkhoff' has no fused kernel yet (the Triton kernels implement "
+            "Sinkhorn only); set use_fused_mhc=False or mhc_h_res_method='sinkhorn'"
         )
 
 
@@ -255,6 +282,11 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.guards:check_mhc_values",
         "config",
         "mhc_num_residual_streams < 1, mhc_sinkhorn_iterations < 1, mhc_init_gating_factor < 0",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_h_res_method",
+        "config",
+        "an unknown mhc_h_res_method; birkhoff with n > 6 streams (n! logits) or fused kernels",
     ),
     Guard(
         "megatron_ext.guards:check_mhc_features",

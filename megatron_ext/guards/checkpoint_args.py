@@ -23,7 +23,7 @@ from typing import Any
 from megatron_ext.errors import MegatronExtError
 
 ALLOW_ENV = "MEGATRON_EXT_ALLOW_CKPT_MISMATCH"
-MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams")
+MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams", "mhc_h_res_method")
 
 
 class CheckpointMismatchError(MegatronExtError, AssertionError):
@@ -36,11 +36,13 @@ def _padded(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 def _mhc_settings(ns: Any) -> dict[str, Any]:
-    """mHC on/off and, when on, its stream count (off: the count means nothing)."""
+    """mHC on/off and, when on, its stream count and H_res method (off: they mean nothing;
+    a checkpoint from before mhc_h_res_method existed is sinkhorn)."""
     on = bool(getattr(ns, "enable_mhc_connections", False))
     return {
         "enable_mhc_connections": on,
         "mhc_num_residual_streams": getattr(ns, "mhc_num_residual_streams", None) if on else None,
+        "mhc_h_res_method": getattr(ns, "mhc_h_res_method", "sinkhorn") if on else None,
     }
 
 
@@ -56,7 +58,7 @@ def mhc_mismatch(checkpoint_args: Any, args: Any) -> str | None:
     return (
         "the checkpoint's mHC settings differ from this model's (" + "; ".join(diffs) + "); the "
         "hyper-connection weights would be dropped or misread. Use the checkpoint's mHC flags "
-        f"(--enable-mhc-connections, --mhc-num-residual-streams), or set {ALLOW_ENV}=1 to load anyway"
+        f"(--enable-mhc-connections, --mhc-num-residual-streams, --mhc-h-res-method), or set {ALLOW_ENV}=1 to load anyway"
     )
 
 
@@ -109,3 +111,20 @@ def checking_model_settings(original: Callable[..., None]) -> Callable[..., None
         raise CheckpointMismatchError(" | ".join(problems))
 
     return check_checkpoint_args
+
+
+def refusing_mhc_mismatch_before_loading(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron's ``_maybe_setup_gpt_to_hybrid_load(args, ckpt_args, model)``, which
+    ``load_checkpoint`` calls with a ``torch_dist`` checkpoint's args *before* it reads any
+    tensor: a different mHC shape (stream count, H_res method) would otherwise fail there first
+    with dist-checkpointing's bare "Global shape mismatch"."""
+
+    @functools.wraps(original)
+    def maybe_setup_gpt_to_hybrid_load(args, ckpt_args, *a: Any, **kw: Any):
+        if getattr(ckpt_args, "num_layers", None) is not None:  # args were saved
+            problem = mhc_mismatch(ckpt_args, args)
+            if problem and os.environ.get(ALLOW_ENV) != "1":
+                raise CheckpointMismatchError(problem)
+        return original(args, ckpt_args, *a, **kw)
+
+    return maybe_setup_gpt_to_hybrid_load

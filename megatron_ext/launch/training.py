@@ -241,7 +241,7 @@ def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> str 
         {
             flag
             for flag in (token.split("=", 1)[0] for token in argv)
-            if flag.startswith("--mhc-") or flag == "--use-fused-mhc"
+            if flag.startswith("--mhc-") or flag in ("--use-fused-mhc", "--log-mhc-stats")
         }
     )
     if not given:

@@ -347,8 +347,14 @@ class FusedMerge(torch.autograd.Function):
         )
 
 
-def fused_streams_in(x3, gated_weight, bias, n: int, iterations: int):
-    """:class:`FusedStreamsIn` after checking it can run here."""
+def fused_streams_in(x3, gated_weight, bias, n: int, iterations: int, method: str = "sinkhorn"):
+    """:class:`FusedStreamsIn` after checking it can run here (Sinkhorn only: the config
+    refuses ``mhc_h_res_method="birkhoff"`` with ``use_fused_mhc``)."""
+    if method != "sinkhorn":
+        raise ValueError(
+            f"the fused mHC kernels implement mhc_h_res_method='sinkhorn' only, got {method!r}; "
+            "set use_fused_mhc=False"
+        )
     check_fused_supported(x3, n)
     return FusedStreamsIn.apply(x3, gated_weight, bias, n, iterations)
 

@@ -44,6 +44,8 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.mhc import stats
+from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
 from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
 from megatron_ext.mhc.reference import (
     reference_aggregate,
@@ -301,6 +303,11 @@ class HyperConnectionModule(MegatronModule):
     * ``alpha_pre``, ``alpha_post``, ``alpha_res`` ``[1]``: gates on the dynamic part.
     * ``bias`` ``[n*n + 2n]``: the static part of all three maps.
 
+    With ``mhc_h_res_method="birkhoff"`` (mHC-lite, :mod:`megatron_ext.mhc.birkhoff`) the same
+    parameters have an n!-wide res block instead of n²: ``mapping_proj`` ``Linear(n*h, n! + 2n)``
+    and ``bias [n! + 2n]``, columns ``[2n:]`` one logit per permutation matrix (softmax
+    weights), so a checkpoint of one method does not load into the other.
+
     The parameters are replicated across tensor parallelism. Under sequence parallelism each
     TP rank sees a different slice of tokens, so they carry ``sequence_parallel=True`` and
     megatron's ``finalize_model_grads`` sums their gradients over TP.
@@ -323,16 +330,23 @@ class HyperConnectionModule(MegatronModule):
         self.n = config.mhc_num_residual_streams
         self.hidden_size = config.hidden_size
         self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
+        # mHC statistics (megatron_ext.mhc.stats): the owner names the sub-layer; the
+        # creation index orders a layer's connections (attention before MLP).
+        self.stats_sublayer = "hc"
+        self.stats_order = stats.next_creation_index()
+        # "sinkhorn" (n² logits, Sinkhorn-Knopp) or "birkhoff" (n! logits, mHC-lite).
+        self.h_res_method = getattr(config, "mhc_h_res_method", "sinkhorn")
         # use_fused_mhc: the Triton kernels of megatron_ext.mhc.fused replace the lean path.
         self.use_fused = bool(getattr(config, "use_fused_mhc", False))
 
         n, stream_width = self.n, self.n * self.hidden_size
-        self.mapping_proj = torch.nn.Linear(stream_width, n * n + 2 * n, bias=False)
+        width = 2 * n + h_res_width(n, self.h_res_method)
+        self.mapping_proj = torch.nn.Linear(stream_width, width, bias=False)
         gate = config.mhc_init_gating_factor
         self.alpha_pre = torch.nn.Parameter(torch.full((1,), gate))
         self.alpha_post = torch.nn.Parameter(torch.full((1,), gate))
         self.alpha_res = torch.nn.Parameter(torch.full((1,), gate))
-        self.bias = torch.nn.Parameter(torch.zeros(n * n + 2 * n))
+        self.bias = torch.nn.Parameter(torch.zeros(width))
 
         if config.perform_initialization:
             torch.nn.init.xavier_uniform_(self.mapping_proj.weight)
@@ -352,6 +366,22 @@ class HyperConnectionModule(MegatronModule):
         """
         return super()._apply(keep_fp32_when_halving(fn), recurse)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Refuse, with the fix, a checkpoint made with the other ``mhc_h_res_method``: its
+        res block is n² (sinkhorn) or n! (birkhoff) wide, which torch would only report as a
+        size mismatch."""
+        saved = state_dict.get(prefix + "bias")
+        if saved is not None and saved.shape != self.bias.shape:
+            method = _method_of_width(saved.shape[0], self.n)
+            if method is not None and method != self.h_res_method:
+                raise RuntimeError(
+                    f"{prefix}bias: the checkpoint was trained with mhc_h_res_method={method!r} "
+                    f"(its H_res block is {saved.shape[0] - 2 * self.n} wide) but this model "
+                    f"uses {self.h_res_method!r}; load it with --mhc-h-res-method {method} "
+                    f"(recipe model.mhc.h_res_method: {method})"
+                )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _alpha_vector(self) -> torch.Tensor:
         """``[alpha_pre]*n ++ [alpha_post]*n ++ [alpha_res]*n²`` in fp32."""
         n = self.n
@@ -359,7 +389,7 @@ class HyperConnectionModule(MegatronModule):
             [
                 _math(self.alpha_pre).expand(n),
                 _math(self.alpha_post).expand(n),
-                _math(self.alpha_res).expand(n * n),
+                _math(self.alpha_res).expand(h_res_width(n, self.h_res_method)),
             ]
         )
 
@@ -381,18 +411,27 @@ class HyperConnectionModule(MegatronModule):
         z = self._mapping_logits(x.reshape(-1, x.shape[-1]))
         h_pre = torch.sigmoid(z[:, :n])
         h_post = torch.sigmoid(z[:, n : 2 * n]) * 2.0
+        if self.h_res_method == "birkhoff":
+            # [T, n, n] -> token-last [n, n, T], the layout Sinkhorn returns.
+            return h_pre, h_post, birkhoff_mix(z[:, 2 * n :], n).permute(1, 2, 0)
         # Sinkhorn runs token-last: [T, n*n] -> [n, n, T] (it copies this view contiguous).
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
     def compute_mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [s,b,n*h] -> (h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])``, all fp32."""
+        self._record_sample(x)
         if self.use_reference_path:
             return reference_mappings(self, x)
         n, lead = self.n, x.shape[:-1]
         h_pre, h_post, h_res = self._token_maps(x)
         h_res = h_res.permute(2, 0, 1).reshape(*lead, n, n)
         return h_pre.view(*lead, n), h_post.view(*lead, n), h_res
+
+    def _record_sample(self, x: torch.Tensor) -> None:
+        recorder = stats.recorder()
+        if recorder is not None:
+            recorder.capture(self, x)
 
     def gated_weight(self) -> torch.Tensor:
         """``mapping_proj.weight`` with each row scaled by its gate (fp32): the gates folded
@@ -403,13 +442,19 @@ class HyperConnectionModule(MegatronModule):
         """Maps and aggregation in one pass (:class:`~megatron_ext.mhc.lean.StreamsIn`):
         ``[s,b,n*h] -> (sub-layer input [s,b,h], post [T,n,1], mix [T,n,n])``, the maps in
         ``x``'s dtype and in the form :func:`merge_rows` takes."""
+        self._record_sample(x)
         n = self.n
         streams = _token_streams(x, n)
         streams_in = StreamsIn.apply
         if self.use_fused:
             from megatron_ext.mhc.fused import fused_streams_in as streams_in
         aggregated, post, mix = streams_in(
-            streams, self.gated_weight(), _math(self.bias), n, self.sinkhorn_iterations
+            streams,
+            self.gated_weight(),
+            _math(self.bias),
+            n,
+            self.sinkhorn_iterations,
+            self.h_res_method,
         )
         return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
 
@@ -431,6 +476,14 @@ class HyperConnectionModule(MegatronModule):
         h_pre, h_post, h_res = self.compute_mappings(hidden_states)
         aggregate_with = reference_aggregate if self.use_reference_path else aggregate
         return aggregate_with(hidden_states, h_pre), h_res, h_post
+
+
+def _method_of_width(width: int, n: int) -> str | None:
+    """Which ``mhc_h_res_method`` a ``2n + res``-wide bias belongs to (None: neither)."""
+    for method in ("sinkhorn", "birkhoff"):
+        if width == 2 * n + h_res_width(n, method):
+            return method
+    return None
 
 
 def _reference_merge(h_res, residual, h_post, y, bias, *, dropout_p=0.0, training=False):

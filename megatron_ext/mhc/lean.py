@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from megatron_ext.mhc.birkhoff import birkhoff_backward, birkhoff_forward
 from megatron_ext.mhc.sinkhorn import (
     _check_iterations,
     sinkhorn_backward_token_last,
@@ -40,16 +41,20 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class StreamsIn(torch.autograd.Function):
-    """``StreamsIn.apply(x3, gated_weight, bias, n, iterations) -> (aggregate [T, 1, h],
-    post [T, n, 1], mix [T, n, n])``.
+    """``StreamsIn.apply(x3, gated_weight, bias, n, iterations, method="sinkhorn") ->
+    (aggregate [T, 1, h], post [T, n, 1], mix [T, n, n])``.
 
     ``gated_weight`` is ``mapping_proj.weight`` scaled row-wise by the gates (fp32),
-    ``bias`` the static part of the maps (fp32).
+    ``bias`` the static part of the maps (fp32). ``method`` is ``mhc_h_res_method``: the H_res
+    logits ``z[:, 2n:]`` are n² Sinkhorn logits or n! Birkhoff weights' logits
+    (:mod:`megatron_ext.mhc.birkhoff`; ``iterations`` is then unused).
     """
 
     @staticmethod
-    def forward(ctx, x3, gated_weight, bias, n: int, iterations: int):
-        _check_iterations(iterations)
+    def forward(ctx, x3, gated_weight, bias, n: int, iterations: int, method: str = "sinkhorn"):
+        birkhoff = method == "birkhoff"
+        if not birkhoff:
+            _check_iterations(iterations)
         tokens, _, hidden = x3.shape
         x32 = x3.reshape(tokens, n * hidden).to(_math_dtype(x3.dtype))
         norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
@@ -59,16 +64,22 @@ class StreamsIn(torch.autograd.Function):
         z = torch.addcmul(bias, projected, inv_rms)
         pre = torch.sigmoid(z[:, :n])
         post_gate = torch.sigmoid(z[:, n : 2 * n])
-        res, m0 = sinkhorn_forward_token_last(z[:, 2 * n :].t().reshape(n, n, -1), iterations)
+        if birkhoff:
+            # H rows-major [T, n*n] -> [T, j, i]: mix[t, i, j] = H[t][j, i].
+            res, m0 = birkhoff_forward(z[:, 2 * n :], n)
+            mix = res.view(-1, n, n).transpose(1, 2).to(x3.dtype).contiguous()
+        else:
+            res, m0 = sinkhorn_forward_token_last(z[:, 2 * n :].t().reshape(n, n, -1), iterations)
+            mix = res.permute(2, 1, 0).to(x3.dtype).contiguous()
 
         dtype = x3.dtype
         pre_row = pre.to(dtype).unsqueeze(1)
         aggregated = torch.bmm(pre_row, x3)
         post = (post_gate * 2.0).to(dtype).unsqueeze(-1)
-        mix = res.permute(2, 1, 0).to(dtype).contiguous()
 
+        # m0: Sinkhorn's M0, or the Birkhoff weights.
         ctx.save_for_backward(x3, gated_weight, norm, inv_rms, projected, pre, post_gate, m0)
-        ctx.iterations = iterations
+        ctx.iterations, ctx.birkhoff = iterations, birkhoff
         return aggregated, post, mix
 
     @staticmethod
@@ -90,7 +101,11 @@ class StreamsIn(torch.autograd.Function):
             grad_post = grad_post.reshape(tokens, n).to(math_dtype)
             grad_z_post = grad_post * 2.0 * post_gate * (1.0 - post_gate)
         if grad_mix is None:
-            grad_z_res = torch.zeros(tokens, n * n, dtype=math_dtype, device=x3.device)
+            width = m0.shape[-1] if ctx.birkhoff else n * n
+            grad_z_res = torch.zeros(tokens, width, dtype=math_dtype, device=x3.device)
+        elif ctx.birkhoff:
+            grad_h = grad_mix.to(math_dtype).transpose(1, 2).reshape(tokens, n * n)
+            grad_z_res = birkhoff_backward(grad_h, m0, n)
         else:
             grad_res = grad_mix.to(math_dtype).permute(2, 1, 0).contiguous()
             grad_z_res = sinkhorn_backward_token_last(grad_res, m0, ctx.iterations)
@@ -116,7 +131,7 @@ class StreamsIn(torch.autograd.Function):
                 torch.mm(grad_projected, gated_weight), x32, rms_coefficient
             )
             grad_x.add_(mapping_term.to(grad_x.dtype))
-        return grad_x3, grad_weight, grad_bias, None, None
+        return grad_x3, grad_weight, grad_bias, None, None, None
 
 
 class MergeStreams(torch.autograd.Function):

@@ -19,6 +19,7 @@ import torch
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from megatron_ext.mhc.birkhoff import birkhoff_reference, h_res_width
 from megatron_ext.mhc.sinkhorn import sinkhorn_reference
 
 _RMS_EPS = 1e-6
@@ -47,12 +48,14 @@ def reference_mappings(module, x: torch.Tensor):
         [
             _math(module.alpha_pre).expand(n),
             _math(module.alpha_post).expand(n),
-            _math(module.alpha_res).expand(n * n),
+            _math(module.alpha_res).expand(h_res_width(n, module.h_res_method)),
         ]
     )
     z = inv_rms * projected * alpha + _math(module.bias)
     h_pre = torch.sigmoid(z[..., :n])
     h_post = 2.0 * torch.sigmoid(z[..., n : 2 * n])
+    if module.h_res_method == "birkhoff":
+        return h_pre, h_post, birkhoff_reference(z[..., 2 * n :], n)
     res_logits = z[..., 2 * n :].reshape(*z.shape[:-1], n, n)
     return h_pre, h_post, sinkhorn_reference(res_logits, module.sinkhorn_iterations)
 

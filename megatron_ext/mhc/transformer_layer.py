@@ -168,7 +168,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 f"HyperConnectionTransformerLayer has a {name} but no {field}; set {field}="
                 f"HyperConnectionModule in its submodules ({MHC_SPEC_HINT})"
             )
-        return build_module(spec, config=self.config, layer_number=self.layer_number)
+        connection = build_module(spec, config=self.config, layer_number=self.layer_number)
+        connection.stats_sublayer = name  # "self_attention" or "mlp" in mhc/layerNN.<name>/...
+        return connection
 
     # ---------------------------------------------------------- mHC steps (small on purpose)
 

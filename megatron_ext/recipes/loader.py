@@ -182,6 +182,7 @@ class LoadedRecipe:
             "launch.nodes",
             "description",
             "name",
+            "model.mhc.log_stats",  # observes the maps (no gradient, no RNG); changes nothing
         )
         keys = [override_key(o) for o in self.overrides]
         return any(not k.startswith(harmless) for k in keys)

@@ -170,7 +170,12 @@ def _image_problems(name: str, m: Module) -> list[str]:
 
 
 # mHC fields this entry does not build (a recipe setting them would train without them).
-_UNUSED_MHC = {"recompute": False, "recompute_layer_num": None, "fused": False}
+_UNUSED_MHC = {
+    "recompute": False,
+    "recompute_layer_num": None,
+    "fused": False,
+    "log_stats": False,
+}
 
 
 def _mhc_problems(name: str, m: Module) -> list[str]:

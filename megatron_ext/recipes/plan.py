@@ -169,9 +169,13 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
             _flag(args, "--enable-mhc-connections", True)
             _flag(args, "--mhc-num-residual-streams", m.mhc.num_residual_streams)
             _flag(args, "--mhc-sinkhorn-iterations", m.mhc.sinkhorn_iterations)
+            if m.mhc.h_res_method != "sinkhorn":
+                _flag(args, "--mhc-h-res-method", m.mhc.h_res_method)
             _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
             if m.mhc.fused:
                 _flag(args, "--use-fused-mhc", True)
+            if m.mhc.log_stats:
+                _flag(args, "--log-mhc-stats", True)
             if m.mhc.recompute:
                 args += ["--recompute-granularity", "selective", "--recompute-modules", "mhc"]
                 _flag(args, "--mhc-recompute-layer-num", m.mhc.recompute_layer_num)

@@ -39,7 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.launch import shell
-from megatron_ext.recipes import compare as cmp, golden_paths, metrics as met, plan, safety
+from megatron_ext.recipes import (
+    compare as cmp,
+    golden_paths,
+    metrics as met,
+    mhc_report,
+    plan,
+    safety,
+)
 from megatron_ext.recipes.loader import LoadedRecipe, dump
 from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
@@ -623,7 +630,9 @@ def finalize(
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
     )
-    met.write_golden(run_dir / "metrics.json", run_metrics, names)
+    met.write_golden(
+        run_dir / "metrics.json", run_metrics, mhc_report.recorded_names(recipe, names)
+    )
     resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
@@ -686,6 +695,7 @@ def finalize(
         resume_step=resume_step,
         title=f"{loaded.name} ({loaded.platform})",
     )
+    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, f"{loaded.name} ({loaded.platform})")
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
@@ -719,7 +729,11 @@ def finalize(
             f"  lm loss ({per_step}) {losses[first]:.4f} (step {first}) -> "
             f"{losses[last]:.4f} (step {last})"
         )
+    for line in mhc_report.summary_lines(run_metrics):
+        echo(f"  {line}")
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
+    if mhc_plot is not None:
+        echo(f"  mHC plot {mhc_plot}")
     echo(f"{verdict(reports)}: {loaded.name} in {seconds:.1f} s")
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
 

@@ -59,6 +59,10 @@ class MHC:
     sinkhorn_iterations: int = _doc(
         "--mhc-sinkhorn-iterations", default=MHC_DEFAULTS["mhc_sinkhorn_iterations"]
     )
+    h_res_method: Literal["sinkhorn", "birkhoff"] = _doc(
+        "--mhc-h-res-method (birkhoff: mHC-lite, exact doubly-stochastic H_res, n <= 6)",
+        default=MHC_DEFAULTS["mhc_h_res_method"],
+    )
     init_gating_factor: float = _doc(
         "--mhc-init-gating-factor", default=MHC_DEFAULTS["mhc_init_gating_factor"]
     )
@@ -71,6 +75,10 @@ class MHC:
     )
     fused: bool = _doc(
         "--use-fused-mhc (Triton kernels; CUDA only)", default=MHC_DEFAULTS["use_fused_mhc"]
+    )
+    log_stats: bool = _doc(
+        "--log-mhc-stats (mhc/... scalars: H_res residuals, H_pre/H_post ranges, gains)",
+        default=False,
     )
 
 

@@ -84,6 +84,23 @@ def assert_tensorboard_equals_log_lines(tensorboard_dir: Path, log_dir: Path) ->
         assert logged["num-zeros"] == tb["num-zeros"]
 
 
+def assert_mhc_stats_recorded(run_dir: Path, metrics: dict, stdout: str) -> None:
+    """model.mhc.log_stats: the mhc/... scalars in TensorBoard at every logged step, the gains
+    in metrics.json, mhc.png and the console summary."""
+    tb = met.read_tensorboard(run_dir / "tensorboard")
+    steps = sorted(tb["lm loss"])
+    for name in (
+        "mhc/forward_gain",
+        "mhc/backward_gain",
+        "mhc/layer01.self_attention/h_res_row_err",
+    ):
+        assert sorted(tb[name]) == steps, name
+        assert name.endswith("_err") or 0.5 < tb[name][steps[-1]] < 2.0, (name, tb[name])
+    assert {"mhc/forward_gain", "mhc/backward_gain"} <= set(metrics)
+    assert (run_dir / "mhc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mhc/forward_gain " in stdout
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=_case_id)
 def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, request):
     real_data = "real_data" in recipe.stem
@@ -127,6 +144,10 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
         validation = metrics["lm loss validation"]
         assert validation["start_step"] == eval_interval, validation
         assert validation["step_interval"] == eval_interval, validation
+    if (yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"].get("mhc") or {}).get(
+        "log_stats"
+    ):
+        assert_mhc_stats_recorded(run_dir, metrics, result.stdout)
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Metrics as upstream reads them; throughput, memory, versions and the plan recorded.
     assert summary["metrics_source"] == "tensorboard"

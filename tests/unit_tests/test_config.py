@@ -27,6 +27,7 @@ def test_defaults_match_upstream():
     assert config.enable_mhc_connections is False
     assert config.mhc_num_residual_streams == 4
     assert config.mhc_sinkhorn_iterations == 20
+    assert config.mhc_h_res_method == "sinkhorn"
     assert config.mhc_init_gating_factor == 0.01
     assert config.mhc_recompute_layer_num is None
     assert config.recompute_modules == ["core_attn"]
@@ -102,6 +103,7 @@ def test_disabled_mhc_is_exactly_transformer_config():
         "enable_mhc_connections",
         "mhc_num_residual_streams",
         "mhc_sinkhorn_iterations",
+        "mhc_h_res_method",
         "mhc_init_gating_factor",
         "mhc_recompute_layer_num",
         "mhc_learned_output_contract",

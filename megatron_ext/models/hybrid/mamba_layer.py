@@ -77,6 +77,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         )
         spec = getattr(submodules, "mixer_hyper_connection", HyperConnectionModule)
         self.mixer_hyper_connection = build_module(spec, config=config, layer_number=layer_number)
+        self.mixer_hyper_connection.stats_sublayer = "mixer"
 
     def forward(
         self,

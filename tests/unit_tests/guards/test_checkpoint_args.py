@@ -81,6 +81,11 @@ def test_same_settings_load(current_args):
             dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
             "mhc_num_residual_streams: checkpoint 4, now 2",
         ),
+        (
+            dict(enable_mhc_connections=True),  # written before mhc_h_res_method existed
+            dict(enable_mhc_connections=True, mhc_h_res_method="birkhoff"),
+            "mhc_h_res_method: checkpoint 'sinkhorn', now 'birkhoff'.*--mhc-h-res-method",
+        ),
     ],
 )
 def test_mhc_mismatch_is_refused(current_args, saved, now, field):
@@ -115,3 +120,20 @@ def test_megatron_alone_lets_both_through(current_args):
     current_args(tensor_model_parallel_size=1, padded_vocab_size=128)
     with registry.suspended(TARGET):
         _check(_args(enable_mhc_connections=True))
+
+
+def test_torch_dist_load_is_refused_before_any_tensor_is_read(current_args):
+    """load_checkpoint hands a torch_dist checkpoint's args to _maybe_setup_gpt_to_hybrid_load
+    before reading tensors; there a different H_res method is refused with the flag, instead of
+    dist checkpointing's bare shape mismatch (checked end to end by hand: a sinkhorn
+    gpt_mhc_tp2_pp2_sp checkpoint resumed with --mhc-h-res-method birkhoff)."""
+    import types
+
+    from megatron.training import checkpointing
+
+    saved = _args(enable_mhc_connections=True)
+    now = _args(enable_mhc_connections=True, mhc_h_res_method="birkhoff")
+    with pytest.raises(CheckpointMismatchError, match="--mhc-h-res-method"):
+        checkpointing._maybe_setup_gpt_to_hybrid_load(now, saved, [])
+    # No saved args (an old or foreign checkpoint): nothing to compare, megatron decides.
+    checkpointing._maybe_setup_gpt_to_hybrid_load(now, types.SimpleNamespace(), [])

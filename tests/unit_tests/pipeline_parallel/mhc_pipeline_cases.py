@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.mhc.stats import GAIN_NAMES
 from megatron_ext.testing.distributed import init_distributed
 from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
+from megatron_ext.testing.mhc_stats import StatsCheck
 
 STREAMS = 4
 # mHC's alpha_res/res-bias gradients are rounding noise at init (every stream is the same
@@ -26,6 +28,26 @@ def mhc_plan(**kwargs) -> TrainPlan:
 
 def check_mhc(plan: TrainPlan, **kwargs):
     return check_equivalence(plan, config_class=MHCTransformerConfig, **kwargs)
+
+
+def check_mhc_and_stats(plan: TrainPlan) -> StatsCheck:
+    """:func:`check_mhc`, and the mHC statistics of the sharded run's first step equal the
+    single-rank reference's (the same run; the statistics cost only their own computation)."""
+    check = StatsCheck(plan.steps)
+    try:
+        check_mhc(plan, on_gradients=check.on_gradients)
+    finally:
+        check.close()
+    problems = check.problems()
+    assert not problems, "\n".join(problems)
+    return check
+
+
+def assert_birkhoff_gains_are_one(check: StatsCheck) -> None:
+    """A birkhoff model's composite gains are 1 within 1e-5, at the first and the last step."""
+    for figures in (check.first, check.last):
+        for name in GAIN_NAMES:
+            assert abs(figures[name] - 1) <= 1e-5, (name, figures[name])
 
 
 @contextlib.contextmanager

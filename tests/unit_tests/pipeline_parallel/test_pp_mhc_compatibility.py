@@ -7,8 +7,10 @@ import pytest
 import torch
 from mhc_pipeline_cases import (
     all_ranks,
+    assert_birkhoff_gains_are_one,
     assert_every_exchange_is_n_streams_wide,
     check_mhc,
+    check_mhc_and_stats,
     mhc_plan,
     recorded_p2p_shapes,
 )
@@ -27,18 +29,24 @@ pytestmark = [
 ]
 
 
-def test_pp2_1f1b_carries_n_streams_and_matches_reference(monkeypatch):
-    plan = mhc_plan(pp=2)
+def test_pp2_1f1b_birkhoff_carries_n_streams_and_matches_reference(monkeypatch):
+    """mHC-lite's H_res (mhc_h_res_method='birkhoff'); sinkhorn's PP=2 1F1B run is the
+    recompute test's reference check below. The mHC statistics equal the single rank's and
+    the composite gains are 1 after 3 steps."""
+    plan = mhc_plan(pp=2, config_overrides=dict(mhc_h_res_method="birkhoff"))
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check = check_mhc_and_stats(plan)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+    assert_birkhoff_gains_are_one(check)
 
 
 @pytest.mark.parametrize("batch_p2p_comm", [True, False])
 def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatch, batch_p2p_comm):
+    """With mHC statistics equal to the single rank's (near init H_res is near uniform, so the
+    chunk order of the gains is tested by test_mhc_stats.py's combine test, not here)."""
     plan = mhc_plan(pp=2, vpp=2, config_overrides=dict(batch_p2p_comm=batch_p2p_comm))
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check_mhc_and_stats(plan)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
 
 
@@ -53,16 +61,21 @@ def test_pp2_standalone_embedding_and_loss_stages_match_reference(monkeypatch):
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
 
 
-@pytest.mark.parametrize("vpp", [None, 2])
-def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp):
+@pytest.mark.parametrize("vpp, h_res_method", [(None, "sinkhorn"), (2, "birkhoff")])
+def test_mhc_recompute_under_pipeline_gives_identical_gradients(vpp, h_res_method):
     """Eager selective 'mhc' recompute with PP (and VPP): groups end at every chunk, and the
-    sharded run's gradients and weights are bit-identical with and without it."""
-    plain = mhc_plan(pp=2, vpp=vpp)
+    sharded run's gradients and weights are bit-identical with and without it (with either
+    H_res method)."""
+    method = dict(mhc_h_res_method=h_res_method)
+    plain = mhc_plan(pp=2, vpp=vpp, config_overrides=method)
     recompute = mhc_plan(
         pp=2,
         vpp=vpp,
         config_overrides=dict(
-            recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1
+            recompute_granularity="selective",
+            recompute_modules=["mhc"],
+            mhc_recompute_layer_num=1,
+            **method,
         ),
     )
     factory = gpt_model_factory(plain)

@@ -54,6 +54,11 @@ def test_mhc_fields_become_upstreams_flag_spellings():
     assert flags["--mhc-init-gating-factor"] == ["0.01"]
     assert flags["--recompute-granularity"] == ["selective"]
     assert flags["--recompute-modules"] == ["mhc"] and flags["--mhc-recompute-layer-num"] == ["1"]
+    assert flags["--log-mhc-stats"] == [] and "--mhc-h-res-method" not in flags  # sinkhorn
+    birkhoff = load(
+        REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml", "cpu", ["model.mhc.h_res_method=birkhoff"]
+    )
+    assert _flags(megatron_args(birkhoff))["--mhc-h-res-method"] == ["birkhoff"]
 
 
 def test_virtual_stages_come_from_vpp_the_layout_or_the_hybrid_pattern():

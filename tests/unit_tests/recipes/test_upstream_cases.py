@@ -75,6 +75,7 @@ def _gpu(tmp_path, model_args=None, **top):
         ("--enable-mhc-connections", True, "model.mhc.enabled", True),  # upstream main's spelling
         ("--num-residual-streams", 2, "model.mhc.num_residual_streams", 2),
         ("--mhc-sinkhorn-iterations", 7, "model.mhc.sinkhorn_iterations", 7),
+        ("--mhc-h-res-method", "birkhoff", "model.mhc.h_res_method", "birkhoff"),
         ("--sequence-parallel", True, "parallelism.sp", True),
         ("--context-parallel-size", 2, "parallelism.cp", 2),
         ("--lr", 3.0e-4, "training.lr", 3.0e-4),
