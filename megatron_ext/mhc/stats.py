@@ -179,12 +179,12 @@ def collect(recorder_: Recorder) -> dict[str, float]:
     """Every rank calls this at a logged step; all get the model's figures."""
     import torch.distributed as dist
 
-    contribution = None
+    contribution: tuple[dict[str, float], list[tuple[tuple[Any, ...], torch.Tensor]]] | None = None
     if recorder_.samples and _is_sample_holder():
         figures, chunks = local_figures(recorder_.samples)
         contribution = (figures, [(key, product.cpu()) for key, product in chunks])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
+        gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, contribution)
     else:
         gathered = [contribution]
