@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from functools import partial
 from typing import Any, Callable, Optional
@@ -35,6 +36,7 @@ from megatron.training.training import set_startup_timestamps
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.launch import stop_signals
 from megatron_ext.launch import training as launch
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.pipeline import consistency
@@ -435,6 +437,7 @@ def train(
     """Parse the command line's Megatron flags, check them (``check_args``, the entry's own) and
     run ``pretrain`` with ``model_provider(..., config_class=config_class)`` (the entry's model)."""
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
+    stop_signals.install_rank_handlers(sys.argv[1:])  # a stop during start-up is held, not fatal
     runtime = launch.select_runtime()
     args = launch.parse_megatron_args(
         extra_args_providers=(add_megatron_ext_args, extra_args_provider),
