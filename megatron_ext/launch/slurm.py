@@ -203,7 +203,7 @@ def sbatch_script(job: SlurmJob) -> str:
             f"export MASTER_PORT=$((BASE_PORT + {i}))",
             f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
         ]
-        logs = f"{step.log_dir}/{SEGMENT}" if job.requeue else str(step.log_dir)
+        logs = f"{step.log_dir}/{_QUOTED}" if job.requeue else str(step.log_dir)
         srun = [
             "srun",
             "--mpi=none",
@@ -215,15 +215,15 @@ def sbatch_script(job: SlurmJob) -> str:
         inner = f'{rank_env}; exec {q(job.python)} -m {q(step.module)} "$@"'
         head = shlex.join(srun) + f" bash -c {q(inner)} megatron-ext"
         groups: list[list[str]] = []
-        for a in step.args:
+        for a in (a.replace(SEGMENT, _QUOTED) for a in step.args):
             if a.startswith("--") or not groups:
                 groups.append([a])
             else:
                 groups[-1].append(a)
         command = " \\\n    ".join([head] + [shlex.join(g) for g in groups])
         if job.requeue:
-            lines.append(f"mkdir -p {q(str(step.log_dir))}/{_SEGMENT_SHELL}")
-            command = command.replace(SEGMENT, _SEGMENT_SHELL)
+            lines.append(f'mkdir -p {q(str(step.log_dir))}/"$SEGMENT"')
+            command = command.replace(_QUOTED, _SEGMENT_SHELL)
             lines += [command + " &", 'STEP_RC=0; wait_step "$!" || STEP_RC=$?']
         else:
             lines.append(command)
@@ -236,8 +236,10 @@ def sbatch_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
+_QUOTED = "@SEG MENT@"
+"""SEGMENT while the words are quoted: its space makes shlex single-quote every word holding it."""
 _SEGMENT_SHELL = "'\"${SEGMENT}\"'"
-"""@SEGMENT@ inside a quoted (or unquoted) shell word: close the quote, expand, reopen."""
+"""What replaces it inside that single-quoted word: close the quote, expand, reopen."""
 
 
 def _requeue_directives(job: SlurmJob) -> list[str]:

@@ -75,7 +75,8 @@ def build_job(
             before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
         # a resumable job's restarts write below logs/ (the srun output names the segment)
         logs = run_dir / "logs" if resumable else phase.log_dir
-        steps.append(slurm.Step(phase.name, recipe.entry, phase.args, logs, before))
+        name = "train" if resumable else phase.name
+        steps.append(slurm.Step(name, recipe.entry, phase.args, logs, before))
     job = slurm.SlurmJob(
         name=loaded.name,
         run_dir=run_dir,
