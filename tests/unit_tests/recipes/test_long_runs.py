@@ -62,6 +62,7 @@ def test_sigterm_of_the_launcher_asks_every_rank_to_save_once(tmp_path, capfd):
         os.kill(os.getpid(), signal.SIGUSR1)  # a second stop while saving changes nothing
 
     stopper = threading.Thread(target=stop_twice, daemon=True)
+
     def outside(*_):  # the handler the launcher must restore (a late signal cannot kill pytest)
         pass
 
