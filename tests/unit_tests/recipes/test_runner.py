@@ -59,7 +59,7 @@ def test_progress_prints_one_short_line_per_iteration_and_event():
     progress("  successfully loaded checkpoint from /ck [ t 1/1, p 1/2 ] at iteration 5")
     assert seen[0].startswith("  first iteration ")
     assert seen[1:] == [
-        "  iteration    3/10 | lm loss 4.593707 | mtp_1 loss 4.700000 | grad norm 1.866 | 308 ms/iter",
+        "  iteration    3/10 | lm loss 4.593707 | mtp_1 loss 4.700000 | grad norm 1.866 | 308 ms/iter | ETA 2s",
         "  checkpoint saved at iteration 5",
         "  checkpoint loaded (iteration 5)",
     ]
