@@ -6,7 +6,7 @@ Run on two ranks (gloo, CPU):
         [--hidden 128 --seq 64 --layers 4 --microbatches 4 --streams 4]
 
 One training step of a small GPT (local layers, fp32) with megatron-core's 1F1B schedule,
-traced by :mod:`megatron_ext.pipeline.trace`, whose recording communicator notes the bytes of
+traced by :mod:`megatron_ext.schedules.trace`, whose recording communicator notes the bytes of
 every tensor a stage sends. Edge 0->1 carries the activations (forward), edge 1->0 their
 gradients (backward). Next to each measured figure: the expected ``m * s * b * width * 4``
 bytes with width h (plain) or n*h (mHC's n-stream residual). Not a test. Text first; the LAST
@@ -47,7 +47,7 @@ def _plan(args, mhc: bool):
 def _traced_step(args, mhc: bool) -> list:
     """This rank's trace events of one PP=2 training step."""
     from megatron_ext.config import MHCTransformerConfig
-    from megatron_ext.pipeline.trace import Tracer, tracing
+    from megatron_ext.schedules.trace import Tracer, tracing
     from megatron_ext.testing.distributed import model_parallel
     from megatron_ext.testing.equivalence import (
         build_model_chunks,

@@ -12,7 +12,7 @@ over the two ranks with megatron-core's 1F1B schedule. Blocks of ``--steps`` ste
 between the two layouts ``--repeats`` times and each time is the median of its block's steps,
 so drift hits both alike. One traced step per case adds the measured idle share (pipeline
 bubble, P2P waits included) next to the schedule's theoretical one
-(:mod:`megatron_ext.pipeline.schedule`). Not a test: the numbers depend on the machine and
+(:mod:`megatron_ext.schedules.schedule`). Not a test: the numbers depend on the machine and
 its load. Text first; the LAST line is one JSON object.
 """
 
@@ -54,7 +54,7 @@ def _time_block(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.config import MHCTransformerConfig
-    from megatron_ext.pipeline.trace import Tracer, tracing
+    from megatron_ext.schedules.trace import Tracer, tracing
     from megatron_ext.testing.distributed import model_parallel
     from megatron_ext.testing.equivalence import (
         build_model_chunks,
@@ -104,7 +104,7 @@ def _time_block(
 
 
 def _measured_bubble(events: list) -> float:
-    from megatron_ext.pipeline.timeline import measured_timeline
+    from megatron_ext.schedules.timeline import measured_timeline
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 
-    from megatron_ext.pipeline.schedule import SchedulePlan, build_schedule, simulate
+    from megatron_ext.schedules.schedule import SchedulePlan, build_schedule, simulate
     from megatron_ext.testing.distributed import init_distributed
 
     init_distributed()

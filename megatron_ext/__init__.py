@@ -2,7 +2,8 @@
 
 ``install()`` applies the plugin's patches to megatron-core (idempotently) and
 ``uninstall()`` restores every original. The patches themselves are declared, with their
-reasons and verified versions, in :mod:`megatron_ext.registry`.
+reasons and verified versions, in :mod:`megatron_ext.declarations` (applied by the machinery
+of :mod:`megatron_ext.registry`).
 """
 
 from __future__ import annotations
@@ -10,19 +11,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from megatron_ext import registry
-
-
-def install() -> None:
-    """Apply megatron-ext's core patches to megatron-core (safe to call repeatedly) and check
-    the private seams it depends on (once per process).
-
-    With ``MEGATRON_EXT_TRACE_DIR`` set (``megatron-ext run --trace``) this process also
-    records its pipeline schedule (:mod:`megatron_ext.pipeline.trace`)."""
-    registry.apply("core")
-    registry.verify_seams()
-    from megatron_ext.pipeline.trace import start_from_environment
-
-    start_from_environment()
+from megatron_ext.installer import install as install
+from megatron_ext.installer import installed as installed
 
 
 def uninstall() -> None:
@@ -32,7 +22,3 @@ def uninstall() -> None:
     runtime.stop_cpu()
     registry.undo("fault")
     registry.undo("core")
-
-
-def installed() -> bool:
-    return all(registry.is_applied(p.target) for p in registry.patches("core"))

@@ -30,6 +30,7 @@ def doctor_report() -> list[str]:
     import torch
 
     import megatron_ext
+    from megatron_ext import declarations  # noqa: F401  (every Patch and Seam reported below)
     from megatron_ext import registry, runtime
 
     gpu = torch.cuda.is_available()

@@ -50,13 +50,14 @@ def _error(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_ext.pipeline import report as rep
-    from megatron_ext.pipeline.schedule import SchedulePlan
+    from megatron_ext.recipes.schedule import plan_from_recipe
+    from megatron_ext.schedules import report as rep
+    from megatron_ext.schedules.schedule import SchedulePlan
 
     overrides = list(getattr(args, "targets", None) or [])
     try:
         if args.recipe:
-            plan, size = rep.plan_from_recipe(args.recipe, overrides, args.platform)
+            plan, size = plan_from_recipe(args.recipe, overrides, args.platform)
             if args.microbatches is not None:
                 plan.microbatches = args.microbatches
         else:
@@ -86,8 +87,8 @@ def main(args: argparse.Namespace) -> int:
         return _error(str(exc))
     print("\n".join(lines))
     if args.plot:
-        from megatron_ext.pipeline.schedule import simulate
-        from megatron_ext.pipeline.timeline import plot_timeline
+        from megatron_ext.schedules.schedule import simulate
+        from megatron_ext.schedules.timeline import plot_timeline
 
         timeline = simulate(schedule)
         title = (

@@ -9,7 +9,7 @@ save at or after step ``S``, at a fixed point: every rank has written its shard 
 has yet written the checkpoint's metadata (``.metadata``, ``metadata.json``) or the tracker
 ``latest_checkpointed_iteration.txt`` (:func:`killing_before_save_finalize`, the registry's
 ``fault`` group, applied only when this kind is asked for). Unset, nothing happens; every
-training entry (``pretrain_gpt``, ``pretrain_hybrid``, ``multimodule.train``) calls
+training entry (``pretrain_gpt``, ``pretrain_hybrid``, ``pretrain_multimodule``) calls
 :func:`at_step` once per step.
 
 :func:`run_failing_fast` runs a rank's work so that an exception can never leave the other

@@ -17,7 +17,8 @@ the non-interleaved schedule). This package owns everything around it:
   module and one global gradient scale across grids of different DP sizes;
 - a small vision-language model for tests and the recipe (:mod:`~megatron_ext.multimodule.vlm`;
   its single-process reference harness is :mod:`megatron_ext.testing.multimodule`), and the
-  training entry ``python -m megatron_ext.multimodule.train RECIPE [KEY=VALUE ...]``.
+  training entry ``python -m megatron_ext.pretrain_multimodule RECIPE [KEY=VALUE ...]`` (its
+  recipe's plan: :mod:`megatron_ext.recipes.multimodule`).
 
 Typical use::
 
@@ -31,12 +32,6 @@ Typical use::
                      MultiModulePipelineConfig(pipeline_dtype=torch.float32))
     losses = pipeline.forward_backward(forward_step, data_iterator, num_microbatches=4)
 """
-
-from megatron_ext.launch import startup
-
-# This package is the multi-module entry's first import of megatron: the entries' start-up
-# measures (launch/startup.py) apply here, ended once the package's imports are done.
-startup.begin_entry_imports()
 
 from megatron_ext.multimodule.builder import ModuleImpl, MultiModulePipeline, build
 from megatron_ext.multimodule.communicator import (
@@ -59,8 +54,6 @@ from megatron_ext.multimodule.plan import (
     MultiModulePlan,
     pipeline_config_problems,
 )
-
-startup.end_entry_imports()
 
 __all__ = [
     "AmbiguousShapeError",

@@ -8,7 +8,10 @@ and which golden values the loss curve must match.
 - :mod:`~megatron_ext.recipes.runner`: ``megatron-ext run`` (local ranks, run directory);
 - :mod:`~megatron_ext.recipes.metrics`, :mod:`~megatron_ext.recipes.compare`,
   :mod:`~megatron_ext.recipes.plot`: log lines to golden-value JSON, Megatron's comparison
-  rules, the loss-curve PNG.
+  rules, the loss-curve PNG;
+- :mod:`~megatron_ext.recipes.schedule`, :mod:`~megatron_ext.recipes.run_trace`: the pipeline
+  schedule a recipe trains with, and a traced run's summary (through
+  :mod:`megatron_ext.schedules`).
 
 The schema is documented in recipes/README.md. Importing this package imports neither torch
 nor megatron.

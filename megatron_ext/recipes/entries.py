@@ -19,7 +19,7 @@ from typing import Optional
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
 ENTRY_POINT_GROUP = "megatron_ext.entries"
-OUR_ENTRIES = (*DEFAULT_ENTRIES.values(), "megatron_ext.multimodule.train")
+OUR_ENTRIES = (*DEFAULT_ENTRIES.values(), "megatron_ext.pretrain_multimodule")
 
 
 def registered_entries() -> dict[str, str]:

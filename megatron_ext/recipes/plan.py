@@ -299,7 +299,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
             add(
                 "model.entry",
                 "a multimodule recipe names its training module, e.g. "
-                "entry: megatron_ext.multimodule.train",
+                "entry: megatron_ext.pretrain_multimodule",
             )
         if r.launch.nproc is None:
             add(

@@ -272,7 +272,7 @@ class Progress:
             return
         text = line.strip()
         plain = PLAIN_PROGRESS.match(text)
-        if plain:  # an entry's own progress line (multimodule.train): shown as it is
+        if plain:  # an entry's own progress line (pretrain_multimodule): shown as it is
             self.training_seen = True
             self.echo(f"  iteration {int(plain.group(1)):>4}/{plain.group(2)} | {plain.group(3)}")
             return
@@ -478,7 +478,7 @@ def _run_phases(
         )
         env = plan.run_environment(loaded)
         if trace:
-            from megatron_ext.pipeline import run_trace
+            from megatron_ext.recipes import run_trace
 
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(
@@ -526,7 +526,7 @@ def _run_phases(
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
             if trace:
-                from megatron_ext.pipeline import run_trace
+                from megatron_ext.recipes import run_trace
 
                 where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
                 if where:
@@ -760,7 +760,7 @@ def finalize(
         echo(f"  {line}")
     pipeline = None
     if trace:
-        from megatron_ext.pipeline import run_trace
+        from megatron_ext.recipes import run_trace
 
         pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)

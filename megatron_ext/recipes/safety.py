@@ -23,7 +23,6 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import Problem
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
@@ -76,32 +75,6 @@ def directive_problem(where: str, value: object) -> Optional[Problem]:
             "#SBATCH line and run the rest as shell; remove it",
         )
     return None
-
-
-def recipe_problems(loaded: LoadedRecipe) -> list[Problem]:
-    """Every value of the recipe that no quoting can make safe."""
-    recipe = loaded.recipe
-    problems: list[Optional[Problem]] = [
-        name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
-        name_problem("platform", loaded.platform),
-    ]
-    for key in recipe.launch.env:
-        if not ENV_KEY.match(str(key)):
-            problems.append(
-                Problem(
-                    f"launch.env.{key}",
-                    f"{str(key)!r} is not an environment "
-                    "variable name: use letters, digits and _, not starting with a digit",
-                )
-            )
-    slurm = recipe.launch.slurm
-    for field_name in ("partition", "account", "time", "container_image"):
-        problems.append(directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name)))
-    for i, value in enumerate([*slurm.sbatch_args]):
-        problems.append(directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
-    for i, value in enumerate([*slurm.container_mounts]):
-        problems.append(directive_problem(f"launch.slurm.container_mounts[{i}]", value))
-    return [p for p in problems if p is not None]
 
 
 def check_directives(values: Iterable[tuple[str, object]]) -> None:

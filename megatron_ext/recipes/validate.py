@@ -166,15 +166,42 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
+    """Every value of the recipe that no quoting can make safe (:mod:`~megatron_ext.recipes.safety`'s
+    rules, applied to the recipe's names, environment keys and Slurm directives)."""
+    recipe = loaded.recipe
+    problems: list[Optional[Problem]] = [
+        safety.name_problem("name" if recipe.name else "name (from the file name)", loaded.name),
+        safety.name_problem("platform", loaded.platform),
+    ]
+    for key in recipe.launch.env:
+        if not safety.ENV_KEY.match(str(key)):
+            problems.append(
+                Problem(
+                    f"launch.env.{key}",
+                    f"{str(key)!r} is not an environment "
+                    "variable name: use letters, digits and _, not starting with a digit",
+                )
+            )
+    slurm = recipe.launch.slurm
+    for field_name in ("partition", "account", "time", "container_image"):
+        problems.append(
+            safety.directive_problem(f"launch.slurm.{field_name}", getattr(slurm, field_name))
+        )
+    for i, value in enumerate([*slurm.sbatch_args]):
+        problems.append(safety.directive_problem(f"launch.slurm.sbatch_args[{i}]", value))
+    for i, value in enumerate([*slurm.container_mounts]):
+        problems.append(safety.directive_problem(f"launch.slurm.container_mounts[{i}]", value))
+    return [p for p in problems if p is not None]
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
     sizes = size_problems(loaded)
     if sizes:  # the plan checks would divide by them
-        return Validation(problems=safety.recipe_problems(loaded) + sizes)
+        return Validation(problems=unsafe_values(loaded) + sizes)
     result = Validation(
-        problems=safety.recipe_problems(loaded)
-        + plan.plan_problems(loaded)
-        + logging_problems(loaded)
+        problems=unsafe_values(loaded) + plan.plan_problems(loaded) + logging_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)
@@ -207,11 +234,11 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
 def multimodule_problems(loaded: LoadedRecipe) -> list[Problem]:
     """The multi-module plan (grids, topology, batch sizes) of a multimodule recipe, as its
     entry will read it, checked without a process."""
-    from megatron_ext.multimodule.train import recipe_problems
+    from megatron_ext.recipes.multimodule import recipe_problems
 
     return [
         Problem("model.modules", p)
-        for p in recipe_problems(loaded.recipe.to_dict(), loaded.recipe.world_size)
+        for p in recipe_problems(loaded.recipe, loaded.recipe.world_size)
     ]
 
 

@@ -3,7 +3,7 @@
 ``use_cpu()`` switches it on explicitly (the launchers do it when asked for CPU, or when no
 GPU exists). It is one bounded set of redirections and nothing else:
 
-- the ``"cpu"`` group of :mod:`megatron_ext.registry` (each entry names its target and why):
+- the ``"cpu"`` group of :mod:`megatron_ext.declarations` (each entry names its target and why):
   ``torch.cuda`` device queries, synchronisation, streams and events, the CUDA RNG state used
   by megatron's RNG tracker, and three ``megatron.training`` start-up steps that assume a GPU;
 - :class:`megatron_ext.runtime.cpu.CudaToCpuMode`, pushed as a torch function mode, which
@@ -39,7 +39,7 @@ def use_cpu() -> None:
             "redirections would shadow the real GPU calls. Hide the GPUs "
             "(CUDA_VISIBLE_DEVICES='') to train on CPU, or drop use_cpu() to train on the GPU."
         )
-    from megatron_ext import install
+    from megatron_ext.installer import install
 
     install()
     registry.apply("cpu")

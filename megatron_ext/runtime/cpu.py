@@ -1,7 +1,7 @@
 """Replacements that let megatron-core's CUDA-only calls run on the CPU.
 
 Each function here stands in for one CUDA call; which attribute it replaces, and why,
-is declared in :mod:`megatron_ext.registry` (group ``"cpu"``). The tensor-level part
+is declared in :mod:`megatron_ext.declarations` (group ``"cpu"``). The tensor-level part
 (``device='cuda'`` factories, ``Tensor.cuda()``, ``Tensor.type()``) cannot be reached by
 attribute patches, so it is a :class:`CudaToCpuMode` that the runtime pushes while it is on.
 """

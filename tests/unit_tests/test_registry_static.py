@@ -187,7 +187,7 @@ def test_product_code_goes_through_the_registry():
         found += v
         overrides += o
     found += undeclared_overrides(overrides)
-    assert not found, "declare these in megatron_ext/registry.py:\n" + "\n".join(found)
+    assert not found, "declare these in megatron_ext/declarations.py:\n" + "\n".join(found)
 
 
 PLANTED = '''

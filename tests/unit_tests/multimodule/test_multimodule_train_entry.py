@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.multimodule.train import _parse_args, load_recipe, read_recipe, validate_recipe
+from megatron_ext.pretrain_multimodule import HONOURED_FLAGS, _parse_args, load_recipe
+from megatron_ext.recipes import load
+from megatron_ext.recipes.multimodule import num_microbatches, plan_of, validate_recipe
+from megatron_ext.recipes.plan import RECIPE_PLACEHOLDER, megatron_args
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "multimodule_encoder_llm_mhc_pp2.yaml"
@@ -16,9 +19,10 @@ RECIPE = ROOT / "recipes" / "multimodule_encoder_llm_mhc_pp2.yaml"
 
 def test_the_recipe_is_valid_without_starting_anything():
     assert validate_recipe(str(RECIPE), world_size=4) == []
-    mm = read_recipe(load_recipe(str(RECIPE)), world_size=4)
-    assert mm.num_microbatches() == 4
-    assert mm.plan.micro_batch_size("vision_encoder", 2) == 1  # fan-in: DP 2 -> DP 1
+    recipe = load_recipe(str(RECIPE))
+    plan = plan_of(recipe, world_size=4)
+    assert num_microbatches(recipe, plan) == 4
+    assert plan.micro_batch_size("vision_encoder", 2) == 1  # fan-in: DP 2 -> DP 1
 
 
 def test_validation_reports_plan_problems_of_overrides():
@@ -38,7 +42,7 @@ def test_arguments_recipe_overrides_and_megatron_flags():
     args, overrides, _ = _parse_args(["--recipe", str(RECIPE), "--train-iters", "5"])
     assert args.recipe == str(RECIPE) and overrides == ["training.iterations=5"]
     recipe = load_recipe(str(RECIPE), ["training.lr=3e-3"])
-    assert read_recipe(recipe, 4).training.lr == 0.003  # YAML's '3e-3' string is coerced
+    assert recipe.training.lr == 0.003  # YAML's '3e-3' string is coerced
 
 
 # A projector between the encoder (ranks 0-1) and the language model (now ranks 3-4).
@@ -125,3 +129,35 @@ def test_matching_widths_through_a_projector_and_flattened_output_are_valid():
     assert validate_recipe(str(RECIPE), flat, world_size=None) == []
     flat.append("model.modules.vision_encoder.output_ndim=2")
     assert validate_recipe(str(RECIPE), flat, world_size=None) == []
+
+
+GPT_WITHOUT_TRAINING = """
+version: 1
+model: {type: gpt, num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32}
+launch: {nproc: 1}
+"""
+
+
+def _flag_values(args: list[str]) -> dict[str, str]:
+    return {flag: args[args.index(flag) + 1] for flag in HONOURED_FLAGS if flag in args}
+
+
+def test_both_paths_resolve_every_shared_training_field_identically(tmp_path):
+    """With no training section, the multi-module entry trains with what a single-model
+    entry is given: the schema's defaults, through the runner's Megatron flags (once the
+    entry's own defaults disagreed: weight_decay 0.0 against the schema's 0.01)."""
+    gpt = tmp_path / "gpt.yaml"
+    gpt.write_text(GPT_WITHOUT_TRAINING)
+    single = _flag_values(megatron_args(load(str(gpt))))
+    text = RECIPE.read_text()
+    multi = tmp_path / "multimodule.yaml"
+    multi.write_text(text[: text.index("training:")] + text[text.index("data:") :])
+    loaded = load(str(multi))
+    assert _flag_values(megatron_args(loaded)) == single
+    command = [str(multi) if a == RECIPE_PLACEHOLDER else a for a in megatron_args(loaded)]
+    args, overrides, _ = _parse_args(command)  # as the runner starts the entry
+    resolved = load_recipe(args.recipe, overrides).training
+    assert set(single) == set(HONOURED_FLAGS)  # every field the entry reads is compared
+    for flag, (kind, field) in HONOURED_FLAGS.items():
+        assert getattr(resolved, field) == kind(single[flag]), field
+        assert getattr(load_recipe(str(multi)).training, field) == kind(single[flag]), field

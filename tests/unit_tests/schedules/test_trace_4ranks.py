@@ -4,20 +4,20 @@ Each case trains one iteration of a tiny model with megatron-core's own schedule
 ``tracing()`` and checks that every rank's recorded steps (passes, P2P calls and the
 micro-batch/chunk of every message, received tensors labelled by the pass that consumed them)
 equal :func:`build_schedule`'s, action for action. Batched P2P is on (megatron's default).
-Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline_schedule/test_trace_4ranks.py"""
+Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/schedules/test_trace_4ranks.py"""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.pipeline.schedule import (
+from megatron_ext.schedules.schedule import (
     Compute,
     ScheduleMismatch,
     SchedulePlan,
     assert_same_order,
     build_schedule,
 )
-from megatron_ext.pipeline.trace import Tracer, tracing
+from megatron_ext.schedules.trace import Tracer, tracing
 from megatron_ext.testing.distributed import init_distributed, model_parallel
 from megatron_ext.testing.equivalence import (
     TrainPlan,
@@ -129,7 +129,7 @@ def test_a_wrong_theoretical_order_is_caught():
     plan = tiny(pp=2, num_layers=2, global_batch_size=16)
     tracer, _, _ = traced_run(plan)
     recorded = all_steps(tracer, plan)
-    from megatron_ext.pipeline.schedule import Schedule, one_f_one_b
+    from megatron_ext.schedules.schedule import Schedule, one_f_one_b
 
     right = build_schedule(SchedulePlan(pp=2, microbatches=4))
     wrong = Schedule(

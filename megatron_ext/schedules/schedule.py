@@ -26,7 +26,7 @@ batched P2P posts them (forward pair first: send_next, recv_prev, send_prev, rec
 
 :func:`simulate` places the steps on a time axis (forward 1 unit, backward 2 by default) to
 get the bubble fraction, and :class:`Schedule` reports peak in-flight micro-batches per rank
-and bytes per step on each pipeline edge. :mod:`megatron_ext.pipeline.trace` records the same
+and bytes per step on each pipeline edge. :mod:`megatron_ext.schedules.trace` records the same
 steps from a real run; :func:`compare` says where they differ.
 """
 

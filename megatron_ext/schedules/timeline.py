@@ -1,7 +1,7 @@
 """Timelines of a pipeline iteration: theoretical or measured, as a picture or a trace file.
 
-- :func:`measured_timeline` turns the events recorded by :mod:`megatron_ext.pipeline.trace`
-  (one list per rank) into a :class:`~megatron_ext.pipeline.schedule.Timeline`, whose
+- :func:`measured_timeline` turns the events recorded by :mod:`megatron_ext.schedules.trace`
+  (one list per rank) into a :class:`~megatron_ext.schedules.schedule.Timeline`, whose
   ``bubble()`` is the measured idle share (waiting in P2P counts as idle);
 - :func:`chrome_trace` writes them in the Chrome trace-event format (the format PyTorch's
   profiler writes; open it in Perfetto or chrome://tracing): one process per rank, passes on
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from megatron_ext.pipeline.schedule import Compute, Slot, Timeline
+from megatron_ext.schedules.schedule import Compute, Slot, Timeline
 
 
 def measured_timeline(events_per_rank: Sequence[Iterable], iteration: int) -> Timeline:

@@ -1,12 +1,13 @@
 """What ``megatron-ext schedule`` prints: the grid, the bubble, peak in-flight micro-batches
-and bytes per pipeline edge, for a plan given on the command line or taken from a recipe."""
+and bytes per pipeline edge, for a plan given on the command line or taken from a recipe
+(:mod:`megatron_ext.recipes.schedule` turns a recipe into a plan)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from megatron_ext.pipeline.schedule import (
+from megatron_ext.schedules.schedule import (
     Schedule,
     SchedulePlan,
     build_schedule,
@@ -128,7 +129,7 @@ def report(
             "every message)"
         )
     if steps:
-        from megatron_ext.pipeline.schedule import format_steps
+        from megatron_ext.schedules.schedule import format_steps
 
         for rank in range(ranks):
             lines += [
@@ -137,43 +138,3 @@ def report(
                 format_steps(schedule, rank),
             ]
     return lines, schedule
-
-
-def plan_from_recipe(
-    path: str, overrides: list[str], platform: str = "cpu"
-) -> tuple[SchedulePlan, Optional[MessageSize]]:
-    """The schedule plan (and message size) a recipe trains with."""
-    from megatron_ext.recipes import load
-
-    return plan_from_loaded(load(path, platform, overrides))
-
-
-def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
-    """:func:`plan_from_recipe` for an already loaded recipe."""
-    r = loaded.recipe
-    if r.model.type == "multimodule":
-        from megatron_ext.multimodule.train import read_recipe
-
-        mm = read_recipe(_raw_recipe(loaded))
-        # Encoder outputs and image lengths vary per micro-batch (shapes are exchanged with
-        # every message), so there is no fixed message size to report.
-        return SchedulePlan(microbatches=mm.num_microbatches(), multimodule=mm.plan), None
-    p = r.parallelism
-    microbatches = r.training.global_batch_size // (r.training.micro_batch_size * p.dp)
-    size = MessageSize(
-        hidden=r.model.hidden_size,
-        seq=r.model.seq_length,
-        micro_batch_size=r.training.micro_batch_size,
-        mhc_streams=r.model.mhc.num_residual_streams if r.model.mhc.enabled and p.pp > 1 else 1,
-        dtype_bytes=DTYPE_BYTES[r.training.dtype],
-        tp=p.tp,
-        cp=p.cp,
-        sequence_parallel=p.sp,
-    )
-    return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches), size
-
-
-def _raw_recipe(loaded: Any) -> dict:
-    from megatron_ext.recipes.loader import dump, parse_yaml
-
-    return parse_yaml(dump(loaded))

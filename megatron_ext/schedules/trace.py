@@ -6,7 +6,7 @@ and backward pass (micro-batch and chunk) and every call into the P2P communicat
 messages it posts, each with wall-clock start and end times. Received tensors are labelled
 with the forward or backward that consumes them (by identity), sent ones with the step that
 produced them, so the recorded order can be compared with
-:func:`megatron_ext.pipeline.schedule.build_schedule` action for action.
+:func:`megatron_ext.schedules.schedule.build_schedule` action for action.
 
 The patched targets (megatron-core 0.19.2, ``pipeline_parallel.schedules``):
 ``forward_step``, ``backward_step``, ``backward_step_multimodule`` (the passes) and the two
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from megatron_ext import registry
-from megatron_ext.pipeline.schedule import (
+from megatron_ext.schedules.schedule import (
     DIRECTIONS,
     Compute,
     Exchange,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.pipeline import run_trace
-from megatron_ext.pipeline.schedule import Compute, SchedulePlan, build_schedule
-from megatron_ext.pipeline.trace import Event, Tracer, _Message, traced_forward_step, tracing
+from megatron_ext.recipes import run_trace
+from megatron_ext.schedules.schedule import Compute, SchedulePlan, build_schedule
+from megatron_ext.schedules.trace import Event, Tracer, _Message, traced_forward_step, tracing
 from megatron_ext.recipes import load
 
 RECIPE = Path(__file__).parents[3] / "recipes" / "gpt_tp2_pp2.yaml"

@@ -9,14 +9,14 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_ext.pipeline.schedule import build_schedule, compare, simulate, textbook_bubble
-from megatron_ext.pipeline.timeline import (
+from megatron_ext.schedules.schedule import build_schedule, compare, simulate, textbook_bubble
+from megatron_ext.schedules.timeline import (
     chrome_trace,
     iterations,
     measured_timeline,
     plot_timeline,
 )
-from megatron_ext.pipeline.trace import TRACE_ENV, Event
+from megatron_ext.schedules.trace import TRACE_ENV, Event
 
 TRACE_SUBDIR = "trace"
 
@@ -56,7 +56,7 @@ def failing_step(trace_dir: Path) -> Optional[str]:
 
 def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> Optional[dict]:
     """Write trace.json and timeline.png; return the run summary's "pipeline" entry."""
-    from megatron_ext.pipeline.report import plan_from_loaded
+    from megatron_ext.recipes.schedule import plan_from_loaded
 
     ranks = read_ranks(Path(run_dir) / TRACE_SUBDIR)
     if not ranks:

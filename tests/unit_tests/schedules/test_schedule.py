@@ -4,7 +4,7 @@ against values worked out by hand, megatron-core's refusals, and deadlock detect
 import pytest
 
 from megatron_ext.multimodule import ModulePlan, MultiModulePlan
-from megatron_ext.pipeline.schedule import (
+from megatron_ext.schedules.schedule import (
     Compute,
     Exchange,
     Message,

@@ -1,0 +1,641 @@
+"""Every declared runtime replacement (:class:`~megatron_ext.registry.Patch`) and private
+dependency (:class:`~megatron_ext.registry.Seam`) of megatron-ext, with versions and why.
+
+The machinery (applying, undoing, checking versions and seams) is :mod:`megatron_ext.registry`,
+which loads this module the first time it is asked for a patch or a seam. Each replacement is
+named as data, ``"module:function"``, and imported only when its patch is applied, so this
+module imports nothing of the product and the product's modules may use the registry freely.
+"""
+
+from __future__ import annotations
+
+from megatron_ext.registry import Patch, Seam, declare, register
+
+# --------------------------------------------------------------------------------------
+# "startup" patch: applied only while a process imports megatron (megatron_ext.launch.startup).
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target="torch:compile",
+        replacement="megatron_ext.launch.startup:compile_on_first_call",
+        why=(
+            "megatron-core applies torch.compile to its fusion functions at import "
+            "(megatron.core.jit), which imports torch's compiler: ~40% of an entry point's import "
+            "time on every rank, for functions a CPU run never calls. While megatron is imported, "
+            "functions are compiled by the real torch.compile at their first call instead "
+            "(torch.compile is lazy already, so what runs is unchanged)."
+        ),
+        group="startup",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# "core" patches: applied by megatron_ext.install() on every machine.
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target="megatron.core.datasets.utils:compile_helpers",
+        replacement="megatron_ext.checkout:compile_helpers_when_missing",
+        why=(
+            "The megatron-core wheel ships the prebuilt helpers_cpp extension but not the "
+            "Makefile that compile_helpers() runs; megatron.training's initialisation calls it "
+            "on rank 0 and exits when make fails. The shipped extension is used when it imports; "
+            "a Megatron-LM checkout (Makefile, no extension yet) builds it with its own make; "
+            "otherwise a message says how to get it."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
+        replacement="megatron_ext.pipeline.p2p:batched_p2p_ops_forward_first",
+        wraps=False,
+        why=(
+            "With batch_p2p_comm=True and PP=2 the previous and next rank coincide, and the "
+            "upstream posting order (send_prev, recv_prev, send_next, recv_next) matches a "
+            "gradient with the peer's activation receive: interleaved (VPP) runs get silently "
+            "wrong gradients. Forward messages are posted before backward ones instead."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+        replacement="megatron_ext.pipeline.shapes:communicate_with_pipeline_width",
+        why=(
+            "With mHC and PP > 1 every inter-stage tensor is the n-stream residual [s, b, n*h], "
+            "but both schedules size fixed receive buffers from hidden_size (1F1B through "
+            "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
+            "passes through _communicate, the one place both can be widened. The same seam "
+            "checks, at a communicator's first exchange, that all stages agree on the fields "
+            "that shape these tensors (pipeline.consistency; only the shape, once per shape, "
+            "where the entry's model provider agreed on the fields before build), and every "
+            "send's shape."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target=(
+            "megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper:"
+            "AbstractModelInferenceWrapper.__init__"
+        ),
+        replacement="megatron_ext.guards:inference_wrapper_rejecting_mhc_pipeline",
+        why=(
+            "Inference wrappers receive pipeline activations into single-stream "
+            "(hidden_size) buffers; with mHC and an inference pipeline group larger than one "
+            "they would fail or misread. The group is resolved inside __init__ (inference "
+            "config first, training groups otherwise), so the check runs right after it."
+        ),
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# "trace" patches: applied only inside megatron_ext.schedules.trace.tracing() (megatron-ext
+# run --trace); outside it nothing is wrapped, so tracing off costs nothing.
+# --------------------------------------------------------------------------------------
+def _trace(attribute: str, maker: str, why: str) -> None:
+    register(
+        Patch(
+            target=f"megatron.core.pipeline_parallel.schedules:{attribute}",
+            replacement=f"megatron_ext.schedules.trace:{maker}",
+            why=why,
+            group="trace",
+        )
+    )
+
+
+_trace(
+    "forward_step",
+    "traced_forward_step",
+    "Both pipelined schedules run every forward pass through it, with the micro-batch and "
+    "the virtual chunk as arguments: the one place to time and label an F.",
+)
+_trace(
+    "backward_step",
+    "traced_backward_step",
+    "Every single-module backward pass; its output tensor identifies the micro-batch and chunk.",
+)
+_trace(
+    "backward_step_multimodule",
+    "traced_backward_step",
+    "The multi-module schedule's backward pass (bound by name at each schedule call).",
+)
+_trace(
+    "forward_backward_pipelining_without_interleaving",
+    "traced_schedule",
+    "1F1B: one iteration per call; its P2P communicator is handed over wrapped in a recorder "
+    "(the schedule exposes no hook around its exchanges).",
+)
+_trace(
+    "forward_backward_pipelining_with_interleaving",
+    "traced_schedule",
+    "The interleaved schedule, likewise.",
+)
+
+
+_DEAD_MTP_OUTPUT_WEIGHT_WHY = (
+    "With tied embeddings and MTP under PP, the MTP stage (pre_process=False) gets an "
+    "output_layer.weight because the allocation condition looks only at pre_process; the "
+    "stage feeds its embedding copy to the output layer instead, so the weight never gets a "
+    "gradient (constant num-zeros) and a torch_dist save asserts in LanguageModule's tied "
+    "state dict. It is released right after construction (cf. Megatron-LM PR #7577)."
+)
+
+for _model_target in (
+    "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+    "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__",
+):
+    register(
+        Patch(
+            target=_model_target,
+            replacement="megatron_ext.models.tied_output:init_without_dead_output_weight",
+            why=_DEAD_MTP_OUTPUT_WEIGHT_WHY,
+        )
+    )
+
+
+register(
+    Patch(
+        target="megatron.training.checkpointing:check_checkpoint_args",
+        replacement="megatron_ext.guards.checkpoint_args:checking_model_settings",
+        why=(
+            "megatron.training compares only a few model arguments on load and skips "
+            "padded_vocab_size for distributed checkpoints: an mHC checkpoint loads silently "
+            "into an mHC-off model (hyper-connection weights dropped) and a TP change that "
+            "re-pads the vocabulary changes the loss. Both are refused, naming the fix."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.training.checkpointing:maybe_msc",
+        replacement="megatron_ext.checkpoint.tracker:AtomicTrackerStorage",
+        why=(
+            "save_checkpoint rewrites latest_checkpointed_iteration.txt in place (open 'w', then "
+            "write): a process killed in between leaves an empty tracker that megatron refuses "
+            "to load from. The module does its file I/O through maybe_msc, so a stand-in that "
+            "writes the tracker to a temporary file and renames it makes that write atomic."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target=(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async:get_write_results_queue"
+        ),
+        replacement="megatron_ext.checkpoint.sync_save:results_queue_for_sync_saves",
+        why=(
+            "FileSystemWriterAsync passes every save's write results through a queue of a "
+            "multiprocessing Manager (spawned at a process's first save; it imports torch to "
+            "unpickle them), made for async saves whose writer is another process. A "
+            "synchronous save writes and collects in the rank itself (execute_sync), so while "
+            "megatron.training's args say async_save is off the writer gets an in-process queue: "
+            "the first save of a run no longer waits seconds for the Manager. Looked up by name "
+            "in prepare_write_data at each save."
+        ),
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# "fault" patch: applied only in a rank whose MEGATRON_EXT_FAULT asks for kind=kill-while-saving
+# (megatron_ext.launch.faults.arm_save_fault); otherwise nothing is wrapped.
+# --------------------------------------------------------------------------------------
+register(
+    Patch(
+        target=(
+            "megatron.core.dist_checkpointing.strategies.state_dict_saver:"
+            "save_state_dict_async_finalize"
+        ),
+        replacement="megatron_ext.launch.faults:killing_before_save_finalize",
+        why=(
+            "Fault injection inside a checkpoint save, at a fixed point: a synchronous torch_dist "
+            "save calls it on every rank after every rank wrote its shard files (a barrier) and "
+            "before the coordinator writes .metadata, metadata.json and the tracker; the "
+            "strategy looks it up at each save (_import_mcore_async), so the module attribute "
+            "is the seam. Killing a rank there leaves a checkpoint with shards and no metadata."
+        ),
+        group="fault",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# "cpu" patches: the CPU runtime (megatron_ext.runtime.use_cpu), never on a GPU machine.
+# Together with runtime.cpu.CudaToCpuMode these are everything the runtime redirects.
+# --------------------------------------------------------------------------------------
+def _cpu(target: str, replacement_name: str, why: str, wraps: bool = False) -> None:
+    """Register a CPU-runtime patch whose replacement lives in megatron_ext.runtime.cpu."""
+
+    register(
+        Patch(
+            target=target,
+            replacement=f"megatron_ext.runtime.cpu:{replacement_name}",
+            why=why,
+            group="cpu",
+            wraps=wraps,
+        )
+    )
+
+
+_cpu(
+    "torch.cuda:current_device",
+    "current_device",
+    "megatron allocates P2P, shape-exchange and grad buffers on torch.cuda.current_device().",
+)
+_cpu(
+    "torch.cuda:device_count",
+    "device_count",
+    "megatron.training initialises its model-parallel groups only when a device is counted.",
+)
+_cpu(
+    "torch.cuda:set_device", "set_device", "megatron.training binds each rank to a GPU at start-up."
+)
+_cpu(
+    "torch.cuda:synchronize",
+    "synchronize",
+    "P2P communication and DDP synchronise the GPU; CPU work is already ordered.",
+)
+_cpu(
+    "torch.cuda:get_rng_state",
+    "get_rng_state",
+    "megatron's CUDA RNG tracker saves generator states; the CPU generator stands in.",
+)
+_cpu(
+    "torch.cuda:set_rng_state",
+    "set_rng_state",
+    "megatron's CUDA RNG tracker restores generator states; the CPU generator stands in.",
+)
+_cpu(
+    "torch.cuda:manual_seed",
+    "manual_seed",
+    "model_parallel_cuda_manual_seed seeds the tracker's per-TP-rank streams through it.",
+)
+_cpu(
+    "torch.cuda:manual_seed_all",
+    "manual_seed",
+    "Same as torch.cuda.manual_seed, for callers that seed every device.",
+)
+_cpu(
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+    "megatron_get_rng_state",
+    "The tracker's fork() reads the CUDA default generator directly.",
+)
+_cpu(
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+    "megatron_set_rng_state",
+    "The tracker's fork() writes the CUDA default generator directly (lazily, via CUDA init).",
+)
+_cpu(
+    "torch.cuda:Stream",
+    "FakeStream",
+    "DDP and megatron.training create side streams for communication and model wrapping.",
+)
+_cpu("torch.cuda:Event", "FakeEvent", "Timers and DDP record CUDA events.")
+_cpu(
+    "torch.cuda:current_stream",
+    "current_stream",
+    "DDP's grad buffers order their collectives after the current stream.",
+)
+_cpu("torch.cuda:default_stream", "current_stream", "Some paths wait on the default stream.")
+_cpu(
+    "torch.cuda:stream",
+    "stream",
+    "megatron.training wraps DDP construction in `with torch.cuda.stream(s)`.",
+)
+_cpu(
+    "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+    "host_copy_as_on_gpu",
+    "The alltoall MoE dispatcher expects its split sizes as host numpy arrays after this call; "
+    "on CPU it would leave torch tensors, which all_to_all_single's binding rejects.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:initialize_megatron",
+    "allow_no_cuda",
+    "pretrain() calls initialize_megatron without allow_no_cuda, which asserts a GPU.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.arguments:get_device_arch_version",
+    "no_device_architecture",
+    "validate_args asks the GPU for its architecture when TP/CP > 1; there is no driver to ask.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:set_jit_fusion_options",
+    "skip_jit_warmup",
+    "The fused-kernel warm-up compiles CUDA kernels; on CPU it costs ~30 s and gains nothing.",
+    wraps=True,
+)
+_cpu(
+    "megatron.training.training:build_train_valid_test_data_iterators",
+    "keep_rng_across_data_iterators",
+    "Data-iterator construction draws from the CPU generator, which is also the stand-in "
+    "CUDA generator here; forking keeps dropout identical between resumed and continuous runs.",
+    wraps=True,
+)
+
+
+# --------------------------------------------------------------------------------------
+# Seams: private megatron-core / torch / argparse surfaces megatron-ext depends on without
+# replacing them (overridden private methods, private functions it calls, classes whose
+# instances it adopts, private attributes it reads). Each is declared once with why; the
+# product obtains private symbols through private() and adopts instances through adopt(),
+# and verify_seams() (run by install()) checks each still exists with the signature it was
+# written against. tests/unit_tests/test_registry_static.py fails on an undeclared one.
+
+
+_TORCH = ("2.14",)
+_PYTHON = ("3.12",)
+
+_MCORE = "megatron.core"
+_LAYER = f"{_MCORE}.transformer.transformer_layer:TransformerLayer"
+_MTP = f"{_MCORE}.transformer.multi_token_prediction"
+_BRIDGE = f"{_MCORE}.pipeline_parallel.bridge_communicator:BridgeCommunicator"
+_MULTIMODULE = f"{_MCORE}.pipeline_parallel.multimodule_communicator"
+_RANDOM = f"{_MCORE}.tensor_parallel.random"
+
+# ---- overridden private methods -------------------------------------------------------
+declare(
+    Seam(
+        f"{_LAYER}._forward_attention",
+        "private_method_override",
+        "HyperConnectionTransformerLayer runs the attention sub-layer on the n streams "
+        "(aggregate, attend, merge); TransformerLayer.forward calls this hook.",
+        (
+            "self",
+            "hidden_states",
+            "attention_mask",
+            "context",
+            "context_mask",
+            "rotary_pos_emb",
+            "rotary_pos_cos",
+            "rotary_pos_sin",
+            "rotary_pos_cos_sin",
+            "attention_bias",
+            "inference_context",
+            "packed_seq_params",
+            "sequence_len_offset",
+            "padding_mask",
+            "inference_params",
+        ),
+    )
+)
+declare(
+    Seam(
+        f"{_LAYER}._forward_mlp",
+        "private_method_override",
+        "HyperConnectionTransformerLayer runs the MLP sub-layer on the n streams.",
+        ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionLayer._concat_embeddings",
+        "private_method_override",
+        "The Hybrid mHC MTP layer contracts the n streams before concatenating the embedding.",
+        ("self", "hidden_states", "decoder_input"),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionLayer._postprocess",
+        "private_method_override",
+        "The Hybrid mHC MTP layer keeps its output as n streams for the next depth.",
+        ("self", "hidden_states"),
+    )
+)
+declare(
+    Seam(
+        f"{_BRIDGE}._get_or_create_broadcast_pg",
+        "private_method_override",
+        "GridBridgeCommunicator creates the broadcast groups on the grids' backend (upstream "
+        "hard-codes nccl, which fails on CPU/gloo) and caches them per pipeline.",
+        ("ranks_list",),
+    )
+)
+declare(
+    Seam(
+        f"{_BRIDGE}._get_or_create_bridge_pg",
+        "private_method_override",
+        "GridBridgeCommunicator: the leader (bridge) groups, likewise on the grids' backend.",
+        ("ranks",),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:MultiModulePipelineCommunicator._build_bridge_comms",
+        "private_method_override",
+        "MultiModuleCommunicator builds GridBridgeCommunicators instead of megatron's bridges.",
+        ("self",),
+    )
+)
+declare(
+    Seam(
+        "torch.nn.modules.module:Module._apply",
+        "private_method_override",
+        "HyperConnectionModule keeps its mapping parameters fp32 when the model is cast to "
+        "bf16/fp16 (.half(), Float16Module): every cast goes through _apply.",
+        ("self", "fn", "recurse"),
+        _TORCH,
+    )
+)
+
+# ---- private functions called --------------------------------------------------------
+declare(
+    Seam(
+        f"{_RANDOM}:_get_all_rng_states",
+        "private_function",
+        "mHC recompute saves the CPU, CUDA and tracker RNG states at the first forward so the "
+        "recomputed dropout masks match.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_RANDOM}:_set_all_rng_states",
+        "private_function",
+        "mHC recompute restores those states before recomputing.",
+        ("cpu_rng_state", "cuda_rng_state", "cuda_rng_state_tracker"),
+    )
+)
+declare(
+    Seam(
+        f"{_RANDOM}:_fork_rng",
+        "private_function",
+        "mHC recompute restores the caller's RNG states after recomputing.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:_prepare_tensor_for_comm",
+        "private_function",
+        "MultiModuleCommunicator shapes tensors for the bridge exactly as megatron's does.",
+        ("tensor",),
+    )
+)
+declare(
+    Seam(
+        f"{_MULTIMODULE}:_restore_tensor_from_comm",
+        "private_function",
+        "MultiModuleCommunicator restores received tensors exactly as megatron's does.",
+        ("tensor",),
+    )
+)
+declare(
+    Seam(
+        f"{_MCORE}.pipeline_parallel.schedules:_build_default_pg_collection",
+        "private_function",
+        "Schedule tracing hands the schedule the process groups it would build itself.",
+        (),
+    )
+)
+declare(
+    Seam(
+        f"{_MCORE}.parallel_state:_set_global_memory_buffer",
+        "private_function",
+        "Multi-module pipelines never call initialize_model_parallel, which creates the global "
+        "memory buffer local attention needs; there is no public creator.",
+        (),
+    )
+)
+declare(
+    Seam(
+        "torch.autograd:_is_checkpoint_valid",
+        "private_function",
+        "mHC recompute refuses torch.autograd.grad through a recomputed region, as megatron's "
+        "CheckpointFunction does.",
+        (),
+        _TORCH,
+    )
+)
+declare(
+    Seam(
+        "argparse:ArgumentParser._get_formatter",
+        "private_function",
+        "The --help repair formats each help string as argparse would.",
+        ("self",),
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "argparse:HelpFormatter._expand_help",
+        "private_function",
+        "The --help repair finds megatron help strings that do not %-format.",
+        ("self", "action"),
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "sys:_current_frames",
+        "private_function",
+        "The stall watchdog's heartbeat names where a rank's main thread is (and whether it waits "
+        "on a peer) from another thread; Python has no public way to read a thread's frame.",
+        (),
+        _PYTHON,
+    )
+)
+
+# ---- class adoptions ------------------------------------------------------------------
+declare(
+    Seam(
+        f"{_MCORE}.transformer.transformer_block:TransformerBlock",
+        "class_adoption",
+        "megatron's GPTModel builds its decoder block itself; HyperConnectionTransformerBlock "
+        "adopts it in place (its attributes: config, layers, final_layernorm, post_process).",
+        (
+            "config",
+            "spec",
+            "post_layer_norm",
+            "pre_process",
+            "post_process",
+            "pg_collection",
+            "vp_stage",
+        ),
+    )
+)
+declare(
+    Seam(
+        f"{_MTP}:MultiTokenPredictionBlock",
+        "class_adoption",
+        "megatron's HybridModel builds its MTP block itself; HyperConnectionMTPBlock adopts it.",
+        (
+            "config",
+            "spec",
+            "vp_stage",
+            "pg_collection",
+            "mtp_layer_pattern",
+            "mtp_num_depths",
+            "hybrid_submodules",
+            "mamba_submodules",
+            "name",
+        ),
+    )
+)
+
+# ---- private attributes read -----------------------------------------------------------
+declare(
+    Seam(
+        "argparse:ArgumentParser()._option_string_actions",
+        "private_attribute",
+        "Our flags and their aliases skip spellings megatron's parser already declares.",
+        None,
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "argparse:ArgumentParser()._actions",
+        "private_attribute",
+        "The --help repair and the parser-default check walk every action of megatron's parser.",
+        None,
+        _PYTHON,
+    )
+)
+declare(
+    Seam(
+        "torch.distributed.distributed_c10d:_world.pg_map",
+        "private_attribute",
+        "Tests release the process groups they created (torch lists them nowhere public).",
+        None,
+        _TORCH,
+    )
+)
+
+# ---- attributes rewritten on objects megatron built -------------------------------------
+declare(
+    Seam(
+        "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
+        "object_attribute",
+        "Tests empty a finished DDP's grad_accs (each parameter's grad-accumulator node, whose "
+        "hook refers back to the DDP): that cycle runs through C++, so Python's collector never "
+        "frees the model, its optimizer or its process groups (and their gloo threads).",
+    )
+)
+declare(
+    Seam(
+        "argparse:Action",
+        "object_attribute",
+        "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "
+        "rewritten with the '%' escaped.",
+        None,
+        _PYTHON,
+    )
+)

@@ -1,0 +1,44 @@
+"""The pipeline schedule a recipe trains with, for ``megatron-ext schedule --recipe`` and a
+traced run's summary: a :class:`~megatron_ext.schedules.schedule.SchedulePlan` and the
+message size on each pipeline edge, from the typed recipe."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_ext.schedules.report import DTYPE_BYTES, MessageSize
+from megatron_ext.schedules.schedule import SchedulePlan
+
+
+def plan_from_recipe(
+    path: str, overrides: list[str], platform: str = "cpu"
+) -> tuple[SchedulePlan, Optional[MessageSize]]:
+    """The schedule plan (and message size) a recipe trains with."""
+    from megatron_ext.recipes.loader import load
+
+    return plan_from_loaded(load(path, platform, overrides))
+
+
+def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, Optional[MessageSize]]:
+    """:func:`plan_from_recipe` for an already loaded recipe."""
+    r = loaded.recipe
+    if r.model.type == "multimodule":
+        from megatron_ext.recipes.multimodule import num_microbatches, plan_of
+
+        plan = plan_of(r)
+        # Encoder outputs and image lengths vary per micro-batch (shapes are exchanged with
+        # every message), so there is no fixed message size to report.
+        return SchedulePlan(microbatches=num_microbatches(r, plan), multimodule=plan), None
+    p = r.parallelism
+    microbatches = r.training.global_batch_size // (r.training.micro_batch_size * p.dp)
+    size = MessageSize(
+        hidden=r.model.hidden_size,
+        seq=r.model.seq_length,
+        micro_batch_size=r.training.micro_batch_size,
+        mhc_streams=r.model.mhc.num_residual_streams if r.model.mhc.enabled and p.pp > 1 else 1,
+        dtype_bytes=DTYPE_BYTES[r.training.dtype],
+        tp=p.tp,
+        cp=p.cp,
+        sequence_parallel=p.sp,
+    )
+    return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches), size

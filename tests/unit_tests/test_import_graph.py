@@ -1,0 +1,125 @@
+"""megatron_ext's modules import each other without a circle.
+
+Every import of every module counts, those inside functions included (a circle that only
+closes at call time still ties the modules together): relative imports are resolved, and
+``from pkg import name`` is an import of ``pkg.name`` when that is a module. A package's
+``__init__`` running before its modules is not counted as an import of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_ext"
+
+
+def module_names(package: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of ``package`` (a package by its __init__)."""
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _imported(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports anywhere in its file."""
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in modules else base)
+    imported = set()
+    for target in found:
+        while target and target not in modules:  # megatron_ext.a.b.Name -> megatron_ext.a.b
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            imported.add(target)
+    return imported
+
+
+def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+    modules = module_names(package)
+    return {name: _imported(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _edges_within(graph: dict[str, set[str]], circle: list[str]) -> list[str]:
+    return [f"{a} -> {b}" for a in circle for b in sorted(graph[a]) if b in circle]
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    assert "megatron_ext.registry" in graph and graph["megatron_ext.registry"] == set()
+    found = circles(graph)
+    assert not found, "import circles:\n" + "\n".join(
+        "  " + "; ".join(_edges_within(graph, c)) for c in found
+    )
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    """Function-level, relative and ``from pkg import module`` imports all close a circle."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from . import c\n")
+    (package / "sub" / "c.py").write_text("from ..a import f\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    graph = import_graph(package)
+    assert graph["pkg.a"] == {"pkg.sub.b"}
+    assert graph["pkg.sub.b"] == {"pkg.sub.c"}
+    assert graph["pkg.sub.c"] == {"pkg.a"}
+    assert circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
