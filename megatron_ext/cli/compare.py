@@ -77,7 +77,11 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.recipes import run_compare
 
     try:
-        if Path(args.golden).is_dir():
+        from megatron_ext.recipes.runs import is_run_dir
+
+        if is_run_dir(
+            Path(args.golden)
+        ):  # another directory stays "golden values ... is a directory"
             return _compare_runs(args)
         if args.plot:
             raise _BadInput("--plot needs two run directories (compare RUN_A RUN_B --plot F.png)")

@@ -177,8 +177,7 @@ def test_compare_and_runs_refuse_bad_input_in_one_line(tmp_path, capsys):
     assert cli_main(["runs", "show", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == (
-        f"megatron-ext compare: {tmp_path} is not a run directory (no recipe.yaml with a "
-        "run.json or summary.json)"
+        f"megatron-ext compare: golden values {tmp_path} is a directory, not a JSON file"
     )
     assert err[1].startswith(
         "megatron-ext compare: the runs logged different metrics: only a: none;"
