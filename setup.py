@@ -16,7 +16,11 @@ setup(
     long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
-    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    # The recipes and their golden values ship as package data (megatron_ext/_recipes), so
+    # `megatron-ext recipes --copy NAME` works after a plain pip install.
+    packages=[*find_packages(include=["megatron_ext", "megatron_ext.*"]), "megatron_ext._recipes"],
+    package_dir={"megatron_ext._recipes": "recipes"},
+    package_data={"megatron_ext._recipes": ["*.yaml", "README.md", "golden/*/*.json"]},
     install_requires=[
         # Ranges, not pins: pip keeps the megatron-core (a wheel or an editable Megatron-LM
         # checkout) and torch the user already has. The registry refuses megatron-core code it
@@ -40,5 +44,5 @@ setup(
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:console_main"]},
 )

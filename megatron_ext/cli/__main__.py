@@ -1,7 +1,5 @@
 """``python -m megatron_ext.cli``: the ``megatron-ext`` command."""
 
-import sys
+from megatron_ext.cli import console_main
 
-from megatron_ext.cli import main
-
-sys.exit(main())
+console_main()

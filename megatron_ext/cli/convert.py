@@ -13,8 +13,15 @@ HELP = "rename mHC checkpoint keys between upstream Megatron-LM (PR #6401/dev) a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="a torch.save'd model state dict or model_optim_rng.pt")
     parser.add_argument("output", help="where to write the converted file")
-    parser.add_argument("--model", choices=("gpt", "hybrid"), required=True)
-    parser.add_argument("--to", choices=("upstream", "megatron-ext"), required=True)
+    parser.add_argument(
+        "--model", choices=("gpt", "hybrid"), required=True, help="the model the checkpoint holds"
+    )
+    parser.add_argument(
+        "--to",
+        choices=("upstream", "megatron-ext"),
+        required=True,
+        help="the key naming to write: upstream Megatron-LM's or megatron-ext's",
+    )
     parser.add_argument(
         "--source",
         choices=("main", "pr6401", "dev", "megatron-ext"),

@@ -72,11 +72,36 @@ def doctor_report() -> list[str]:
     return lines
 
 
+def verdict() -> tuple[bool, str]:
+    """(ready, one line): whether this megatron-core is a verified one and every private seam
+    megatron-ext depends on is where it should be."""
+    from megatron_ext import registry
+
+    problems = []
+    version = _package_version("megatron-core")
+    if version not in registry.VERIFIED_MEGATRON_CORE:
+        problems.append(
+            f"megatron-core {version} is not a verified version "
+            f"({', '.join(registry.VERIFIED_MEGATRON_CORE)})"
+        )
+    broken = [seam.target for seam in registry.seams() if registry.seam_problem(seam)]
+    if broken:
+        problems.append(f"{len(broken)} private seam(s) BROKEN: {', '.join(broken)}")
+    if problems:
+        return False, "verdict: NOT READY - " + "; ".join(problems) + " (details below)"
+    return True, (
+        f"verdict: ready - megatron-core {version} verified, every private seam in place "
+        "(details below)"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     del parser  # doctor takes no arguments
 
 
 def main(args: argparse.Namespace) -> int:
     del args
-    print("\n".join(doctor_report()))
-    return 0
+    report = doctor_report()  # first: it applies the runtime the verdict judges
+    ready, line = verdict()
+    print("\n".join([line, *report]))
+    return 0 if ready else 1

@@ -17,10 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slurm", action="store_true", help="submit with sbatch (the supported scheduler)"
     )
-    parser.add_argument("--nodes", type=int)
-    parser.add_argument("--gpus-per-node", type=int)
-    parser.add_argument("--partition")
-    parser.add_argument("--account")
+    parser.add_argument(
+        "--nodes", type=int, help="#SBATCH --nodes (default: the recipe's launch.nodes)"
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="GPUs (= tasks) per node (default: launch.slurm.gpus_per_node, else world size / nodes)",
+    )
+    parser.add_argument("--partition", help="#SBATCH --partition (default: launch.slurm.partition)")
+    parser.add_argument("--account", help="#SBATCH --account (default: launch.slurm.account)")
     parser.add_argument("--time", help="job time limit, e.g. 00:30:00")
     parser.add_argument("--container-image", help="run the steps in this image (pyxis)")
     parser.add_argument("--container-mounts", help="comma-separated SRC:DST mounts")
@@ -28,12 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--python", help="interpreter on the nodes (default: this one; 'python' in a container)"
     )
     parser.add_argument("--run-dir", help="run directory, on a file system the nodes share")
-    parser.add_argument("--runs-root", default="runs")
+    parser.add_argument(
+        "--runs-root", default="runs", help="where run directories go (default: %(default)s)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch script and stop")
     parser.add_argument("--no-wait", action="store_true", help="return after sbatch")
-    parser.add_argument("--no-compare", action="store_true")
-    parser.add_argument("--compare", action="store_true")
-    parser.add_argument("--skip-megatron-checks", action="store_true")
+    parser.add_argument(
+        "--no-compare", action="store_true", help="do not compare with golden values"
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare with golden values even when overrides change the recipe",
+    )
+    parser.add_argument(
+        "--skip-megatron-checks",
+        action="store_true",
+        help="validate the plan only (skip Megatron's argument checks and the guards)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

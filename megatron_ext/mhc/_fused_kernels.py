@@ -139,6 +139,10 @@ def sinkhorn_backward_kernel(
         grad = (grad - through[:, None, :]) / col_div[:, None, :]
         through = tl.where(row_sum > eps, tl.sum(grad * after_row, axis=2), 0.0)
         grad = (grad - through[:, :, None]) / row_div[:, :, None]
+        # Padding (n not a power of two, tokens past T) must stay 0: its sums are 0, so each
+        # step would divide it by eps, overflow to inf within a few iterations and turn the
+        # real entries NaN through 0 * inf.
+        grad = tl.where(ok, grad, 0.0)
     # d exp(l - rowmax)/dl = M0 (the shift cancels in the first row normalisation).
     tl.store(grad_z_ptr + t * K + 2 * N + i * N + j, grad * m0, mask=ok)
 

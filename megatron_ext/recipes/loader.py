@@ -45,6 +45,8 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._aliases = 0
         self._depth = 0
+        self.duplicates: list[tuple[Any, Any]] = []
+        """(key, its second occurrence's mark) of each key a mapping gives twice."""
 
     def compose_node(self, parent, index):  # noqa: D102 - PyYAML hook
         if self.check_event(yaml.AliasEvent):
@@ -80,12 +82,7 @@ class _Loader(yaml.SafeLoader):
                 except TypeError:
                     duplicate = False  # unhashable: construct_mapping reports it
                 if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        "while reading a mapping",
-                        node.start_mark,
-                        f"duplicate key {key!r} (the first value would be silently replaced)",
-                        key_node.start_mark,
-                    )
+                    self.duplicates.append((key, key_node.start_mark))
                 if not isinstance(key, (list, dict)):
                     seen[key] = True
         return super().construct_mapping(node, deep=deep)
@@ -106,8 +103,29 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
     return " ".join(f"{what}{where}".split())
 
 
+def parse_document(text: str) -> tuple[Any, list[str]]:
+    """The parsed document and, for a Megatron-LM test case, the keys it gives twice
+    ("key (line N)"): upstream's loader keeps the last value, so the importer does too and
+    notes it. In a recipe a duplicate key is an error (the first value would be silently
+    replaced)."""
+    loader = _Loader(text)
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    if loader.duplicates and not upstream.is_test_case(data):
+        key, mark = loader.duplicates[0]
+        raise yaml.constructor.ConstructorError(
+            "while reading a mapping",
+            None,
+            f"duplicate key {key!r} (the first value would be silently replaced)",
+            mark,
+        )
+    return data, [f"{key} (line {mark.line + 1})" for key, mark in loader.duplicates]
+
+
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+    return parse_document(text)[0]
 
 
 @dataclass
@@ -391,7 +409,7 @@ def load(
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)
     try:
-        raw = parse_yaml(path.read_text(encoding="utf-8"))
+        raw, duplicates = parse_document(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise RecipeError(str(path), [Problem("", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:
@@ -412,12 +430,12 @@ def load(
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
-        conversion = upstream.convert(raw, path.resolve().parent)
+        conversion = upstream.convert(raw, path.resolve().parent, duplicates=tuple(duplicates))
         raw = conversion.recipe
         problems += conversion.problems + upstream.platform_problems(conversion, platform)
         notes = upstream.notes_for(conversion, platform)
     recipe, recipe_problems = resolve(raw, platform, overrides)
-    problems += recipe_problems
+    problems += recipe_problems + upstream.async_save_problems(recipe.extra_args)
     if problems:
         raise RecipeError(str(path), problems)
     return LoadedRecipe(

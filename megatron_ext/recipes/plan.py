@@ -207,6 +207,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     _flag(args, "--tokenizer-model", d.tokenizer.model)
     _flag(args, "--vocab-file", d.tokenizer.vocab_file)
     _flag(args, "--merge-file", d.tokenizer.merge_file)
+    if r.test.ckpt_format != "torch_dist":  # megatron's default; ckpt-resume passes it anyway
+        _flag(args, "--ckpt-format", r.test.ckpt_format)
     # Every iteration logged: the metrics and golden values are per step.
     _flag(args, "--log-interval", 1)
     _flag(args, "--log-num-zeros-in-grad", "num-zeros" in r.test.metrics)
@@ -371,6 +373,13 @@ def _check_model(r: Recipe, add) -> None:
         add(
             "model.num_attention_heads",
             f"{m.num_attention_heads} heads do not split over tp={p.tp}",
+        )
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % p.tp:
+        # Megatron finds this only when it builds the MLP, a minute into start-up.
+        add(
+            "model.ffn_hidden_size",
+            f"{m.ffn_hidden_size} does not split over tp={p.tp} (the MLP's columns are "
+            "divided between the tensor-parallel ranks)",
         )
     if m.num_query_groups is not None and (
         m.num_attention_heads % m.num_query_groups or m.num_query_groups % p.tp

@@ -235,6 +235,15 @@ def format_command(head: list[str], args: list[str]) -> str:
 PLAIN_PROGRESS = re.compile(r"^multimodule: iteration (\d+)/(\d+) \| (.*)$")
 
 
+LOSS_SOURCES = (
+    "  (losses below: Megatron's log line, averaged over the iteration's micro-batches as it "
+    "prints them; metrics.json, loss.png and the golden comparison use the per-step "
+    "TensorBoard scalars, which can differ from them)"
+)
+TRAINING_LOOP_MARKER = "before the start of training step"
+"""What Megatron's rank 0 prints once set-up is over and the training loop begins."""
+
+
 class Progress:
     """Turns the followed rank's log lines into one short line per event."""
 
@@ -257,6 +266,7 @@ class Progress:
                     f"  first iteration after {time.monotonic() - self.start:.1f} s "
                     "(imports, process groups, model, data)"
                 )
+                self.echo(LOSS_SOURCES)
             parts = [f"  iteration {step:>4}/{total}"]
             for name in sorted(values):
                 if name.endswith("loss"):
@@ -446,6 +456,17 @@ def _write_interrupted_summary(
     echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
 
 
+def _training_loop_started(job, progress: Progress) -> bool:
+    """Whether the ranks got past set-up: an iteration was logged, or rank 0 printed
+    Megatron's training-loop marker."""
+    if progress.training_seen:
+        return True
+    try:
+        return TRAINING_LOOP_MARKER in job.log_path(0).read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _echo_first_failure(job, result, echo: Echo) -> None:
     from megatron_ext.launch import local
 
@@ -492,7 +513,8 @@ def _run_phases(
             startup_timeout_s=recipe.launch.startup_timeout_s,
             save_signal=stop_signals.SAVE_SIGNAL if plan.resumable(loaded) else None,
         )
-        result = local.launch(job, on_line=Progress(echo, phase.name, start=time.monotonic()))
+        progress = Progress(echo, phase.name, start=time.monotonic())
+        result = local.launch(job, on_line=progress)
         results.append(
             {
                 "phase": phase.name,
@@ -532,7 +554,10 @@ def _run_phases(
                 if where:
                     echo(f"failed at pipeline step: {where}")
                     what += f"; failed at pipeline step: {where}"
-            elif recipe.parallelism.pp > 1 or recipe.model.type == "multimodule":
+            elif (
+                recipe.parallelism.pp > 1 or recipe.model.type == "multimodule"
+            ) and _training_loop_started(job, progress):
+                # A start-up error (arguments, imports, model build) has no pipeline step.
                 echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
             _write_summary(
                 loaded, run_dir, "training-failed", results, [], time.monotonic() - started
@@ -782,10 +807,21 @@ def finalize(
     losses = run_metrics.get("lm loss", {})
     if losses:
         first, last = min(losses), max(losses)
-        echo(f"  lm loss {losses[first]:.4f} (step {first}) -> {losses[last]:.4f} (step {last})")
+        per_step = "TensorBoard per-step" if source == "tensorboard" else "log line"
+        echo(
+            f"  lm loss ({per_step}) {losses[first]:.4f} (step {first}) -> "
+            f"{losses[last]:.4f} (step {last})"
+        )
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
-    echo(f"{'PASSED' if passed else 'FAILED'}: {loaded.name} in {seconds:.1f} s")
+    echo(f"{verdict(reports)}: {loaded.name} in {seconds:.1f} s")
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
+
+
+def verdict(reports: list[cmp.Report]) -> str:
+    """PASSED or FAILED only when something was compared with golden values."""
+    if not reports:
+        return "FINISHED (nothing compared with golden values)"
+    return "PASSED" if all(r.passed for r in reports) else "FAILED"
 
 
 def _readable_golden(path: Path, echo: Echo) -> bool:

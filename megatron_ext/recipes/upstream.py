@@ -11,7 +11,14 @@ model_config.yaml`` with four keys, and its golden values beside it as
   ``--log-interval``, ...) are left to it; every other flag goes to ``extra_args``;
 - ``TEST_TYPE``: ``regular`` and ``ckpt-resume`` are run; ``frozen-start``, ``frozen-resume``,
   ``release`` and ``checkpoint-consistency`` are refused with the reason;
-- ``METRICS``: ``test.metrics`` (upstream's default: lm loss and num-zeros).
+- ``METRICS``: ``test.metrics`` (upstream's default: lm loss and num-zeros);
+- ``LAUNCHER`` (``ft_launcher`` or ``torchrun``): read with a note; megatron-ext starts the ranks
+  itself;
+- ``MODE``: ``pretraining`` is run; ``inference`` and ``rl`` cases are refused with the reason.
+
+Only GPT and Hybrid cases are read: the other families (BERT, T5, LLaVA, MIMO, NeMo) train
+with other entry points and are refused naming them. A key given twice keeps its last value,
+as upstream's loader (``yaml.safe_load``) does, with a note.
 
 ``${NAME}`` placeholders: the paths upstream's CI fills per job (``CHECKPOINT_SAVE_PATH``,
 ``CHECKPOINT_LOAD_PATH``, ``TENSORBOARD_PATH``, ``DATA_CACHE_PATH``, ``OUTPUT_PATH``) become
@@ -27,6 +34,7 @@ listed in the notes that ``validate``/``run`` print.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 import re
@@ -37,7 +45,41 @@ from typing import Any, Mapping, Optional
 from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
-UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS")
+UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "LAUNCHER", "MODE")
+REFUSED_KEYS = {
+    "BEFORE_SCRIPT": "shell that upstream's CI runs before the job; megatron-ext never runs a "
+    "recipe's shell: remove the key (and do by hand what it did, if the case needs it)",
+    "AFTER_SCRIPT": "shell that upstream's CI runs after the job; megatron-ext never runs a "
+    "recipe's shell: remove the key",
+}
+SUPPORTED_MODES = ("pretraining",)
+REFUSED_MODES = {
+    "inference": "upstream runs it with its inference scripts (examples/inference/), not a "
+    "training entry; megatron-ext runs pretraining cases",
+    "rl": "upstream runs it with train_rl.py (reinforcement learning); megatron-ext runs "
+    "pretraining cases",
+}
+LAUNCHERS = {
+    "ft_launcher": "nvidia-resiliency-ext's fault-tolerant torchrun",
+    "torchrun": "torchrun",
+}
+# Test-case families (the directory above the case) that are not GPT/Hybrid models, with the
+# entry point upstream trains them with.
+OTHER_FAMILIES = {
+    "multimodal-llava": "a vision-language model; use Megatron-LM's pretrain_vlm.py (an encoder "
+    "+ LLM pipeline with mHC is a megatron-ext multimodule recipe, e.g. "
+    "recipes/multimodule_encoder_llm_mhc_pp2.yaml)",
+    "mimo": "a multimodal MIMO model; use Megatron-LM's examples/mimo/train.py (an encoder + "
+    "LLM pipeline with mHC is a megatron-ext multimodule recipe)",
+    "bert": "a BERT model; use Megatron-LM's examples/bert/pretrain_bert.py",
+    "t5": "a T5 model; use Megatron-LM's examples/t5/pretrain_t5.py",
+    "gpt-nemo": "a NeMo recipe; use NeMo's `nemo llm pretrain`",
+}
+# Flags only a vision-language entry parses: a case carrying them is a VLM whatever its folder.
+VLM_FLAGS = ("--img-h", "--img-w", "--patch-dim", "--vision-model-type")
+# Asynchronous checkpoint saving: megatron's default strategy for it is nvidia-resiliency-ext's.
+ASYNC_SAVE_FLAGS = ("--async-save", "--use-persistent-ckpt-worker")
+ASYNC_SAVE_PACKAGE = "nvidia_resiliency_ext"
 TEST_CASE_FILE = "model_config.yaml"
 DEFAULT_METRICS = ["lm loss", "num-zeros"]
 DEFAULT_GPU_PLATFORM = "dgx_h100"
@@ -229,6 +271,20 @@ def _field_value(flag: str, value: Any) -> tuple[str, Any]:
     return path, value
 
 
+def _upstream_tokenizer(data: dict, notes: list[str]) -> None:
+    """Pin the tokenizer fields the case leaves out, so the GPU platforms pass what upstream
+    passes and never the schema's CPU defaults (NullTokenizer, vocab size 128)."""
+    tokenizer = data["data"].setdefault("tokenizer", {})
+    if "type" not in tokenizer and tokenizer.get("vocab_file") and tokenizer.get("merge_file"):
+        tokenizer["type"] = "GPT2BPETokenizer"
+        notes.append(
+            "no --tokenizer-type: its --vocab-file and --merge-file are GPT-2 BPE files, so "
+            "data.tokenizer.type GPT2BPETokenizer"
+        )
+    if tokenizer.get("type", "NullTokenizer") != "NullTokenizer":
+        tokenizer.setdefault("vocab_size", None)  # the tokenizer's own size
+
+
 def model_args_to_sections(
     args: dict, case: str, env: Mapping[str, str], conversion: Conversion
 ) -> dict:
@@ -320,6 +376,7 @@ def model_args_to_sections(
             notes.append(
                 f"--mtp-num-layers {depths}: the hybrid pattern's '/' depths say it already"
             )
+    _upstream_tokenizer(data, notes)
     if _get(data, "parallelism.sp") and _get(data, "parallelism.tp", 1) == 1:
         del data["parallelism"]["sp"]
         notes.append("--sequence-parallel left out: tp is 1 (Megatron turns it off there)")
@@ -416,6 +473,43 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
         change("data.tokenizer.type", "NullTokenizer", "mock data")
     if (_get(cpu, "data.tokenizer.vocab_size") or CPU["vocab_size"] + 1) > CPU["vocab_size"]:
         change("data.tokenizer.vocab_size", CPU["vocab_size"], "CPU size")
+    iterations = _get(cpu, "training.iterations") or CPU["iterations"]
+    decay = _get(cpu, "training.lr_decay_iters")
+    if decay and decay > iterations:
+        warmup_fraction = _get(cpu, "training.lr_warmup_fraction")
+        warmup = int(decay * warmup_fraction) if warmup_fraction else None
+        change(
+            "training.lr_decay_iters",
+            None,
+            f"decay over the {iterations} CPU iterations"
+            + (
+                f"; upstream's --lr-warmup-fraction {warmup_fraction} of {decay} would keep the "
+                f"LR in warm-up ({warmup} iterations) for the whole run"
+                if warmup and warmup >= iterations
+                else ""
+            ),
+        )
+    if (_get(cpu, "training.lr_warmup_iters") or 0) >= iterations:
+        change(
+            "training.lr_warmup_iters",
+            max(1, iterations // 4),
+            "a quarter of the CPU run; upstream's warm-up outlasts it",
+        )
+    extra = cpu.get("extra_args", {})
+    if "--spec" in extra:
+        spec = extra.pop("--spec")
+        changes.append(
+            f"extra_args: left out --spec {spec!r} (a GPU layer spec; the CPU run builds "
+            "megatron-ext's local spec)"
+        )
+    async_flags = [flag for flag in ASYNC_SAVE_FLAGS if flag in extra]
+    for flag in async_flags:
+        del extra[flag]
+    if async_flags:
+        changes.append(
+            f"extra_args: left out {', '.join(async_flags)} (asynchronous saving needs "
+            "nvidia-resiliency-ext and CUDA; the CPU run saves synchronously)"
+        )
     dropped = [flag for flag in cpu.get("extra_args", {}) if flag.startswith(GPU_ONLY_FLAGS)]
     for flag in dropped:
         del cpu["extra_args"][flag]
@@ -453,13 +547,61 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
 
 
 # ---- the whole case ------------------------------------------------------------------------------
-def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) -> Conversion:
-    """A Megatron-LM test case as a recipe mapping (see the module docstring)."""
+def _launcher_and_mode(raw: dict, conversion: Conversion) -> None:
+    """LAUNCHER: a note; MODE: pretraining, or a problem saying why not."""
+    mapping = conversion.notes.setdefault("mapping", [])
+    if "LAUNCHER" in raw:
+        launcher = str(raw["LAUNCHER"])
+        what = LAUNCHERS.get(launcher, "upstream's CI launcher")
+        mapping.append(
+            f"LAUNCHER {launcher}: upstream starts the ranks with {what}; megatron-ext starts "
+            "them itself (torchrun locally, srun under Slurm)"
+        )
+    if "MODE" in raw:
+        mode = str(raw["MODE"])
+        if mode in REFUSED_MODES:
+            conversion.problems.append(
+                Problem("MODE", f"{mode!r} is not supported: {REFUSED_MODES[mode]}")
+            )
+        elif mode not in SUPPORTED_MODES:
+            conversion.problems.append(
+                Problem(
+                    "MODE", f"unknown mode {mode!r}; megatron-ext runs {', '.join(SUPPORTED_MODES)}"
+                )
+            )
+
+
+def _other_family(case_dir: Path, args: dict) -> Optional[str]:
+    """Why the case is not a GPT/Hybrid model (None when it is one)."""
+    family = case_dir.parent.name
+    if family in OTHER_FAMILIES:
+        return f"{family}: {OTHER_FAMILIES[family]}"
+    vision = [flag for flag in VLM_FLAGS if flag in args]
+    if vision:
+        return f"{', '.join(vision)} in MODEL_ARGS: {OTHER_FAMILIES['multimodal-llava']}"
+    return None
+
+
+def convert(
+    raw: dict,
+    case_dir: Path,
+    env: Optional[Mapping[str, str]] = None,
+    duplicates: tuple[str, ...] = (),
+) -> Conversion:
+    """A Megatron-LM test case as a recipe mapping (see the module docstring). ``duplicates``:
+    the keys the file gives twice (``section.key``), noted (the last value is read)."""
     env = os.environ if env is None else env
     case_dir = Path(case_dir)
     conversion = Conversion(recipe={})
+    for key in duplicates:
+        conversion.notes.setdefault("mapping", []).append(
+            f"{key} is given twice: the last value is used, as upstream's loader (yaml.safe_load) "
+            "does"
+        )
     for key in raw:
-        if key not in UPSTREAM_KEYS:
+        if key in REFUSED_KEYS:
+            conversion.problems.append(Problem(str(key), f"not supported: {REFUSED_KEYS[key]}"))
+        elif key not in UPSTREAM_KEYS:
             from megatron_ext.recipes.schema import suggestion
 
             conversion.problems.append(
@@ -474,6 +616,10 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
             Problem("MODEL_ARGS", "must be a mapping of Megatron flags to values")
         )
         args = {}
+    other = _other_family(case_dir, args)
+    if other:
+        conversion.problems.append(Problem("test case", f"not a GPT/Hybrid case ({other})"))
+    _launcher_and_mode(raw, conversion)
     case = case_dir.parent.name if case_dir.parent.name else ""
     full = model_args_to_sections(args, case, env, conversion)
 
@@ -551,13 +697,27 @@ def convert(raw: dict, case_dir: Path, env: Optional[Mapping[str, str]] = None) 
 def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:
     """Problems of running ``platform``: placeholders that only the environment can fill."""
     if platform == DEFAULT_PLATFORM:
-        return []  # the cpu overlay uses mock data and the run directory
+        return []  # the cpu overlay uses mock data, the run directory and synchronous saves
     return [
         Problem(
             f"MODEL_ARGS.{flag}",
             f"${{{name}}} is not set; export {name} (Megatron-LM's CI sets it to its data mount)",
         )
         for name, flag in conversion.unresolved.items()
+    ]
+
+
+def async_save_problems(extra_args: Mapping[str, Any]) -> list[Problem]:
+    """``--async-save`` (any recipe) on a machine without the package megatron saves with."""
+    if not extra_args.get("--async-save") or importlib.util.find_spec(ASYNC_SAVE_PACKAGE):
+        return []
+    return [
+        Problem(
+            "extra_args.--async-save",
+            "needs nvidia-resiliency-ext, which this machine lacks (the run would die at start): "
+            "pip install nvidia-resiliency-ext, or set extra_args.--async-save=false and "
+            "extra_args.--use-persistent-ckpt-worker=false",
+        )
     ]
 
 

@@ -16,6 +16,7 @@ Three layers, each reporting every problem it finds:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -308,6 +309,39 @@ def _entry_hooks(module_name: str) -> tuple[Any, dict, type, Any]:
 _MACHINE_DEPENDENT = re.compile(r"transformer.?engine|\bTE\b|apex|cuda|nccl|gpu", re.IGNORECASE)
 
 
+def _with_close_flags(message: str, provider: Any) -> str:
+    """Megatron's "unrecognized arguments: ..." with the flag each one was probably meant to
+    be (a mistyped flag in extra_args), from the parser the entry builds."""
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    import argparse
+
+    from megatron.training import arguments as megatron_arguments
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    megatron_arguments.add_megatron_arguments(parser)
+    if provider is not None:
+        provider(parser)
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for flag in message.split(":", 1)[1].split():
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        if flag.startswith("--") and close:
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    return "; ".join([message, *hints])
+
+
+def _machine_dependent(exc: BaseException, message: str) -> bool:
+    """Whether a check failed for want of this machine's libraries rather than for the recipe.
+    A combination megatron-ext rejects (e.g. mHC with CUDA graphs) is the recipe's, whatever
+    words its message uses."""
+    from megatron_ext.guards import UnsupportedCombinationError
+
+    if isinstance(exc, UnsupportedCombinationError):
+        return False
+    return bool(_MACHINE_DEPENDENT.search(message))
+
+
 def megatron_problems(
     loaded: LoadedRecipe, module_name: str, notes: Optional[list[str]] = None
 ) -> list[Problem]:
@@ -386,7 +420,7 @@ def argv_problems(
                     return [
                         Problem(
                             stage,
-                            message[-1].split("error:", 1)[1].strip()
+                            _with_close_flags(message[-1].split("error:", 1)[1].strip(), provider)
                             if message
                             else "Megatron's parser rejected the command line",
                         )
@@ -412,7 +446,7 @@ def argv_problems(
     ) as exc:
         message = _first_line(exc)
         elsewhere = recipe.launch.device == "gpu" and not torch.cuda.is_available()
-        if elsewhere and _MACHINE_DEPENDENT.search(message) and stage != "guard":
+        if elsewhere and _machine_dependent(exc, message) and stage != "guard":
             if notes is not None:
                 notes.append(
                     f"{stage} could not be checked on this machine (it lacks the GPU "

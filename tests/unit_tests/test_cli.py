@@ -6,14 +6,15 @@ import sys
 import megatron_ext
 
 
-def _run(*args):
-    return subprocess.run(
+def _run(*args, stderr=False):
+    done = subprocess.run(
         [sys.executable, "-m", "megatron_ext.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
-    ).stdout
+    )
+    return (done.stdout, done.stderr) if stderr else done.stdout
 
 
 def test_version():
@@ -23,7 +24,13 @@ def test_version():
 def test_doctor_reports_versions_runtime_and_patches():
     from megatron_ext import registry
 
-    report = _run("doctor")
+    report, errors = _run("doctor", stderr=True)
+    # Issue 25 item 19: the verdict first, and no upstream start-up warnings before it.
+    assert report.startswith("verdict: ready - megatron-core 0.19.2 verified")
+    from megatron_ext.cli import _quiet
+
+    for noise in (*_quiet.UPSTREAM_NOISE, *_quiet.TORCH_LOGGER_NOISE.values()):
+        assert noise.split("\\")[0] not in errors, errors
     assert "megatron-core     0.19.2" in report
     assert "cpu runtime       active" in report
     assert "backend           gloo" in report
@@ -35,3 +42,67 @@ def test_doctor_reports_versions_runtime_and_patches():
         assert f"{state} {patch.target}" in report
     for seam in registry.seams():
         assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report
+
+
+def test_the_program_exits_without_the_interpreter_teardown():
+    """After the work: exit handlers run and the output is flushed, then the process ends
+    without tearing the interpreter down (seconds once megatron is imported; issue 25 item
+    18). An object whose finalizer only teardown would run stands in for that cost."""
+    import time
+
+    script = (
+        "import atexit, sys, time\n"
+        "class Teardown:\n"
+        "    def __del__(self):\n"
+        "        time.sleep(30); print('TEARDOWN', flush=True)\n"
+        "kept = Teardown()\n"
+        "atexit.register(lambda: print('ATEXIT'))\n"
+        "sys.argv = ['megatron-ext']\n"
+        "sys.stdout.write('unflushed, ')\n"
+        "from megatron_ext.cli import console_main\n"
+        "console_main()\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("unflushed, usage: megatron-ext")
+    assert "ATEXIT" in done.stdout and "TEARDOWN" not in done.stdout
+    assert elapsed < 30, elapsed
+
+
+def test_help_texts_are_plain_text_and_every_option_has_one():
+    """Issue 25 item 19: no raw reStructuredText in --help, no option without help."""
+    from megatron_ext import cli
+
+    parser = cli.build_parser()
+    texts = [parser.format_help()]
+    subparsers = next(a for a in parser._actions if a.choices and "run" in a.choices)
+    for name, sub in subparsers.choices.items():
+        texts.append(sub.format_help())
+        for action in sub._actions:
+            assert action.help, f"megatron-ext {name} {action.option_strings or action.dest}"
+    for text in texts:
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+
+
+def test_shipped_recipes_are_listed_and_copied_out_with_their_golden_values(tmp_path, capsys):
+    """Issue 25 item 19: a pip-installed megatron-ext has its recipes (setup.py ships them as
+    package data; scripts/check_wheel_install.sh checks the wheel) and copies one out."""
+    from megatron_ext import cli
+    from megatron_ext.recipes import load
+
+    assert cli.main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith("gpt_mhc_cp2_pp2  ") and "\ngpt_tp2_pp2 " in listing
+    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path)]) == 0
+    loaded = load(tmp_path / "gpt_tp2_pp2.yaml")
+    assert loaded.golden_path() == tmp_path / "golden/gpt_tp2_pp2/golden_values_cpu.json"
+    assert loaded.golden_path().is_file()
+    capsys.readouterr()
+    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path)]) == 2  # never overwrites
+    assert cli.main(["recipes", "--copy", "gpt_tp2", str(tmp_path)]) == 2
+    errors = capsys.readouterr().err
+    assert "gpt_tp2_pp2.yaml exists" in errors and "did you mean 'gpt_tp2_pp2'?" in errors

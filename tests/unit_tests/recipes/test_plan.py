@@ -143,6 +143,11 @@ def test_the_shipped_recipes_have_no_plan_problems():
             ["model.num_attention_heads=3"],
             "model.num_attention_heads: 3 heads do not split over tp=2",
         ),
+        (  # issue 25 item 19: found ~80 s into start-up before
+            ["model.ffn_hidden_size=255"],
+            "model.ffn_hidden_size: 255 does not split over tp=2 (the MLP's columns are "
+            "divided between the tensor-parallel ranks)",
+        ),
         (
             ["training.global_batch_size=6", "parallelism.dp=2"],
             "training.global_batch_size: 6 is not a multiple of micro_batch_size(2) * dp(2)",

@@ -1,6 +1,7 @@
 """The run directory's command.sh, the ckpt-resume phases and the progress lines."""
 
 from megatron_ext.recipes import load
+from megatron_ext.recipes import runner
 from megatron_ext.recipes.runner import Progress, command_script, phases, prepare_resume
 
 from conftest import REPO_ROOT
@@ -58,8 +59,33 @@ def test_progress_prints_one_short_line_per_iteration_and_event():
     )
     progress("  successfully loaded checkpoint from /ck [ t 1/1, p 1/2 ] at iteration 5")
     assert seen[0].startswith("  first iteration ")
-    assert seen[1:] == [
+    assert seen[1] == runner.LOSS_SOURCES  # which loss is which (issue 25 item 19)
+    assert seen[2:] == [
         "  iteration    3/10 | lm loss 4.593707 | mtp_1 loss 4.700000 | grad norm 1.866 | 308 ms/iter | ETA 2s",
         "  checkpoint saved at iteration 5",
         "  checkpoint loaded (iteration 5)",
     ]
+
+
+def test_the_verdict_says_passed_only_after_a_golden_comparison():
+    """Issue 25 item 19: no "PASSED" when nothing was compared."""
+    import types
+
+    assert runner.verdict([]) == "FINISHED (nothing compared with golden values)"
+    passed, failed = types.SimpleNamespace(passed=True), types.SimpleNamespace(passed=False)
+    assert runner.verdict([passed]) == "PASSED"
+    assert runner.verdict([passed, failed]) == "FAILED"
+
+
+def test_trace_is_suggested_only_once_the_training_loop_started(tmp_path):
+    """A start-up error (no pipeline step ran) gets no "rerun with --trace" (issue 25 item 19)."""
+    import types
+
+    log = tmp_path / "rank-0.log"
+    job = types.SimpleNamespace(log_path=lambda rank: log)
+    progress = Progress(lambda text: None, "train")
+    assert not runner._training_loop_started(job, progress)  # no log at all
+    log.write_text("building GPT model ...\nValueError: bad size\n")
+    assert not runner._training_loop_started(job, progress)
+    log.write_text(f"[{runner.TRAINING_LOOP_MARKER}] datetime: 2026-12-02 01:00:00\n")
+    assert runner._training_loop_started(job, progress)

@@ -367,3 +367,134 @@ def test_moe_with_mhc_is_refused_before_start(tmp_path):
         "megatron-core's block spec, which has no mHC residual streams; disable "
         "model.mhc.enabled or MoE"
     ]
+
+
+# ---- upstream's cases as its CI reads them (issue 25 item 7) -------------------------------------
+def test_launcher_is_read_with_a_note_and_only_pretraining_modes_run(tmp_path):
+    """330 of 333 cases on Megatron-LM main carry LAUNCHER; MODE is inference, rl or
+    pretraining."""
+    loaded = load(write_case(tmp_path, LAUNCHER="ft_launcher", MODE="pretraining"))
+    assert any(n.startswith("LAUNCHER ft_launcher: upstream starts") for n in loaded.notes)
+    for mode, reason in (("inference", "examples/inference/"), ("rl", "train_rl.py")):
+        with pytest.raises(RecipeError) as error:
+            load(write_case(tmp_path, LAUNCHER="ft_launcher", MODE=mode))
+        assert [str(p) for p in error.value.problems] == [
+            f"MODE: {mode!r} is not supported: {upstream.REFUSED_MODES[mode]}"
+        ] and reason in str(error.value)
+    with pytest.raises(RecipeError, match="BEFORE_SCRIPT: not supported: shell"):
+        load(write_case(tmp_path, BEFORE_SCRIPT="rm -rf /"))
+
+
+def test_a_key_given_twice_keeps_the_last_value_as_upstream_does(tmp_path):
+    path = write_case(tmp_path)
+    text = path.read_text().replace(
+        "  --hidden-size: 64\n", "  --hidden-size: 32\n  --hidden-size: 64\n"
+    )
+    path.write_text(text)
+    loaded = load(path)
+    assert loaded.recipe.model.hidden_size == 64
+    assert any(n.startswith("--hidden-size (line ") and "given twice" in n for n in loaded.notes)
+    recipe = tmp_path / "recipe.yaml"  # in a recipe it stays an error
+    recipe.write_text("version: 1\nname: a\nname: b\n")
+    with pytest.raises(RecipeError, match="duplicate key 'name'"):
+        load(recipe)
+
+
+@pytest.mark.parametrize(
+    "family, args, entry",
+    [
+        ("multimodal-llava", {}, "pretrain_vlm.py"),
+        ("bert", {}, "pretrain_bert.py"),
+        ("gpt", {"--img-h": 336, "--img-w": 336}, "pretrain_vlm.py"),
+    ],
+)
+def test_other_model_families_are_refused_naming_their_entry(tmp_path, family, args, entry):
+    path = write_case(tmp_path, args)
+    case = tmp_path / family / "a_case"
+    case.parent.mkdir(exist_ok=True)
+    path.parent.rename(case)
+    with pytest.raises(RecipeError) as error:
+        load(case / "model_config.yaml")
+    message = str(error.value.problems[0])
+    assert message.startswith("test case: not a GPT/Hybrid case (") and entry in message
+
+
+def test_the_gpu_platform_keeps_upstreams_tokenizer(tmp_path, monkeypatch):
+    """No --tokenizer-type but GPT-2 BPE files: the cpu overlay's NullTokenizer and vocab size
+    128 must not leak into the GPU run."""
+    from megatron_ext.recipes import plan
+
+    monkeypatch.setenv("DATA_PATH", str(tmp_path))
+    files = {"--vocab-file": "${DATA_PATH}/vocab.json", "--merge-file": "${DATA_PATH}/merges.txt"}
+    path = write_case(tmp_path, {"--tokenizer-type": None, "--vocab-size": None, **files})
+    gpu = load(path, "dgx_h100")
+    argv = plan.megatron_args(gpu)
+    assert argv[argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"
+    assert "--vocab-size" not in argv and "NullTokenizer" not in argv
+    assert argv[argv.index("--vocab-file") + 1] == f"{tmp_path}/vocab.json"
+    cpu = load(path).recipe.data.tokenizer
+    assert (cpu.type, cpu.vocab_size, cpu.vocab_file) == ("NullTokenizer", 128, None)
+
+
+def test_the_cpu_overlay_drops_gpu_spec_and_async_save_and_shortens_the_warmup(tmp_path):
+    args = {
+        "--spec": "[megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_with_transformer_engine_spec]",
+        "--async-save": True,
+        "--use-persistent-ckpt-worker": True,
+        "--lr-warmup-fraction": 0.01,
+        "--lr-decay-iters": 320000,
+    }
+    loaded = load(write_case(tmp_path, args))
+    extra = loaded.recipe.extra_args
+    assert not {"--spec", "--async-save", "--use-persistent-ckpt-worker"} & set(extra)
+    assert loaded.recipe.training.lr_decay_iters is None  # the decay spans the 8 CPU iterations
+    notes = "\n".join(loaded.notes)
+    assert "left out --spec" in notes and "nvidia-resiliency-ext" in notes
+    assert "warm-up (3200 iterations) for the whole run" in notes
+
+
+def test_async_save_without_its_package_is_refused_before_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(upstream, "ASYNC_SAVE_PACKAGE", "megatron_ext_no_such_package")
+    path = write_case(tmp_path, {"--async-save": True, "--use-persistent-ckpt-worker": True})
+    with pytest.raises(RecipeError) as error:
+        load(path, "dgx_h100")
+    assert "extra_args.--async-save: needs nvidia-resiliency-ext" in str(error.value)
+    assert load(path, "dgx_h100", ["extra_args.--async-save=false"]).recipe
+
+
+def test_a_regular_cases_checkpoint_format_is_passed(tmp_path):
+    from megatron_ext.recipes import plan
+
+    argv = plan.megatron_args(load(write_case(tmp_path, {"--ckpt-format": "torch"})))
+    assert argv[argv.index("--ckpt-format") + 1] == "torch"
+
+
+def test_a_guard_rejection_is_not_taken_for_a_missing_gpu_library(tmp_path):
+    """mHC with CUDA graphs (upstream's gpt3_mcore_te_tp2_pp2_mhc_attn_cudagraph): the guard's
+    message names CUDA, yet it is the recipe's fault, so validate must not print OK."""
+    args = {
+        "--enable-hyper-connections": True,
+        "--cuda-graph-impl": "transformer_engine",
+        "--cuda-graph-modules": "[attn]",
+    }
+    result = validate(load(write_case(tmp_path, args), "dgx_h100"))
+    assert any("not qualified with CUDA graphs" in str(p) for p in result.problems), result
+
+
+def test_import_needs_every_placeholder_and_writes_golden_paths_the_recipe_can_find(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("DATA_PATH", raising=False)
+    path = write_case(tmp_path, {"--mock-data": None, "--data-path": "${DATA_PATH}/doc"})
+    assert cli.main(["import", str(path), "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "MODEL_ARGS.--data-path: ${DATA_PATH} is not set; export DATA_PATH" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "x.yaml").exists()
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # printed, then saved elsewhere: the path must still resolve
+    assert cli.main(["import", str(OUR_CASE)]) == 0
+    saved = tmp_path / "elsewhere" / "recipe.yaml"
+    saved.parent.mkdir()
+    saved.write_text(capsys.readouterr().out)
+    assert load(saved).golden_path().resolve() == load(OUR_CASE).golden_path().resolve()

@@ -76,6 +76,12 @@ def test_validation_leaves_argv_and_environment_as_they_were(write_recipe):
             "megatron arguments",
             "unrecognized arguments: --no-such-flag",
         ),
+        (  # a mistyped flag gets the one it was meant to be (issue 25 item 19)
+            ["extra_args.--atention-dropout=0.1"],
+            "megatron arguments",
+            "unrecognized arguments: --atention-dropout 0.1; --atention-dropout: did you mean "
+            "--attention-dropout?",
+        ),
     ],
 )
 def test_megatron_level_problems_are_reported_with_their_stage(
