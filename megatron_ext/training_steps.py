@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -38,7 +39,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron_ext import registry
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.launch import training as launch
+from megatron_ext.launch import stop_signals, training as launch
 from megatron_ext.mhc import stats_logging
 from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.models.lm_loss import masked_token_loss
@@ -476,6 +477,7 @@ def train(
     """Parse the command line's Megatron flags, check them (``check_args``, the entry's own) and
     run ``pretrain`` with ``model_provider(..., config_class=config_class)`` (the entry's model)."""
     set_startup_timestamps(program_start=program_start, main_entry=time.time())
+    stop_signals.install_rank_handlers(sys.argv[1:])  # a stop during start-up is held, not fatal
     runtime = launch.select_runtime()
     args = launch.parse_megatron_args(
         extra_args_providers=(add_megatron_ext_args, extra_args_provider),

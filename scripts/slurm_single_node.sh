@@ -83,7 +83,8 @@ SlurmctldPort=${ctld_port}
 SlurmdPort=${slurmd_port}
 AuthType=auth/${AUTH}
 CredType=cred/${AUTH}
-$( [ "$AUTH" = munge ] && echo "AuthInfo=socket=${MUNGE_SOCKET}" )
+# cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=$( [ "$AUTH" = munge ] && echo "socket=${MUNGE_SOCKET}," )cred_expire=${SLURM_CI_CRED_EXPIRE:-20}
 MpiDefault=none
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc

@@ -20,6 +20,7 @@ from megatron_ext.cli import (
     prepare_data,
     recipes,
     run,
+    runs,
     schedule,
     submit,
     validate,
@@ -31,6 +32,7 @@ COMMANDS = (
     doctor,
     recipes,
     run,
+    runs,
     validate,
     compare,
     import_case,
@@ -43,10 +45,13 @@ COMMANDS = (
 DESCRIPTION = """\
 - ``megatron-ext --version`` and ``megatron-ext doctor``: versions, devices, active patches;
 - ``megatron-ext recipes [--copy NAME [DIR]]``: the shipped recipes, or one copied out to edit;
-- ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally;
+- ``megatron-ext run RECIPE [KEY=VALUE ...]``: validate and train a recipe locally (SIGTERM or
+  SIGUSR1: save and stop, exit 75; ``run --resume RUN_DIR`` continues);
+- ``megatron-ext runs [show RUN]``: the run directories, or one of them;
 - ``megatron-ext validate RECIPE [KEY=VALUE ...]``: every check, no process started;
 - ``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
-  comparison failed, 2: an input cannot be read);
+  comparison failed, 2: an input cannot be read); ``compare RUN_A RUN_B [--plot FILE.png]``:
+  two runs' difference table and overlaid curves;
 - ``megatron-ext import PATH/model_config.yaml [-o RECIPE.yaml]``: a Megatron-LM test case as
   a recipe (``run`` and ``validate`` also take such a file directly);
 - ``megatron-ext submit RECIPE --slurm [...]``: the recipe as a Slurm job;

@@ -21,10 +21,12 @@ def load(recipe: str, platform: str, overrides: list[str], device: str | None):
     return loaded
 
 
-def add_recipe_args(parser: argparse.ArgumentParser, default_platform: str | None = "cpu") -> None:
+def add_recipe_args(
+    parser: argparse.ArgumentParser, default_platform: str | None = "cpu", required: bool = True
+) -> None:
     parser.add_argument(
         "targets",
-        nargs="+",
+        nargs="+" if required else "*",
         metavar="RECIPE [KEY=VALUE ...]",
         help="recipe YAML, then overrides such as parallelism.pp=4 training.iterations=20",
     )

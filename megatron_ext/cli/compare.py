@@ -1,5 +1,7 @@
 """``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
-comparison failed, 2: an input cannot be read)."""
+comparison failed, 2: an input cannot be read). ``compare RUN_A RUN_B [--plot FILE.png]``: two
+run directories, their difference table and overlaid curves
+(:mod:`megatron_ext.recipes.run_compare`; exit 2: an input is not a run or they differ in kind)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ _tolerance.__name__ = "tolerance (a finite number >= 0)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory (or a metrics JSON file)")
-    parser.add_argument("golden", help="golden-value JSON")
+    parser.add_argument("golden", help="golden-value JSON, or a second run directory")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="two runs: overlay their curves in this PNG"
+    )
     parser.add_argument(
         "--metrics", nargs="+", help="metrics to check (default: the run's test.metrics)"
     )
@@ -87,11 +92,47 @@ def _run_metrics(source):
 
 def main(args: argparse.Namespace) -> int:
     """Exit 0: every check passed; 1: a comparison failed; 2: an input cannot be read."""
+    from pathlib import Path
+
+    from megatron_ext.recipes import run_compare
+
     try:
+        from megatron_ext.recipes.runs import is_run_dir
+
+        if is_run_dir(
+            Path(args.golden)
+        ):  # another directory stays "golden values ... is a directory"
+            return _compare_runs(args)
+        if args.plot:
+            raise _BadInput("--plot needs two run directories (compare RUN_A RUN_B --plot F.png)")
         return _compare(args)
+    except run_compare.CompareError as exc:
+        print(f"megatron-ext compare: {exc}", file=sys.stderr)
+        return 2
     except _BadInput as exc:
         print(f"megatron-ext compare: {exc}", file=sys.stderr)
         return 2
+
+
+def _compare_runs(args: argparse.Namespace) -> int:
+    """Two runs: the difference table (and the plot); exit 0 (it judges nothing)."""
+    from pathlib import Path
+
+    from megatron_ext.recipes import run_compare
+
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise _BadInput(f"--plot {args.plot}: give a .png file name")
+    a, b = run_compare.read(Path(args.run)), run_compare.read(Path(args.golden))
+    names = run_compare.common_metrics(a, b)
+    if args.metrics:
+        unknown = [m for m in args.metrics if m not in names]
+        if unknown:
+            raise _BadInput(f"--metrics {unknown}: not logged by the runs (they log {names})")
+        names = list(args.metrics)
+    print("\n".join(run_compare.table(a, b, run_compare.differences(a, b, names))))
+    if args.plot:
+        print(f"plot: {run_compare.plot(Path(args.plot), a, b, names)}")
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -12,7 +12,13 @@ HELP = "validate a recipe and train it on this machine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_args(parser)
+    add_recipe_args(parser, required=False)
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run (exit status 75) from its latest complete checkpoint, "
+        "with its recipe and overrides; takes no recipe",
+    )
     parser.add_argument(
         "--run-dir", help="the run directory (default: RUNS_ROOT/<name>-<platform>-<time>)"
     )
@@ -55,6 +61,20 @@ def main(args: argparse.Namespace) -> int:
 
     from megatron_ext.recipes import RecipeError, runner
 
+    if args.resume:
+        if args.targets or args.run_dir or args.dry_run or args.write_golden or args.trace:
+            print(
+                "megatron-ext run --resume RUN_DIR: takes no recipe, overrides, --run-dir, "
+                "--dry-run, --write-golden or --trace (the run's own are used)",
+                file=sys.stderr,
+            )
+            return runner.EXIT_INVALID
+        return runner.resume_run(
+            Path(args.resume),
+            compare_golden=not args.no_compare,
+            force_compare=args.compare,
+            megatron_checks=not args.skip_megatron_checks,
+        ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:
         print(f"megatron-ext run: expected one recipe, got {recipes or 'none'}", file=sys.stderr)

@@ -8,7 +8,10 @@ races other programs for a port), and its own log file ``LOG_DIR/rank-N.log``
 (stdout and stderr). :func:`launch` follows one rank's log while the run goes (a callback
 per line, for progress), and stops the run as torchrun does: when a rank fails, the others
 get SIGTERM after a short grace, then SIGKILL; on timeout, Ctrl-C, SIGTERM or SIGHUP (raised
-as :class:`Interrupted`), all of them. A rank that hangs without exiting is found through the
+as :class:`Interrupted`), all of them. A job with a ``save_signal`` (its ranks save on it through
+megatron.training's exit-signal handler, :mod:`megatron_ext.launch.stop_signals`) turns the
+launcher's SIGTERM and SIGUSR1 into that signal for every rank instead and waits for them to save
+and exit (:attr:`LaunchResult.stopped_by`); Ctrl-C and SIGHUP still stop at once. A rank that hangs without exiting is found through the
 ranks' heartbeats (:mod:`megatron_ext.launch.heartbeat`): when no rank has progressed for the
 stall limit, every rank is stopped and the stalled one is named. Ranks die with the launcher
 (Linux parent-death signal), so even a SIGKILLed launcher leaves no training behind. Every rank runs in its own process group, so checkpoint
@@ -101,6 +104,9 @@ class LocalJob:
     MEGATRON_EXT_STALL_TIMEOUT_S, else relative to the slowest step (heartbeat.Watchdog)."""
     startup_timeout_s: float | None = None
     """The same for start-up, the first step and checkpoint I/O; None: environment, else 300 s."""
+    save_signal: int | None = None
+    """The signal on which the ranks save and stop (megatron's --exit-signal); None: SIGTERM
+    to the launcher stops the ranks at once."""
 
     def rank_command(self) -> list[str]:
         return [self.python, "-m", self.module, *self.args]
@@ -125,6 +131,8 @@ class LaunchResult:
     """Each rank's peak resident memory (the kernel's ru_maxrss of the rank process, KiB)."""
     stall: heartbeat.Stall | None = None
     """Set when the watchdog stopped a run in which no rank progressed (returncode 124)."""
+    stopped_by: int | None = None
+    """The signal (SIGTERM / SIGUSR1) that asked a job with a save_signal to save and stop."""
 
     @property
     def ok(self) -> bool:
@@ -168,10 +176,14 @@ class Interrupted(KeyboardInterrupt):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+SAVE_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 @contextlib.contextmanager
-def stop_signals_interrupt() -> Iterator[None]:
+def stop_signals_interrupt(on_save_stop: Callable[[int], None] | None = None) -> Iterator[None]:
     """Within the block SIGTERM and SIGHUP raise :class:`Interrupted` (only in the main
-    thread, where Python delivers signals); the previous handlers come back afterwards."""
+    thread, where Python delivers signals); the previous handlers come back afterwards.
+    ``on_save_stop``: SIGTERM and SIGUSR1 call it instead (SIGHUP still raises)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -185,6 +197,10 @@ def stop_signals_interrupt() -> Iterator[None]:
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in STOP_SIGNALS}
+    if on_save_stop is not None:
+        for sig in SAVE_STOP_SIGNALS:
+            previous.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, lambda signum, _frame: on_save_stop(signum))
     try:
         yield
     finally:
@@ -312,7 +328,35 @@ def launch(
     peak_rss_kib: dict[int, int] = {}
     watchdog = _prepare_heartbeats(job)
     next_check = time.monotonic()
-    with stop_signals_interrupt():
+    requested: list[int] = []  # the stop signal the launcher got (save_signal jobs)
+    asked: set[int] = set()  # ranks already sent the save signal
+
+    def ask_ranks_to_save() -> None:
+        for rank, proc in procs.items():
+            if rank not in asked and proc.poll() is None:
+                asked.add(rank)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, job.save_signal)  # the rank alone, not its writers
+
+    def on_save_stop(signum: int) -> None:
+        if requested:
+            print(
+                f"megatron-ext: {signal.Signals(signum).name} again: already saving and "
+                "stopping (Ctrl-C stops at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        requested.append(signum)
+        print(
+            f"megatron-ext: {signal.Signals(signum).name}: every rank saves a checkpoint at the "
+            "next iteration and stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        ask_ranks_to_save()
+
+    with stop_signals_interrupt(on_save_stop if job.save_signal else None):
         try:
             for rank in range(job.nproc):
                 env = {
@@ -334,6 +378,8 @@ def launch(
                     )
             failed_at = None
             while True:
+                if requested:
+                    ask_ranks_to_save()  # ranks started after the signal came
                 if follower:
                     follower.poll()
                 _reap(procs, peak_rss_kib)
@@ -380,7 +426,14 @@ def launch(
     else:
         returncode = next((c for c in codes.values() if c), 0)
     return LaunchResult(
-        returncode, failed_rank, time.monotonic() - start, codes, timed_out, peak_rss_kib, stall
+        returncode,
+        failed_rank,
+        time.monotonic() - start,
+        codes,
+        timed_out,
+        peak_rss_kib,
+        stall,
+        stopped_by=requested[0] if requested else None,
     )
 
 

@@ -14,6 +14,15 @@ left the queue, and reads the job's state from ``scontrol`` (or the exit-code fi
 step's ranks write heartbeats to ``<step logs>/heartbeat`` on the shared file system, and
 :func:`wait`, given a :class:`StepWatch`, cancels a running job in which no rank progressed
 for the stall limit and names the stalled rank, as the local launcher does.
+
+A job with a :class:`Requeue` policy (a resumable recipe) outlives its allocation: it asks for
+Slurm's warning signal (``#SBATCH --signal=USR1@N``, sent to the ranks, which save through
+megatron's exit-signal handler and stop), and when the step ended before the last iteration
+it requeues itself (``scontrol requeue``; ``#SBATCH --requeue``) at most ``max_requeues``
+times. A restarted job loads the latest complete checkpoint and writes its logs and TensorBoard
+events to ``resumed-$SLURM_RESTART_COUNT`` segments. SIGTERM (``scancel``, preemption, the
+time limit itself) also makes the ranks save (``MEGATRON_EXT_SAVE_ON``); the job then ends
+"stopped, resumable" (exit 75) without requeueing itself.
 """
 
 from __future__ import annotations
@@ -31,6 +40,20 @@ from megatron_ext.errors import MegatronExtError
 from megatron_ext.launch import heartbeat
 
 POLL_S = 2.0
+
+SEGMENT = "@SEGMENT@"
+"""Stands for the restart's segment in step arguments and log paths ('' on the first start,
+``resumed-N`` after the N-th requeue); the script expands it from $SLURM_RESTART_COUNT."""
+
+
+@dataclass
+class Requeue:
+    """How a resumable job survives its time limit."""
+
+    checkpoint_dir: Path
+    final_iteration: int
+    signal_warning_s: int = 120
+    max_requeues: int = 3
 
 
 @dataclass
@@ -62,6 +85,7 @@ class SlurmJob:
     container_image: str | None = None
     container_mounts: list[str] = field(default_factory=list)
     sbatch_args: list[str] = field(default_factory=list)
+    requeue: Requeue | None = None
 
     @property
     def world_size(self) -> int:
@@ -146,12 +170,14 @@ def sbatch_script(job: SlurmJob) -> str:
         f"#SBATCH --output={run_dir}/slurm-%j.out",
         f"#SBATCH --chdir={job.workdir}",
         *[f"#SBATCH {arg}" for arg in job.sbatch_args],
+        *_requeue_directives(job),
         "",
         f"RUN_DIR={q(run_dir)}",
         "trap 'echo $? > \"$RUN_DIR/job_exit_code\"' EXIT",
         "set -eo pipefail",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        *_requeue_preamble(job),
     ]
     from megatron_ext.launch.shell import is_secret, secret_check_line
 
@@ -198,28 +224,98 @@ def sbatch_script(job: SlurmJob) -> str:
             f"export MASTER_PORT=$((BASE_PORT + {i}))",
             f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
         ]
+        logs = f"{step.log_dir}/{_QUOTED}" if job.requeue else str(step.log_dir)
         srun = [
             "srun",
             "--mpi=none",
             "--kill-on-bad-exit=1",
             f"--ntasks={job.world_size}",
-            f"--output={step.log_dir}/rank-%t.log",
+            f"--output={logs}/rank-%t.log",
             *container,
         ]
         inner = f'{rank_env}; exec {q(job.python)} -m {q(step.module)} "$@"'
         head = shlex.join(srun) + f" bash -c {q(inner)} megatron-ext"
         groups: list[list[str]] = []
-        for a in step.args:
+        for a in (a.replace(SEGMENT, _QUOTED) for a in step.args):
             if a.startswith("--") or not groups:
                 groups.append([a])
             else:
                 groups[-1].append(a)
-        lines.append(" \\\n    ".join([head] + [shlex.join(g) for g in groups]))
+        command = " \\\n    ".join([head] + [shlex.join(g) for g in groups])
+        if job.requeue:
+            lines.append(f'mkdir -p {q(str(step.log_dir))}/"$SEGMENT"')
+            command = command.replace(_QUOTED, _SEGMENT_SHELL)
+            lines += [command + " &", 'STEP_RC=0; wait_step "$!" || STEP_RC=$?']
+        else:
+            lines.append(command)
         # the step is over (a failed one ends the script): stop watching it until the
         # next step, while the job finishes
         lines.append(f"touch {q(str(Path(beats) / ENDED))}")
+        if job.requeue:
+            lines += _requeue_epilogue(job)
     lines.append("")
     return "\n".join(lines)
+
+
+_QUOTED = "@SEG MENT@"
+"""SEGMENT while the words are quoted: its space makes shlex single-quote every word holding it."""
+_SEGMENT_SHELL = "'\"${SEGMENT}\"'"
+"""What replaces it inside that single-quoted word: close the quote, expand, reopen."""
+
+
+def _requeue_directives(job: SlurmJob) -> list[str]:
+    if job.requeue is None:
+        return []
+    return [
+        # USR1 to the ranks (not the batch shell) N s before the time limit: they save and stop
+        f"#SBATCH --signal=USR1@{int(job.requeue.signal_warning_s)}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
+
+
+def _requeue_preamble(job: SlurmJob) -> list[str]:
+    if job.requeue is None:
+        return []
+    from megatron_ext.launch.stop_signals import ROUTE_ENV
+
+    return [
+        "RESTART=${SLURM_RESTART_COUNT:-0}",
+        'SEGMENT=""; if [ "$RESTART" -gt 0 ]; then SEGMENT="resumed-$RESTART"; fi',
+        f"export {ROUTE_ENV}=SIGTERM  # scancel, preemption, the time limit: the ranks save too",
+        # the batch shell outlives a SIGTERM while its ranks save (srun runs in the background)
+        'STOPPED=""; INTERRUPTED=""',
+        "trap 'STOPPED=SIGTERM; INTERRUPTED=1' TERM",
+        'wait_step() { local rc; while :; do INTERRUPTED=""; rc=0; wait "$1" || rc=$?; '
+        '[ -z "$INTERRUPTED" ] && return "$rc"; done; }',
+        'echo "[megatron-ext] start $((RESTART + 1)) (restart count $RESTART) on '
+        '$SLURM_JOB_NODELIST"',
+    ]
+
+
+def _requeue_epilogue(job: SlurmJob) -> list[str]:
+    """After the step: finished, requeue (stopped by the warning signal), or stopped for good."""
+    from megatron_ext.launch.stop_signals import EXIT_STOPPED
+
+    r = job.requeue
+    q = shlex.quote
+    tracker = q(str(Path(r.checkpoint_dir) / "latest_checkpointed_iteration.txt"))
+    final, most = int(r.final_iteration), int(r.max_requeues)
+    return [
+        f"DONE=$(cat {tracker} 2>/dev/null || echo 0)",
+        f'if [ "$STEP_RC" -eq 0 ] && [ "$DONE" != {final} ]; then STEP_RC={EXIT_STOPPED}; fi',
+        f'if [ "$STEP_RC" -eq {EXIT_STOPPED} ]; then',
+        f'  if [ -z "$STOPPED" ] && [ "$RESTART" -lt {most} ]; then',
+        f'    echo "[megatron-ext] stopped at iteration $DONE of {final}: requeue '
+        f'$((RESTART + 1)) of {most}"',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "  fi",
+        f'  echo "[megatron-ext] stopped, resumable at iteration $DONE of {final} '
+        f'(${{STOPPED:-requeue limit {most} reached}})"',
+        f"  exit {EXIT_STOPPED}",
+        "fi",
+        'if [ "$STEP_RC" -ne 0 ]; then exit "$STEP_RC"; fi',
+    ]
 
 
 class SlurmError(MegatronExtError, RuntimeError):
@@ -250,6 +346,7 @@ class StepWatch:
         self.nproc, self.stall_s, self.startup_s = nproc, stall_s, startup_s
         self.active: int | None = None
         self.watchdog: heartbeat.Watchdog | None = None
+        self.ended = False  # the active step's srun returned (a requeued job starts it again)
 
     def clear(self) -> None:
         """Remove heartbeat directories an earlier job left (before submitting): a step
@@ -261,13 +358,15 @@ class StepWatch:
         started = [i for i, d in enumerate(self.dirs) if d.is_dir()]
         if not started:
             return None  # the job's first step has not begun
-        if started[-1] != self.active:
+        ended = (self.dirs[started[-1]] / ENDED).exists()
+        if started[-1] != self.active or (self.ended and not ended):  # a new step or a restart
             self.active = started[-1]
             self.watchdog = heartbeat.Watchdog(
                 self.dirs[self.active], self.nproc, self.stall_s, self.startup_s
             )
-        if (self.dirs[self.active] / ENDED).exists():
-            return None  # between steps, or the job is finishing
+        self.ended = ended
+        if ended:
+            return None  # between steps, requeued, or the job is finishing
         return self.watchdog.check()
 
 

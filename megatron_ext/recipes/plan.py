@@ -245,6 +245,32 @@ def save_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
     ]
 
 
+def resumable(loaded: LoadedRecipe) -> bool:
+    """A run that saves on a stop signal and can be resumed: a megatron.training entry (the
+    multi-module entry has its own loop) outside the ckpt-resume test (which is a resume)."""
+    r = loaded.recipe
+    return r.model.type != "multimodule" and r.test.type != "ckpt-resume"
+
+
+def long_run_args(loaded: LoadedRecipe, checkpoint_dir: str, load: bool) -> list[str]:
+    """A resumable run: save every checkpoint.save_interval iterations (else at the end only)
+    and on the stop signal (megatron's exit-signal handler); ``load``: continue from the
+    latest complete checkpoint."""
+    from megatron_ext.launch import stop_signals
+
+    r = loaded.recipe
+    args = [
+        "--save",
+        checkpoint_dir,
+        "--save-interval",
+        str(r.checkpoint.save_interval or r.training.iterations),
+        "--ckpt-format",
+        r.test.ckpt_format,
+        *stop_signals.megatron_args(),
+    ]
+    return args + (["--load", checkpoint_dir] if load else [])
+
+
 def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
     """ckpt-resume, second run: load the iterations/2 checkpoint and train to the end."""
     return ["--load", checkpoint_dir, "--ckpt-format", loaded.recipe.test.ckpt_format]
@@ -596,6 +622,18 @@ def _check_training(r: Recipe, add) -> None:
         add(
             "training.iterations",
             f"ckpt-resume saves at iterations/2; use an even number >= 2, got {t.iterations}",
+        )
+    c, slurm = r.checkpoint, r.launch.slurm
+    if c.save_interval is not None and c.save_interval < 1:
+        add("checkpoint.save_interval", f"must be >= 1 (or null), got {c.save_interval}")
+    if c.most_recent_k is not None and c.most_recent_k < 0:
+        add("checkpoint.most_recent_k", f"must be >= 0 (or null: keep all), got {c.most_recent_k}")
+    if slurm.max_requeues < 0:
+        add("launch.slurm.max_requeues", f"must be >= 0, got {slurm.max_requeues}")
+    if not 0 < slurm.signal_warning_s <= 65535:
+        add(
+            "launch.slurm.signal_warning_s",
+            f"must be 1..65535 (Slurm's --signal limit), got {slurm.signal_warning_s}",
         )
 
 

@@ -3,9 +3,13 @@
 A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says otherwise)::
 
     recipe.yaml          the resolved recipe (platform and overrides applied, every field)
+    run.json             how the run was started (recipe, platform, overrides): run --resume
     command.sh           the exact command line(s), runnable: torchrun + entry + Megatron flags
     logs/rank-N.log      each rank's stdout and stderr (ckpt-resume: logs/resume/ too)
     tensorboard/         the last rank's TensorBoard event files (ckpt-resume: resume/ too)
+    checkpoints/         megatron's checkpoints (ckpt-resume; every other run saves at the
+                         end, every checkpoint.save_interval iterations and on a stop signal)
+    logs/resumed-N/, tensorboard/resumed-N/   the N-th `run --resume` of a stopped run
     metrics.json         Megatron golden-value JSON of test.metrics, read from TensorBoard as
                          Megatron-LM's CI does (logs as fallback); ckpt-resume: of the
                          uninterrupted run, metrics_resume.json: of the resumed one
@@ -19,7 +23,10 @@ A run directory (``runs/<name>-<platform>-<time>/`` unless ``--run-dir`` says ot
                          and the resolved plan
 
 Exit status: 0 trained and every comparison passed (or nothing to compare); 1 a comparison
-failed; 2 the recipe is invalid or cannot start here; 3 training failed or timed out.
+failed; 2 the recipe is invalid or cannot start here; 3 training failed or timed out; 75
+stopped by SIGTERM or SIGUSR1 after saving a checkpoint, resumable (``megatron-ext run --resume
+RUN_DIR``). Ctrl-C stops at once (130), SIGHUP too (129); a ckpt-resume test recipe and the
+multi-module entry stop at once on SIGTERM as well (143).
 
 The same post-processing (:func:`finalize`) serves ``submit --slurm`` once its job ends.
 """
@@ -39,12 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.launch import shell
+from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import (
     compare as cmp,
     golden_paths,
     metrics as met,
     mhc_report,
     plan,
+    resume as rsm,
     safety,
 )
 from megatron_ext.recipes.loader import LoadedRecipe, dump
@@ -95,10 +104,18 @@ def metrics_args(loaded: LoadedRecipe, tensorboard_dir: Path) -> list[str]:
     return args
 
 
-def phases(loaded: LoadedRecipe, run_dir: Path) -> list[Phase]:
+def phases(
+    loaded: LoadedRecipe, run_dir: Path, segment: str = "", load: bool = False
+) -> list[Phase]:
+    """The training runs of a start of the recipe (``segment``: a resume's, see
+    :mod:`megatron_ext.recipes.resume`; ``load``: from the latest complete checkpoint)."""
     args = [_placed(a, run_dir) for a in plan.megatron_args(loaded)]
     logs = run_dir / "logs"
     tensorboard = run_dir / met.TENSORBOARD_SUBDIR
+    if plan.resumable(loaded):
+        long_run = plan.long_run_args(loaded, str(rsm.checkpoint_dir(run_dir)), load)
+        metrics = metrics_args(loaded, tensorboard / segment if segment else tensorboard)
+        return [Phase(segment or "train", args + metrics + long_run, logs / segment)]
     if loaded.recipe.test.type != "ckpt-resume":
         return [Phase("train", args + metrics_args(loaded, tensorboard), logs)]
     ckpt = str(run_dir / "checkpoints")
@@ -240,6 +257,7 @@ class Progress:
         Slurm job whose start the submitter does not see)."""
         self.echo, self.phase, self.start = echo, phase, start
         self.training_seen = False
+        self.recent_s: list[float] = []  # the last iterations' times, for the ETA
 
     def __call__(self, line: str) -> None:
         if self.start is None:
@@ -262,6 +280,9 @@ class Progress:
                 parts.append(f"grad norm {values['grad-norm']:.3f}")
             if "iteration-time" in values:
                 parts.append(f"{values['iteration-time'] * 1000:.0f} ms/iter")
+                self.recent_s = [*self.recent_s[-4:], values["iteration-time"]]
+                eta = (total - step) * sum(self.recent_s) / len(self.recent_s)
+                parts.append(f"ETA {format_eta(eta)}")
             self.echo(" | ".join(parts))
             return
         text = line.strip()
@@ -276,6 +297,16 @@ class Progress:
             self.echo(f"  checkpoint loaded (iteration {text.rsplit('iteration', 1)[1].strip()})")
         elif "validation loss at iteration" in text and "lm loss value" in text:
             self.echo("  " + text.strip(" |"))
+
+
+def format_eta(seconds: float) -> str:
+    """12s, 3m05s, 2h07m: the training time left at the recent iterations' pace."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 # ---- outcome -------------------------------------------------------------------------------------
@@ -351,6 +382,18 @@ def fault_problem(loaded: LoadedRecipe) -> str | None:
 def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(dump(loaded))
+    rsm.write_run_record(
+        run_dir,
+        {
+            "recipe": str(loaded.source),
+            "name": loaded.name,
+            "platform": loaded.platform,
+            "overrides": _shown_overrides(loaded),
+            "launcher": launcher,
+            "resumable": plan.resumable(loaded),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
     script = run_dir / "command.sh"
     script.write_text(command_script(loaded, run_dir, launcher))
     script.chmod(0o755)
@@ -516,11 +559,12 @@ def _run_phases(
     write_golden: bool,
     echo: Echo,
     trace: bool = False,
+    run_phases: list[Phase] | None = None,
 ) -> Outcome:
-    from megatron_ext.launch import local
+    from megatron_ext.launch import local, stop_signals
 
     recipe = loaded.recipe
-    for phase in phases(loaded, run_dir):
+    for phase in run_phases or phases(loaded, run_dir):
         if phase.name == "resume":
             prepare_resume(loaded, run_dir)
         echo(
@@ -541,6 +585,7 @@ def _run_phases(
             timeout_s=recipe.launch.timeout_s,
             stall_timeout_s=recipe.launch.stall_timeout_s,
             startup_timeout_s=recipe.launch.startup_timeout_s,
+            save_signal=stop_signals.SAVE_SIGNAL if plan.resumable(loaded) else None,
         )
         progress = Progress(echo, phase.name, start=time.monotonic())
         result = local.launch(job, on_line=progress)
@@ -556,6 +601,13 @@ def _run_phases(
             }
         )
         echo(f"  [{phase.name}] finished in {result.seconds:.1f} s (exit {result.returncode})")
+        ckpt = rsm.checkpoint_dir(run_dir)
+        if (
+            result.stopped_by is not None
+            and rsm.latest_complete(ckpt) != recipe.training.iterations
+        ):
+            results[-1]["stopped_by"] = signal.Signals(result.stopped_by).name
+            return _stopped(loaded, run_dir, results, started, result, echo)
         if not result.ok:
             named = local.failing_rank(job, result)
             rank = named if named is not None else recipe.world_size - 1
@@ -590,6 +642,13 @@ def _run_phases(
             return Outcome(
                 EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what
             )
+    if plan.resumable(loaded):
+        c = recipe.checkpoint
+        removed = rsm.prune(
+            rsm.checkpoint_dir(run_dir), c.most_recent_k, c.keep_final, recipe.training.iterations
+        )
+        if removed:
+            echo(f"  checkpoints removed (checkpoint.most_recent_k / keep_final): {removed}")
     return finalize(
         loaded,
         run_dir,
@@ -601,6 +660,106 @@ def _run_phases(
         echo=echo,
         trace=trace,
     )
+
+
+STOPPED_RESUMABLE = "stopped, resumable"
+"""What a run stopped by SIGTERM / SIGUSR1 reports (exit status 75, summary status 'stopped')."""
+
+
+def _stopped(loaded, run_dir: Path, results: list[dict], started: float, result, echo) -> Outcome:
+    """A run the launcher's SIGTERM / SIGUSR1 stopped: where it can continue from."""
+    name = signal.Signals(result.stopped_by).name
+    latest = rsm.latest_complete(rsm.checkpoint_dir(run_dir))
+    where = (
+        f"latest complete checkpoint at iteration {latest}"
+        if latest is not None
+        else "no checkpoint yet (stopped before the first iteration): a resume starts over"
+    )
+    if not result.ok:
+        where += f" (the ranks exited with {result.returncode} while stopping)"
+    results[-1]["resume_from"] = latest
+    _write_summary(loaded, run_dir, "stopped", results, [], time.monotonic() - started)
+    echo(f"  {name}: {where}")
+    echo(f"{STOPPED_RESUMABLE}: megatron-ext run --resume {run_dir}")
+    return Outcome(
+        EXIT_STOPPED, run_dir, seconds=time.monotonic() - started, message=STOPPED_RESUMABLE
+    )
+
+
+def resume_run(
+    run_dir: Path,
+    compare_golden: bool = True,
+    force_compare: bool = False,
+    megatron_checks: bool = True,
+    echo: Echo = _default_echo,
+) -> Outcome:
+    """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
+    overrides applied) from its latest complete checkpoint, in a new segment of the run."""
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes.loader import load
+
+    started = time.monotonic()
+    run_dir = Path(run_dir)
+    try:
+        record = rsm.read_run_record(run_dir)
+        if not record.get("resumable"):
+            raise rsm.ResumeError(
+                f"{run_dir}: this run cannot be resumed (a ckpt-resume test recipe or the "
+                "multi-module entry); start it again with megatron-ext run"
+            )
+        status = _summary_status(run_dir)
+        if status in ("passed", "mismatch"):
+            raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
+        resolved = load(run_dir / "recipe.yaml", "cpu", [])
+    except (rsm.ResumeError, RecipeError) as exc:
+        echo(f"cannot resume: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
+    loaded = LoadedRecipe(
+        resolved.recipe,
+        Path(record.get("recipe") or run_dir / "recipe.yaml"),
+        record.get("platform", "cpu"),
+        list(record.get("overrides", [])),
+    )
+    ckpt = rsm.checkpoint_dir(run_dir)
+    cut = rsm.discard_incomplete(ckpt)
+    latest = rsm.latest_complete(ckpt)
+    segment = rsm.next_segment(run_dir)
+    echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
+    echo(f"  {plan.describe(loaded)}")
+    if cut:
+        echo(f"  removed checkpoint(s) cut short while saving: iteration(s) {cut}")
+    echo(
+        f"  resuming from the checkpoint at iteration {latest}"
+        if latest is not None
+        else "  no complete checkpoint: training starts over"
+    )
+    why = preflight(loaded, echo, megatron_checks)
+    if why is not None:
+        echo(f"cannot resume: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+    results: list[dict] = []
+    try:
+        return _run_phases(
+            loaded,
+            run_dir,
+            results,
+            started,
+            compare_golden,
+            force_compare,
+            False,
+            echo,
+            run_phases=phases(loaded, run_dir, segment, load=latest is not None),
+        )
+    except KeyboardInterrupt as exc:
+        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        raise
+
+
+def _summary_status(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def finalize(
@@ -618,7 +777,11 @@ def finalize(
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
     logs = run_dir / "logs"
-    run_metrics, source = met.read_run_metrics(run_dir)
+    if plan.resumable(loaded):  # every segment of a stopped and resumed run, as one
+        joined = rsm.read_metrics(run_dir)
+        run_metrics, source = joined.metrics, joined.source
+    else:
+        run_metrics, source = met.read_run_metrics(run_dir)
     reports: list[cmp.Report] = []
     if not run_metrics.get("lm loss") and "lm loss" in names:
         echo(

@@ -253,7 +253,25 @@ class Test:
         "{'lm loss': {rtol: 1.0e-3}}",
         default_factory=dict,
     )
-    ckpt_format: str = _doc("--ckpt-format for ckpt-resume", default="torch_dist")
+    ckpt_format: str = _doc(
+        "--ckpt-format of every checkpoint (ckpt-resume and stop-signal saves)",
+        default="torch_dist",
+    )
+
+
+@dataclass
+class Checkpoint:
+    save_interval: int | None = _doc(
+        "--save-interval: save every N iterations (null: at the end and on a stop signal only)",
+        default=None,
+    )
+    most_recent_k: int | None = _doc(
+        "keep the K newest complete checkpoints once the run finished (null: all)", default=None
+    )
+    keep_final: bool = _doc(
+        "keep the checkpoint of the last iteration (false: removed once the run finished)",
+        default=True,
+    )
 
 
 @dataclass
@@ -269,6 +287,13 @@ class Slurm:
         "srun --container-mounts entries (the run dir is added)", default_factory=list
     )
     sbatch_args: list[str] = _doc("extra #SBATCH options, e.g. '--exclusive'", default_factory=list)
+    signal_warning_s: int = _doc(
+        "#SBATCH --signal=USR1@N: the ranks save and the job requeues N s before the time limit",
+        default=120,
+    )
+    max_requeues: int = _doc(
+        "a job stopped by the warning signal requeues itself at most this often", default=3
+    )
 
 
 @dataclass
@@ -308,6 +333,9 @@ class Recipe:
     training: Training = field(default_factory=Training, metadata={"doc": "training loop"})
     data: Data = field(default_factory=Data, metadata={"doc": "data"})
     test: Test = field(default_factory=Test, metadata={"doc": "functional test"})
+    checkpoint: Checkpoint = field(
+        default_factory=Checkpoint, metadata={"doc": "checkpoints of long runs"}
+    )
     launch: Launch = field(default_factory=Launch, metadata={"doc": "how ranks start"})
     extra_args: dict[str, Any] = _doc(
         "more Megatron flags: {'--flag': value}; true: bare flag, false/None: left out, list: "

@@ -2,13 +2,20 @@
 
 The run directory is the one ``run`` writes (recipe.yaml, command.sh, logs/rank-N.log,
 metrics, plot, comparisons), plus ``sbatch.sh``, ``slurm-<jobid>.out`` and ``job_exit_code``.
-It must be on a file system that the compute nodes share with the submitting machine.
+It must be on a file system that the compute nodes share with the submitting machine: a
+multi-node job refuses a node-local one (the temporary directory, tmpfs).
+
+A resumable recipe (see :func:`megatron_ext.recipes.plan.resumable`) becomes a job that saves on
+Slurm's warning signal, requeues itself and resumes (:class:`megatron_ext.launch.slurm.Requeue`);
+its restarts are segments of the run directory, joined like ``run --resume``'s.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +23,7 @@ from pathlib import Path
 from megatron_ext.launch import shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
-from megatron_ext.recipes import plan, runner
+from megatron_ext.recipes import plan, resume as rsm, runner
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
@@ -58,13 +65,21 @@ def build_job(
             f"GPUs per node, not {gpus} (change --nodes or the recipe's parallelism)"
         )
     image = options.container_image or cfg.container_image
+    problems += _shared_run_dir_problems(run_dir, nodes)
+    image_problem = container_image_problem(image)
+    if image_problem:
+        problems.append(image_problem)
     python = options.python or ("python" if image else sys.executable)
     steps = []
-    for phase in runner.phases(loaded, run_dir):
+    resumable = plan.resumable(loaded)
+    for phase in runner.phases(loaded, run_dir, slurm.SEGMENT if resumable else "", resumable):
         before = None
         if phase.name == "resume":
             before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
-        steps.append(slurm.Step(phase.name, recipe.entry, phase.args, phase.log_dir, before))
+        # a resumable job's restarts write below logs/ (the srun output names the segment)
+        logs = run_dir / "logs" if resumable else phase.log_dir
+        name = "train" if resumable else phase.name
+        steps.append(slurm.Step(name, recipe.entry, phase.args, logs, before))
     job = slurm.SlurmJob(
         name=loaded.name,
         run_dir=run_dir,
@@ -84,8 +99,88 @@ def build_job(
         if options.container_mounts is not None
         else cfg.container_mounts,
         sbatch_args=cfg.sbatch_args,
+        requeue=slurm.Requeue(
+            checkpoint_dir=rsm.checkpoint_dir(run_dir),
+            final_iteration=recipe.training.iterations,
+            signal_warning_s=cfg.signal_warning_s,
+            max_requeues=cfg.max_requeues,
+        )
+        if resumable
+        else None,
     )
     return (None if problems else job), problems
+
+
+NODE_LOCAL_FS = ("tmpfs", "ramfs", "devtmpfs", "overlay")
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
+def _mount_type(path: Path) -> str | None:
+    """The file system type of the mount holding ``path`` (Linux /proc/mounts; None elsewhere)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    best, kind = "", None
+    text = str(path)
+    for fields in mounts:
+        if len(fields) >= 3 and (text == fields[1] or text.startswith(fields[1].rstrip("/") + "/")):
+            if len(fields[1]) >= len(best):
+                best, kind = fields[1], fields[2]
+    return kind
+
+
+def _shared_run_dir_problems(run_dir: Path, nodes: int) -> list[str]:
+    """A multi-node job's run directory must be seen by every node: refuse node-local ones."""
+    if nodes <= 1:
+        return []
+    run_dir = Path(run_dir).resolve()
+    local_dirs = {*NODE_LOCAL_DIRS, os.path.realpath(tempfile.gettempdir())}
+    under = next(
+        (d for d in sorted(local_dirs) if str(run_dir) == d or str(run_dir).startswith(d + "/")),
+        None,
+    )
+    kind = _mount_type(run_dir)
+    if under is None and kind not in NODE_LOCAL_FS:
+        return []
+    why = f"under {under}" if under else f"on a {kind} file system"
+    return [
+        f"run directory {run_dir} is node-local ({why}) but the job spans {nodes} nodes that "
+        "must all see it; pass --run-dir on a shared file system"
+    ]
+
+
+IMAGES_WITHOUT_MEGATRON_EXT = (
+    "nvcr.io/nvidia/pytorch",
+    "nvcr.io#nvidia/pytorch",
+    "pytorch/pytorch",
+    "nvcr.io/nvidia/cuda",
+    "nvcr.io#nvidia/cuda",
+)
+
+
+def container_image_problem(image: str | None) -> str | None:
+    """A container image known (by name) to lack megatron-ext: the steps run
+    ``python -m megatron_ext...`` inside it."""
+    if not image:
+        return None
+    name = image.split("://", 1)[-1]
+    for known in IMAGES_WITHOUT_MEGATRON_EXT:
+        if name.startswith(known):
+            return (
+                f"container image {image} is {known}, which lacks megatron-ext; build ours "
+                "(docker build -t megatron-ext .) or an image that pip-installs megatron-ext"
+            )
+    return None
+
+
+def container_image_warning(image: str | None) -> str | None:
+    if not image or "megatron-ext" in image or "megatron_ext" in image:
+        return None
+    return (
+        f"warning: cannot tell whether container image {image} has megatron-ext (its steps run "
+        "python -m megatron_ext...); build it from this repository's Dockerfile"
+    )
 
 
 def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
@@ -126,6 +221,9 @@ def submit(
         for p in problems:
             echo(f"cannot submit: {p}")
         return Outcome(EXIT_INVALID, None, message="; ".join(problems))
+    warning = container_image_warning(job.container_image)
+    if warning:
+        echo(warning)
     try:
         script = slurm.sbatch_script(job)
     except UnsafeValueError as exc:
@@ -158,9 +256,17 @@ def submit(
         echo(f"  not waiting; afterwards: megatron-ext compare {run_dir} <golden.json>")
         return Outcome(0, run_dir)
 
+    segments = [""] + [
+        f"{rsm.SEGMENT_PREFIX}{n}"
+        for n in range(1, (job.requeue.max_requeues + 1 if job.requeue else 1))
+    ]
     followers = [
-        LogFollower(step.log_dir / f"rank-{job.world_size - 1}.log", Progress(echo, step.name))
+        LogFollower(
+            step.log_dir / segment / f"rank-{job.world_size - 1}.log",
+            Progress(echo, segment or step.name),
+        )
         for step in job.steps
+        for segment in segments
     ]
 
     def poll() -> None:
@@ -191,6 +297,15 @@ def submit(
             "seconds": round(result.seconds, 2),
         }
     ]
+    if result.exit_code == runner.EXIT_STOPPED and result.stall is None:
+        latest = rsm.latest_complete(rsm.checkpoint_dir(run_dir))
+        phase_results[0]["resume_from"] = latest
+        runner._write_summary(
+            loaded, run_dir, "stopped", phase_results, [], time.monotonic() - started
+        )
+        echo(f"  latest complete checkpoint at iteration {latest}")
+        echo(f"{runner.STOPPED_RESUMABLE}: megatron-ext run --resume {run_dir}")
+        return Outcome(runner.EXIT_STOPPED, run_dir, message=runner.STOPPED_RESUMABLE)
     if result.stall is not None:
         echo(f"  first failure: {result.stall}")
         echo(

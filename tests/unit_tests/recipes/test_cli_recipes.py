@@ -111,7 +111,8 @@ def test_submit_dry_run_prints_the_sbatch_script():
     )
     assert "#SBATCH --partition=batch" in script and "#SBATCH --time=00:20:00" in script
     assert (
-        "--container-image=img:1" in script and "--output=/shared/runs/x/logs/rank-%t.log" in script
+        "--container-image=img:1" in script
+        and "'--output=/shared/runs/x/logs/'\"${SEGMENT}\"'/rank-%t.log'" in script
     )
     cpu = _cli("submit", "recipes/gpt_tp2_pp2.yaml", "--slurm", "--dry-run", "--platform", "cpu")
     assert cpu.returncode == 0 and "#SBATCH --ntasks-per-node=4" in cpu.stdout

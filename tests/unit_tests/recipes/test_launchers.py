@@ -416,7 +416,10 @@ def test_slurm_layout_problems(tmp_path):
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=3))
     assert problems == ["8 ranks do not split evenly over 3 node(s)"]
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=2, gpus_per_node=8))
-    assert problems == [
+    assert problems[1:] == [
+        f"run directory {tmp_path} is node-local" + problems[1].split("local", 1)[1]
+    ]
+    assert problems[:1] == [
         "one task per GPU: 8 ranks over 2 node(s) need 4 GPUs per node, not 8 "
         "(change --nodes or the recipe's parallelism)"
     ]

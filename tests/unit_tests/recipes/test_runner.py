@@ -60,7 +60,7 @@ def test_progress_prints_one_short_line_per_iteration_and_event():
     assert seen[0].startswith("  first iteration ")
     assert seen[1] == runner.LOSS_SOURCES  # which loss is which (issue 25 item 19)
     assert seen[2:] == [
-        "  iteration    3/10 | lm loss 4.593707 | mtp_1 loss 4.700000 | grad norm 1.866 | 308 ms/iter",
+        "  iteration    3/10 | lm loss 4.593707 | mtp_1 loss 4.700000 | grad norm 1.866 | 308 ms/iter | ETA 2s",
         "  checkpoint saved at iteration 5",
         "  checkpoint loaded (iteration 5)",
     ]

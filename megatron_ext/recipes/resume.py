@@ -1,0 +1,170 @@
+"""A run directory across stops and resumes: what to resume, from which checkpoint, and the
+metrics of all its segments as one run.
+
+``run.json`` (written when a run starts) records how it was started: the recipe it came from,
+the platform, the overrides as shown (secrets redacted: they travel in the environment, as for
+the first start) and whether it can be resumed. The resolved ``recipe.yaml`` beside it is what
+``megatron-ext run --resume RUN_DIR`` trains again, so a resumed run has the same recipe and
+overrides.
+
+Checkpoints are megatron.training's: ``checkpoints/iter_NNNNNNN/`` and
+``latest_checkpointed_iteration.txt``, which Megatron writes only once every rank finished a
+save. The tracker therefore names the latest *complete* checkpoint; an ``iter_`` directory
+newer than it is a save that was cut short (a second stop, a killed job) and is removed before
+a resume (:func:`discard_incomplete`).
+
+Every resume writes its logs and TensorBoard events to a segment of its own
+(``logs/resumed-N/``, ``tensorboard/resumed-N/``). :func:`read_metrics` joins the segments: a
+later segment's steps replace an earlier one's from its first step on (a stopped run may have
+logged steps after its last checkpoint; they were trained again).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.recipes import metrics as met
+
+RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+TRACKER = "latest_checkpointed_iteration.txt"
+SEGMENT_PREFIX = "resumed-"
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class ResumeError(ValueError):
+    """A run directory that cannot be resumed (one line: what and why)."""
+
+
+def write_run_record(run_dir: Path, record: dict) -> None:
+    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_run_record(run_dir: Path) -> dict:
+    path = Path(run_dir) / RUN_FILE
+    if not Path(run_dir).is_dir():
+        raise ResumeError(f"{run_dir}: not a directory")
+    if not path.is_file():
+        raise ResumeError(
+            f"{run_dir}: not a megatron-ext run directory (no {RUN_FILE}; runs made before "
+            "megatron-ext could resume have none)"
+        )
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(record, dict):
+        raise ResumeError(f"{path}: not a run record")
+    return record
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def latest_complete(ckpt_dir: Path) -> int | None:
+    """The iteration of the latest complete checkpoint (Megatron's tracker), None when none."""
+    try:
+        text = (Path(ckpt_dir) / TRACKER).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def saved_iterations(ckpt_dir: Path) -> list[int]:
+    """Iterations that have an ``iter_`` directory (complete or not), ascending."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    found = (ITER_DIR.match(p.name) for p in Path(ckpt_dir).iterdir() if p.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def iteration_dir(ckpt_dir: Path, iteration: int) -> Path:
+    return Path(ckpt_dir) / f"iter_{iteration:07d}"
+
+
+def discard_incomplete(ckpt_dir: Path) -> list[int]:
+    """Remove saves newer than the tracker (cut short); returns their iterations."""
+    latest = latest_complete(ckpt_dir) or 0
+    cut = [i for i in saved_iterations(ckpt_dir) if i > latest]
+    for iteration in cut:
+        shutil.rmtree(iteration_dir(ckpt_dir, iteration), ignore_errors=True)
+    return cut
+
+
+def prune(ckpt_dir: Path, most_recent_k: int | None, keep_final: bool, final: int) -> list[int]:
+    """After a finished run: keep the ``most_recent_k`` newest complete checkpoints (None: all)
+    and the final one unless ``keep_final`` is false; returns the removed iterations. The
+    tracker is moved to the newest kept one (removed when none is left)."""
+    latest = latest_complete(ckpt_dir)
+    complete = [i for i in saved_iterations(ckpt_dir) if latest is not None and i <= latest]
+    keep = list(complete)
+    if not keep_final:
+        keep = [i for i in keep if i != final]
+    if most_recent_k is not None:
+        keep = keep[-most_recent_k:] if most_recent_k > 0 else []
+    removed = [i for i in complete if i not in keep]
+    for iteration in removed:
+        shutil.rmtree(iteration_dir(ckpt_dir, iteration), ignore_errors=True)
+    tracker = Path(ckpt_dir) / TRACKER
+    if keep:
+        tracker.write_text(str(keep[-1]))
+    elif removed:
+        tracker.unlink(missing_ok=True)
+    return removed
+
+
+# ---- segments ------------------------------------------------------------------------------------
+def segments(run_dir: Path) -> list[str]:
+    """'' (the first start) and every resume's segment name, in order."""
+    found = set()
+    for sub in ("logs", met.TENSORBOARD_SUBDIR):
+        base = Path(run_dir) / sub
+        if base.is_dir():
+            found |= {p.name for p in base.iterdir() if p.is_dir() and _segment_number(p.name)}
+    return [""] + sorted(found, key=_segment_number)
+
+
+def _segment_number(name: str) -> int:
+    if name.startswith(SEGMENT_PREFIX) and name[len(SEGMENT_PREFIX) :].isdigit():
+        return int(name[len(SEGMENT_PREFIX) :])
+    return 0
+
+
+def next_segment(run_dir: Path) -> str:
+    """The segment of the next resume: resumed-1, resumed-2, ..."""
+    return f"{SEGMENT_PREFIX}{len(segments(run_dir))}"
+
+
+@dataclass
+class Joined:
+    metrics: met.Metrics
+    source: str
+    resumed_at: list[int]
+    """The step after which each resumed segment took over (its first step - 1)."""
+
+
+def read_metrics(run_dir: Path) -> Joined:
+    """Every segment's metrics as one run (a later segment wins from its first step on)."""
+    joined: met.Metrics = {}
+    sources, resumed_at = [], []
+    for segment in segments(run_dir):
+        part, source = met.read_run_metrics(run_dir, segment)
+        first = min((min(s) for s in part.values() if s), default=None)
+        if first is None:
+            continue
+        sources.append(source)
+        if segment:
+            resumed_at.append(first - 1)
+        for series in joined.values():
+            for step in [s for s in series if s >= first]:
+                del series[step]
+        for name, series in part.items():
+            joined.setdefault(name, {}).update(series)
+    source = "tensorboard" if sources and all(s == "tensorboard" for s in sources) else "logs"
+    return Joined(joined, source if sources else "logs", resumed_at)

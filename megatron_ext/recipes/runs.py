@@ -1,0 +1,203 @@
+"""Run directories as a list and one by one: ``megatron-ext runs`` and ``runs show RUN``.
+
+A run directory is one with a ``recipe.yaml`` and a ``run.json`` or ``summary.json`` (what
+``megatron-ext run`` and ``submit`` write). Its status is the summary's (passed, mismatch,
+training-failed, stopped, interrupted, ...); a run without a summary yet is "running" while
+its logs still change, else "incomplete" (its launcher was killed). Steps and the last loss
+come from metrics.json once a run finished, else from the rank logs of every segment (no
+TensorBoard import: listing stays fast).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_ext.recipes import metrics as met, resume as rsm
+
+RUNNING_WITHIN_S = 120.0
+"""A run without a summary whose logs changed this recently counts as running."""
+
+
+class RunDirError(ValueError):
+    """Not a run directory (one line)."""
+
+
+def is_run_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "recipe.yaml").is_file() and (
+        (path / rsm.RUN_FILE).is_file() or (path / "summary.json").is_file()
+    )
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _iterations(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        return int(data["training"]["iterations"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+
+
+def quick_metrics(run_dir: Path) -> met.Metrics:
+    """metrics.json when the run finished, else the rank logs of every segment, joined."""
+    finished = run_dir / "metrics.json"
+    if finished.is_file():
+        try:
+            return met.read_golden(finished)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    joined: met.Metrics = {}
+    for segment in rsm.segments(run_dir):
+        part = met.parse_run_logs(run_dir / "logs" / segment if segment else run_dir / "logs")
+        first = min((min(s) for s in part.values() if s), default=None)
+        if first is None:
+            continue
+        for series in joined.values():
+            for step in [s for s in series if s >= first]:
+                del series[step]
+        for name, series in part.items():
+            joined.setdefault(name, {}).update(series)
+    return joined
+
+
+@dataclass
+class RunInfo:
+    path: Path
+    name: str
+    recipe: str
+    status: str
+    steps: int | None
+    iterations: int | None
+    last_loss: float | None
+    when: float
+    platform: str = ""
+    overrides: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+
+def _last_change(run_dir: Path) -> float:
+    times = [p.stat().st_mtime for p in run_dir.glob("logs/**/rank-*.log")]
+    for name in ("summary.json", rsm.RUN_FILE, "recipe.yaml"):
+        if (run_dir / name).exists():
+            times.append((run_dir / name).stat().st_mtime)
+    return max(times, default=0.0)
+
+
+def info(run_dir: Path) -> RunInfo:
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        raise RunDirError(
+            f"{run_dir} is not a run directory (no recipe.yaml with a run.json or summary.json)"
+        )
+    record, summary = _json(run_dir / rsm.RUN_FILE), _json(run_dir / "summary.json")
+    when = _last_change(run_dir)
+    status = summary.get("status")
+    if status is None or (
+        status == "stopped" and when > (run_dir / "summary.json").stat().st_mtime
+    ):
+        status = "running" if time.time() - when < RUNNING_WITHIN_S else "incomplete"
+    losses = quick_metrics(run_dir).get("lm loss", {})
+    last = max(losses) if losses else None
+    return RunInfo(
+        path=run_dir,
+        name=run_dir.name,
+        recipe=str(record.get("recipe") or summary.get("recipe") or "?"),
+        status=status,
+        steps=last,
+        iterations=_iterations(run_dir),
+        last_loss=losses[last] if last is not None else None,
+        when=when,
+        platform=str(record.get("platform") or summary.get("platform") or ""),
+        overrides=list(record.get("overrides") or summary.get("overrides") or []),
+        summary=summary,
+    )
+
+
+def find(root: Path) -> list[RunInfo]:
+    """Every run directory directly below ``root`` (or ``root`` itself), newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RunDirError(f"{root} is not a directory (pass --runs-root DIR)")
+    candidates = [root] if is_run_dir(root) else sorted(p for p in root.iterdir() if p.is_dir())
+    return sorted((info(p) for p in candidates if is_run_dir(p)), key=lambda r: -r.when)
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds)) if seconds else "?"
+
+
+def table(runs: list[RunInfo]) -> list[str]:
+    rows = [("NAME", "RECIPE", "STATUS", "STEPS", "LAST LOSS", "WHEN")]
+    for r in runs:
+        steps = f"{r.steps if r.steps is not None else '-'}/{r.iterations or '?'}"
+        loss = f"{r.last_loss:.6f}" if r.last_loss is not None else "-"
+        rows.append((r.name, Path(r.recipe).stem, r.status, steps, loss, _when(r.when)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
+    ]
+
+
+def resolve(run: str, runs_root: Path) -> Path:
+    """A run given as a path, or as a name under the runs root."""
+    path = Path(run)
+    if path.is_dir():
+        return path
+    if (Path(runs_root) / run).is_dir():
+        return Path(runs_root) / run
+    raise RunDirError(f"{run}: no such run directory (nor {Path(runs_root) / run})")
+
+
+def details(run_dir: Path) -> list[str]:
+    """``runs show``: the run, its segments and checkpoints, and what to do next."""
+    r = info(run_dir)
+    lines = [
+        f"run        {r.path}",
+        f"recipe     {r.recipe} (platform {r.platform or '?'})"
+        + (f", overrides: {' '.join(r.overrides)}" if r.overrides else ""),
+        f"status     {r.status}",
+        f"steps      {r.steps if r.steps is not None else '-'} of {r.iterations or '?'}",
+        f"last loss  {r.last_loss:.6f}" if r.last_loss is not None else "last loss  -",
+        f"when       {_when(r.when)}",
+    ]
+    segments = rsm.segments(r.path)
+    if len(segments) > 1:
+        metrics_by_segment = []
+        for segment in segments[1:]:
+            part = met.parse_run_logs(r.path / "logs" / segment)
+            first = min((min(s) for s in part.values() if s), default=None)
+            metrics_by_segment.append(
+                f"{segment} from step {first}" if first else f"{segment} (no step logged)"
+            )
+        lines.append(f"resumed    {len(segments) - 1} time(s): {', '.join(metrics_by_segment)}")
+    ckpt = rsm.checkpoint_dir(r.path)
+    saved = rsm.saved_iterations(ckpt)
+    if saved:
+        latest = rsm.latest_complete(ckpt)
+        lines.append(f"checkpoints {saved} (latest complete: {latest})")
+    for phase in r.summary.get("phases", []):
+        parts = [
+            f"{k} {v}" for k, v in phase.items() if k in ("returncode", "seconds", "stopped_by")
+        ]
+        lines.append(f"phase      {phase.get('phase')}: {', '.join(parts)}")
+    for report in r.summary.get("reports", []):
+        lines.append(
+            f"report     {report.get('title')}: {'PASSED' if report.get('passed') else 'FAILED'}"
+        )
+    if r.status in ("stopped", "incomplete", "interrupted") and _json(r.path / rsm.RUN_FILE).get(
+        "resumable"
+    ):
+        lines.append(f"next       megatron-ext run --resume {r.path}")
+    return lines
