@@ -27,6 +27,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.recipes import metrics as met
 
 RUN_FILE = "run.json"
@@ -36,7 +37,7 @@ SEGMENT_PREFIX = "resumed-"
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
-class ResumeError(ValueError):
+class ResumeError(MegatronExtError, ValueError):
     """A run directory that cannot be resumed (one line: what and why)."""
 
 

@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.recipes import metrics as met, resume as rsm, runs
 
 
-class CompareError(ValueError):
+class CompareError(MegatronExtError, ValueError):
     """Inputs that cannot be compared (one line)."""
 
 

@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.recipes import metrics as met, resume as rsm
 
 RUNNING_WITHIN_S = 120.0
 """A run without a summary whose logs changed this recently counts as running."""
 
 
-class RunDirError(ValueError):
+class RunDirError(MegatronExtError, ValueError):
     """Not a run directory (one line)."""
 
 
