@@ -2,6 +2,8 @@
 every step and the weights after 3 steps. Run:
 torchrun --nproc_per_node 2 -m pytest tests/unit_tests/models/hybrid/test_hybrid_mhc_distributed.py"""
 
+import dataclasses
+
 import pytest
 
 from megatron_ext.config import MHCTransformerConfig
@@ -45,7 +47,11 @@ def _check(plan, pattern):
 @pytest.mark.parametrize("streams", [2, 4])
 def test_tp2_sequence_parallel_attention_mlp_moe_matches_reference(streams):
     pattern = "*-E*-"
-    _check(_plan(pattern, streams=streams, tp=2, sequence_parallel=True), pattern)
+    plan = _plan(pattern, streams=streams, tp=2, sequence_parallel=True)
+    # Loss and every gradient stay at 1e-5. The weights after 3 Adam steps get 2e-5: Adam
+    # normalises a near-zero gradient, so a rounding-level difference in one (an MoE layer's
+    # alpha_res at n=2: 1.06e-05 after 3 steps at lr 1e-4) moves that weight by a fraction of lr.
+    _check(dataclasses.replace(plan, param_atol=2e-5), pattern)
 
 
 def test_tp2_sequence_parallel_with_mtp_matches_reference():
