@@ -17,7 +17,17 @@ rules of megatron-core's own code, not a textbook picture:
   the receive rules of ``recv_tensor_from_previous_stage`` (the leading stage lags by
   ``pp - 1`` steps; the last chunk's output wraps from the last rank to the first rank's next
   chunk), the combined four-way exchange that ends the warm-up and every steady step, and the
-  cool-down's ``send_backward_recv_backward``.
+  cool-down's ``send_backward_recv_backward``;
+- ZB-H1 (megatron-ext's zero-bubble schedule, :mod:`megatron_ext.pipeline.zero_bubble`): the
+  1F1B skeleton with the backward split into ``B`` (input gradient, sent upstream at once) and
+  ``W`` (weight gradient, local). Rank ``r`` keeps at most ``r`` weight gradients pending:
+  after every ``B`` it runs the oldest ``W`` while more than ``r`` wait, and the rest at the
+  end. A ``W`` holds a micro-batch's activations as long as its forward did, so every rank's
+  peak in-flight count is ``pp``, 1F1B's peak on the first stage (the ZB-H1 rule of
+  arXiv 2401.10241). When a steady ``B`` is followed by a ``W``, 1F1B's
+  ``send_backward_recv_forward`` is split into ``send_backward``, the ``W``, then
+  ``recv_forward``: the gradient leaves before the weight gradient is computed and the ``W``
+  fills the wait for the next activation.
 
 A received tensor is labelled with the step that consumes it: the schedule queues received
 activations (gradients) per chunk and its forwards (backwards) of a chunk take them in
@@ -49,7 +59,7 @@ CARRIES = {"send_next": "F", "recv_prev": "F", "send_prev": "B", "recv_next": "B
 class Compute:
     """A forward or backward pass of one micro-batch through one model chunk."""
 
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "W" (ZB-H1's deferred weight gradient)
     microbatch: int
     chunk: int = 0
 
@@ -93,6 +103,11 @@ def step_label(step: Step, chunks: int = 1) -> str:
     return step.label(chunks)
 
 
+ONE_F_ONE_B = "1f1b"
+ZB_H1 = "zb-h1"
+SCHEDULES = (ONE_F_ONE_B, ZB_H1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The plan
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +123,7 @@ class SchedulePlan:
     microbatches: int = 1
     microbatch_group_size: int | None = None
     multimodule: Any = None
+    schedule: str = "1f1b"  # or "zb-h1" (recipe parallelism.schedule, --pipeline-schedule)
 
     @property
     def chunks(self) -> int:
@@ -120,7 +136,20 @@ class SchedulePlan:
     def problems(self) -> list[Problem]:
         """Why megatron-core would refuse this plan (one each, with the fix)."""
         problems: list[Problem] = []
-        if self.multimodule is not None:
+        if self.schedule not in SCHEDULES:
+            problems.append(
+                Problem(f"schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+            )
+        elif self.schedule == ZB_H1 and (self.vpp is not None or self.multimodule is not None):
+            what = "--vpp" if self.vpp is not None else "a multi-module plan"
+            problems.append(
+                Problem(
+                    f"schedule zb-h1 with {what}",
+                    "ZB-H1 is defined for one chunk per rank of one pipeline; use "
+                    "schedule 1f1b for interleaving and multi-module pipelines",
+                )
+            )
+        if problems or self.multimodule is not None:
             return problems
         if self.pp < 1:
             problems.append(Problem(f"--pp {self.pp}", "the pipeline needs at least one stage"))
@@ -229,6 +258,74 @@ def one_f_one_b(microbatches: int, warmup: int, first: bool, last: bool) -> list
         rank.exchange("recv_backward", {}, {} if last else {"recv_next": 0})
         rank.compute("B", b, 0)
         rank.exchange("send_backward", {} if first else {"send_prev": (b, 0)}, {})
+    return rank.steps
+
+
+def zero_bubble_h1(
+    microbatches: int, warmup: int, first: bool, last: bool, pending_limit: int
+) -> list[Step]:
+    """One rank of ZB-H1 (training): 1F1B's forwards and input-gradient backwards, with the
+    weight gradients ``W`` deferred while at most ``pending_limit`` (the rank's position in
+    the pipeline) wait; the module docstring gives the P2P calls."""
+    rank = _RankBuilder()
+    warmup = min(warmup, microbatches)
+    remaining = microbatches - warmup
+    pending: list[int] = []
+
+    def recv_forward():
+        rank.exchange("recv_forward", {}, {} if first else {"recv_prev": 0})
+
+    def send_backward(mb: int):
+        rank.exchange("send_backward", {} if first else {"send_prev": (mb, 0)}, {})
+
+    def backward(mb: int) -> list[int]:
+        """B of ``mb``; returns the weight gradients now due (oldest first)."""
+        rank.compute("B", mb, 0)
+        pending.append(mb)
+        due = []
+        while len(pending) > pending_limit:
+            due.append(pending.pop(0))
+        return due
+
+    def weight_gradients(mbs: list[int]):
+        for mb in mbs:
+            rank.compute("W", mb, 0)
+
+    for i in range(warmup):
+        recv_forward()
+        rank.compute("F", i, 0)
+        rank.exchange("send_forward", {} if last else {"send_next": (i, 0)}, {})
+    if remaining > 0:
+        recv_forward()
+    for i in range(remaining):
+        f = warmup + i
+        rank.compute("F", f, 0)
+        rank.exchange(
+            "send_forward_recv_backward",
+            {} if last else {"send_next": (f, 0)},
+            {} if last else {"recv_next": 0},
+        )
+        due = backward(i)
+        if i == remaining - 1:
+            send_backward(i)
+            weight_gradients(due)
+        elif due:
+            send_backward(i)
+            weight_gradients(due)
+            recv_forward()
+        else:
+            rank.exchange(
+                "send_backward_recv_forward",
+                {} if first else {"send_prev": (i, 0)},
+                {} if first else {"recv_prev": 0},
+            )
+    for i in range(warmup):
+        b = remaining + i
+        rank.exchange("recv_backward", {}, {} if last else {"recv_next": 0})
+        due = backward(b)
+        send_backward(b)
+        weight_gradients(due)
+    weight_gradients(pending)
     return rank.steps
 
 
@@ -380,14 +477,17 @@ class Schedule:
         return [s for s in self.ranks[rank] if isinstance(s, Compute)]
 
     def peak_in_flight(self) -> list[int]:
-        """Per rank, the most (micro-batch, chunk) forwards whose backward has not run yet:
-        the activations a rank holds at its fullest. With ``vpp`` chunks each holds about
-        1/vpp of a full stage's activations."""
+        """Per rank, the most (micro-batch, chunk) forwards whose backward has not finished:
+        the activations a rank holds at its fullest (under ZB-H1 a micro-batch's are held
+        until its ``W``, which needs the layers' inputs). With ``vpp`` chunks each holds
+        about 1/vpp of a full stage's activations."""
         peaks = []
         for rank in range(len(self.ranks)):
+            computes = self.computes(rank)
+            releases = "W" if any(s.kind == "W" for s in computes) else "B"
             held = peak = 0
-            for step in self.computes(rank):
-                held += 1 if step.kind == "F" else -1
+            for step in computes:
+                held += 1 if step.kind == "F" else -1 if step.kind == releases else 0
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
@@ -433,7 +533,9 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
             next_ranks.append(links[rank][1])
         return Schedule(plan, ranks, prev_ranks, next_ranks)
     p = plan.pp
-    if plan.vpp is None:
+    if plan.schedule == ZB_H1:
+        ranks = [zero_bubble_h1(m, p - r - 1, r == 0, r == p - 1, r) for r in range(p)]
+    elif plan.vpp is None:
         ranks = [one_f_one_b(m, p - r - 1, r == 0, r == p - 1) for r in range(p)]
     else:
         ranks = [interleaved(p, r, plan.vpp, m, plan.group_size) for r in range(p)]
@@ -536,6 +638,7 @@ def _dependencies(schedule: Schedule) -> dict[tuple[str, int, Any], list[tuple[s
             for mb in range(schedule.plan.microbatches):
                 deps[("F", mb, rank)] = [("F", mb, r) for r in prev]
                 deps[("B", mb, rank)] = [("B", mb, r) for r in nxt] + [("F", mb, rank)]
+                deps[("W", mb, rank)] = [("B", mb, rank)]
         return deps
     stages = schedule.plan.pp * schedule.chunks
     for stage in range(stages):
@@ -544,13 +647,30 @@ def _dependencies(schedule: Schedule) -> dict[tuple[str, int, Any], list[tuple[s
             deps[("B", mb, stage)] = (
                 [("B", mb, stage + 1)] if stage < stages - 1 else [("F", mb, stage)]
             )
+            deps[("W", mb, stage)] = [("B", mb, stage)]
     return deps
 
 
-def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    weight_time: float = 1.0,
+) -> Timeline:
     """Each rank runs its compute steps in order, each as soon as the step it depends on
-    (the previous stage's forward, the next stage's backward) has finished; communication
-    is free. Raises :class:`ScheduleDeadlock` if the order cannot complete."""
+    (the previous stage's forward, the next stage's backward, a ``W``'s own ``B``) has
+    finished; communication is free. ``backward_time`` is a whole backward (input and weight
+    gradients): a schedule with ``W`` steps spends ``backward_time - weight_time`` in ``B``
+    and ``weight_time`` in ``W``, so both kinds of schedule do the same work. Raises
+    :class:`ScheduleDeadlock` if the order cannot complete."""
+    if not 0 <= weight_time <= backward_time:
+        raise ValueError(f"weight_time={weight_time} must lie in [0, backward_time]")
+    split = any(s.kind == "W" for r in range(len(schedule.ranks)) for s in schedule.computes(r))
+    cost = {
+        "F": forward_time,
+        "B": backward_time - weight_time if split else backward_time,
+        "W": weight_time,
+    }
     deps = _dependencies(schedule)
     queues = [schedule.computes(r) for r in range(len(schedule.ranks))]
     position = [0] * len(queues)
@@ -567,7 +687,7 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                 if any(w not in finished for w in waits):
                     break
                 start = max([clock[rank]] + [finished[w] for w in waits])
-                end = start + (forward_time if step.kind == "F" else backward_time)
+                end = start + cost[step.kind]
                 finished[key] = end
                 clock[rank] = end
                 slots.append(Slot(rank, step, start, end))
