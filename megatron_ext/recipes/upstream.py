@@ -755,9 +755,13 @@ def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:
     ]
 
 
-def async_save_problems(extra_args: Mapping[str, Any]) -> list[Problem]:
-    """``--async-save`` (any recipe) on a machine without the package megatron saves with."""
-    if not extra_args.get("--async-save") or importlib.util.find_spec(ASYNC_SAVE_PACKAGE):
+def async_save_problems(extra_args: Any) -> list[Problem]:
+    """``--async-save`` (any recipe) on a machine without the package megatron saves with.
+    ``extra_args`` that is not a mapping (``extra_args=null``) is the schema's problem, named
+    there; nothing to add here."""
+    if not isinstance(extra_args, Mapping) or not extra_args.get("--async-save"):
+        return []
+    if importlib.util.find_spec(ASYNC_SAVE_PACKAGE):
         return []
     return [
         Problem(

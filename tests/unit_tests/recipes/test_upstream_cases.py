@@ -510,6 +510,15 @@ def test_async_save_without_its_package_is_refused_before_start(tmp_path, monkey
     assert load(path, "dgx_h100", ["extra_args.--async-save=false"]).recipe
 
 
+@pytest.mark.parametrize("value", ["null", "3", "[a]"])
+def test_extra_args_that_is_not_a_mapping_is_a_problem_not_a_traceback(value):
+    # Found by MEGATRON_EXT_FUZZ_EXAMPLES=2000: the --async-save check read .get of None.
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "gpt_tp2_pp2.yaml"
+    with pytest.raises(RecipeError) as error:
+        load(recipe, "cpu", [f"extra_args={value}"])
+    assert "extra_args: must be" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_a_regular_cases_checkpoint_format_is_passed(tmp_path):
     from megatron_ext.recipes import plan
 
