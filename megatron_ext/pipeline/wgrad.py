@@ -97,14 +97,40 @@ class _Work:
         grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
         return grad_weight, grad_bias
 
-    def accumulate(self) -> None:
-        """Compute the gradients and hand them to the parameters' accumulators."""
+    def param_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, gradient) for the weight and, when it is in the matmul, the bias."""
         grad_weight, grad_bias = self.gradients()
-        params, grads = [self.weight], [grad_weight]
+        pairs = [(self.weight, grad_weight)]
         if self.bias is not None and grad_bias is not None:
-            params.append(self.bias)
-            grads.append(grad_bias)
-        _accumulate(params, grads)
+            pairs.append((self.bias, grad_bias))
+        return pairs
+
+
+def _accumulate_micro_batch(works: list[_Work]) -> None:
+    """Accumulate one micro-batch's work in order. A parameter that several items share (a
+    linear called more than once in a forward) gets the sum, once, at its last item: an eager
+    backward sums such contributions in the AccumulateGrad node's input buffer (first + next,
+    in arrival order, which is the stored order) and runs the node, and DDP's hook, once."""
+    remaining: dict[int, int] = {}
+    for work in works:
+        for param in (work.weight, work.bias):
+            if param is not None:
+                remaining[id(param)] = remaining.get(id(param), 0) + 1
+    partial: dict[int, torch.Tensor] = {}
+    for work in works:
+        params, grads = [], []
+        for param, grad in work.param_grads():
+            key = id(param)
+            remaining[key] -= 1
+            if key in partial:
+                grad = partial.pop(key) + grad
+            if remaining[key]:
+                partial[key] = grad
+                continue
+            params.append(param)
+            grads.append(grad)
+        if params:
+            _accumulate(params, grads)
 
 
 def _gather_sequence(local: torch.Tensor, group: Any) -> torch.Tensor:
@@ -141,13 +167,14 @@ class _Store:
     def take(self, key: Hashable) -> list[_Work]:
         return self.work.pop(key, [])
 
-    def take_owned(self, owner: torch.nn.Module) -> list[_Work]:
+    def take_owned(self, owner: torch.nn.Module) -> list[list[_Work]]:
+        """``owner``'s work, one list per micro-batch (oldest first)."""
         taken = []
         for key in list(self.work):
             mine = [w for w in self.work[key] if w.owner is owner]
             if mine:
                 self.work[key] = [w for w in self.work[key] if w.owner is not owner]
-                taken.extend(mine)
+                taken.append(mine)
                 if not self.work[key]:
                     del self.work[key]
         return taken
@@ -175,9 +202,7 @@ def capture(microbatch: Hashable) -> Iterator[None]:
 def run(microbatch: Hashable) -> None:
     """Compute and accumulate all work stored under ``microbatch``, in the order stored
     (nothing stored: nothing to do, e.g. a stage without deferrable linears)."""
-    work = _STORE.take(microbatch)
-    while work:
-        work.pop(0).accumulate()
+    _accumulate_micro_batch(_STORE.take(microbatch))
 
 
 def pending() -> list:
@@ -272,7 +297,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         if _STORE.active:
             _STORE.add(work)
         else:  # eager (no capture): W right away, inside B
-            work.accumulate()
+            _accumulate_micro_batch([work])
         return grad_input, None, None, None, None, None, None, None
 
 
@@ -323,8 +348,8 @@ class _Deferrable:
     def backward_dw(self) -> None:
         """Compute and accumulate this linear's stored weight-gradient work (every
         micro-batch's, oldest first); nothing stored: nothing to do."""
-        for work in _STORE.take_owned(self):  # type: ignore[arg-type]
-            work.accumulate()
+        for micro_batch in _STORE.take_owned(self):  # type: ignore[arg-type]
+            _accumulate_micro_batch(micro_batch)
 
 
 class ColumnParallelLinear(_Deferrable, tensor_parallel.ColumnParallelLinear):

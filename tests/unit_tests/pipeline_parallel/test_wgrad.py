@@ -5,6 +5,8 @@ micro-batch; an optimizer step with work pending is refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from mhc_moe_mla_cases import mla_plan, moe_plan
@@ -178,6 +180,34 @@ def test_backward_dw_computes_the_modules_own_work():
         _assert_equal(_grads(column), _grads(ref_column))
 
 
+def test_a_linear_used_twice_accumulates_once_per_micro_batch():
+    """Shared use (as a repeated MTP layer would): the two contributions are summed first, as
+    autograd's input buffer does, and the accumulator (DDP's hook) runs once per micro-batch."""
+    with model_parallel():
+        ours = _build("column", wgrad, "zb-h1")
+        ref = _build("column", tensor_parallel, "1f1b")
+        nodes, calls = [], []
+        for layer in (ours, ref):
+            node = layer.weight.expand_as(layer.weight).grad_fn.next_functions[0][0]
+            nodes.append(node)  # keeps the node (and its hook) alive
+            calls.append([0])
+            node.register_hook(lambda *_, c=calls[-1]: c.__setitem__(0, c[0] + 1))
+        xs, gs = _inputs("column", 4)
+        for key in range(2):
+            for layer in (ours, ref):
+                a = xs[2 * key].clone().requires_grad_()
+                b = xs[2 * key + 1].clone().requires_grad_()
+                out = layer(a)[0] * gs[2 * key] + layer(b)[0] * gs[2 * key + 1]
+                with wgrad.capture(key) if layer is ours else contextlib.nullcontext():
+                    out.sum().backward()
+        assert calls[0] == [0] and calls[1] == [2]
+        wgrad.run(0)
+        assert calls[0] == [1]
+        wgrad.run(1)
+        assert calls[0] == [2]
+        _assert_equal(_grads(ours), _grads(ref))
+
+
 def test_optimizer_step_with_work_pending_is_an_error():
     with model_parallel():
         layer = _build("column", wgrad, "zb-h1")
@@ -290,8 +320,6 @@ def _count_hook_calls(ddp) -> dict[str, list[int]]:
 
 
 def _run_ddp(ddp, batches, deferred: bool, counts) -> None:
-    import contextlib
-
     ddp.zero_grad_buffer()
     last = len(batches) - 1
     for key, batch in enumerate(batches):
