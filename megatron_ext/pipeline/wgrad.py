@@ -13,23 +13,38 @@ pipeline's bubble). This module owns W for megatron-ext's local layer specs:
   parallelism, reduce-scatter with it). Inside :func:`capture` it stores what the weight
   gradient needs (the layer's input as the matmul saw it before any sequence-parallel gather,
   the output gradient, the weight and bias); outside it computes the weight gradient at once,
-  exactly as megatron does. With deferral off the layers are megatron's, bit for bit.
+  with megatron's arithmetic (eager: plain ``loss.backward()``, or 1F1B with the field set).
+  With deferral off the layers are megatron's, bit for bit (megatron's own autograd function).
 * :func:`run` computes the stored work of one micro-batch and accumulates it through each
   parameter's own autograd accumulator (``param.expand_as(param)`` leads to the
   ``AccumulateGrad`` node megatron's DDP hooked), so DDP's grad hooks fire once per parameter
-  per micro-batch, into ``main_grad``, as in an eager backward.
+  per micro-batch, into ``main_grad``, as in an eager backward (a parameter several stored
+  items share gets their sum, once).
 * Each linear's ``backward_dw()`` (megatron-core's seam: attention, MLP, SequentialMLP and MLA
-  call their linears' ``backward_dw``) computes that linear's stored work.
+  call their linears' ``backward_dw``) computes that linear's stored work, micro-batch by
+  micro-batch.
 * A torch optimizer step (megatron's optimizers step their inner torch optimizer) with work
-  still stored raises :class:`PendingWeightGradientError`, instead of applying a stale gradient.
+  still stored raises :class:`PendingWeightGradientError`, instead of applying a stale gradient;
+  :func:`raise_if_pending` is the same check for a schedule to call before finalising grads.
 
-What stays in B: megatron's own modules (the output layer / LM head, tied to the embedding or
-not, keeps megatron's ColumnParallelLinear: its weight gradient is computed in B), MLA's down
-projections (megatron's MLA accepts only its own classes there, by identity), the row-parallel
-bias added after the reduce (its gradient is a sum, computed by autograd in B), and the mHC
-projection of :mod:`megatron_ext.mhc` (its output is a few numbers per token, n^2 + 2n, so its
-weight gradient is a small fraction of a layer's FLOPs; deferring it is not worth storing its
-n*h-wide input a second time).
+Why the parameters enter the function detached: autograd runs a parameter's AccumulateGrad node
+(and DDP's hook on it) even when the gradient reaching it is None, so a wired-in weight would
+fire DDP's hook in B with no gradient and again in W. Detached, the node runs only when W (or
+the eager path, from inside B) hands it the gradient. The price, in the eager path only: a
+linear called twice in one forward accumulates twice (autograd would sum first), so DDP's hook
+runs twice for it in that backward.
+
+What stays in B (megatron's own path, weight gradient in the backward): linears our specs do
+not swap (the output layer / LM head, tied to the embedding or not, which GPTModel builds
+itself; the Hybrid MTP projections and Mamba's in/out projections), MLA's down projections (megatron's MLA accepts only its own classes
+there, by identity), a call whose input needs no gradient (nothing would reach the detached
+weight), the row-parallel bias added after the reduce and ``skip_bias_add`` biases (added by
+the caller; their gradients are sums), frozen or non-leaf weights, megatron's embedding wgrad
+deferral and GTP-sharded weights; and the mHC projection of :mod:`megatron_ext.mhc` (its output
+is n^2 + 2n numbers per token, so its weight gradient is a small fraction of a layer's FLOPs;
+deferring it is not worth keeping its n*h-wide input alive until W).
+gradient_accumulation_fusion (wgrad GEMM straight into main_grad) is refused with zb-h1 by
+:func:`megatron_ext.guards.check_pipeline_schedule`.
 
 Transformer Engine specs are not deferred here: TE's own ``delay_wgrad_compute`` is switched on
 through megatron-core 0.19.2's ``TransformerConfig.delay_wgrad_compute``, whose
@@ -208,6 +223,12 @@ def run(microbatch: Hashable) -> None:
 def pending() -> list:
     """The keys with work still stored, oldest first."""
     return [key for key, work in _STORE.work.items() if work]
+
+
+def deferrable_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linears of ``model`` whose weight gradient can be deferred (empty for a Transformer
+    Engine spec: a zero-bubble schedule's W steps then have nothing to do)."""
+    return [m for m in model.modules() if isinstance(m, _Deferrable)]
 
 
 def raise_if_pending(when: str) -> None:
@@ -394,6 +415,7 @@ __all__ = [
     "PendingWeightGradientError",
     "RowParallelLinear",
     "capture",
+    "deferrable_linears",
     "deferral_enabled",
     "discard_pending",
     "pending",
