@@ -97,3 +97,25 @@ def test_tensor_parallel_deferred_grads_equal_megatron(sequence_parallel):
                 mine.named_parameters(), theirs.named_parameters(), strict=True
             ):
                 torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("parallel", ["pp2", "tp2_sp"])
+def test_eager_path_under_megatron_1f1b_matches_the_reference(parallel):
+    """pipeline_schedule='zb-h1' under megatron's own 1F1B (no capture: W inside B, through
+    the accumulators DDP hooked) trains as the single-rank reference (megatron's linears):
+    loss, every gradient of every step, the final weights. mHC on."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
+
+    sizes = dict(pp=2) if parallel == "pp2" else dict(tp=2, sequence_parallel=True)
+    plan = TrainPlan(
+        **sizes,
+        num_layers=2,
+        steps=2,
+        lr=1e-4,  # mhc_moe_mla_cases.MHC_LR: Adam turns alpha_res's rounding noise into steps
+        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
+        parallel_overrides=dict(pipeline_schedule="zb-h1"),
+    )
+    check_equivalence(plan, config_class=MHCTransformerConfig)
+    assert wgrad.pending() == []
