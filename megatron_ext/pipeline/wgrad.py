@@ -216,7 +216,11 @@ def capture(microbatch: Hashable) -> Iterator[None]:
 
 def run(microbatch: Hashable) -> None:
     """Compute and accumulate all work stored under ``microbatch``, in the order stored
-    (nothing stored: nothing to do, e.g. a stage without deferrable linears)."""
+    (nothing stored: nothing to do, e.g. a stage without deferrable linears).
+
+    Under megatron's DDP the accumulation fires its grad hooks, which start the bucket reduce
+    when the DDP is at its last micro-batch: run every W but the one that comes last inside
+    DDP's ``no_sync()`` (config.no_sync_func), as megatron does for every B but the last."""
     _accumulate_micro_batch(_STORE.take(microbatch))
 
 
