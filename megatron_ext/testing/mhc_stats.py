@@ -25,7 +25,7 @@ class StatsCheck:
         sharded = {k: v for k, v in self.recorder.samples.items() if k in ours}
         if step == 0:
             others = {k: v for k, v in self.recorder.samples.items() if k not in ours}
-            self.reference = stats.combine([stats.local_figures(others)])
+            self.reference = stats.combine([stats.contribution(others, holders_only=False)])
         own = stats.Recorder(samples=sharded)
         figures = stats.collect(own)
         if step == 0:
