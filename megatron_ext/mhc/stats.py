@@ -76,11 +76,10 @@ class Sample(NamedTuple):
 
 
 def _group_rank_size(group) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if group is None or not dist.is_initialized():
+    # The group's own rank()/size(): no lookup in torch's registry of live groups.
+    if group is None:
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return group.rank(), group.size()
 
 
 def _groups(connection) -> dict[str, tuple[int, int]]:
