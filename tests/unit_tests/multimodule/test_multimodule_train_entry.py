@@ -39,7 +39,9 @@ def test_the_language_model_may_log_mhc_stats_with_either_h_res_method(method):
     recipe = load_recipe(str(RECIPE), overrides)
     assert mhc_report.logs_stats(recipe)
     assert "mhc/forward_gain" in mhc_report.recorded_names(recipe, ["lm loss"])
-    assert not mhc_report.logs_stats(load_recipe(str(RECIPE)))
+    assert not mhc_report.logs_stats(
+        load_recipe(str(RECIPE), ["model.modules.llm.mhc.log_stats=false"])
+    )
 
 
 def test_validation_reports_plan_problems_of_overrides():
