@@ -22,6 +22,12 @@ Metrics go where Megatron's go: the last rank writes TensorBoard scalars under M
 ("lm loss", "grad-norm", "iteration-time" in seconds, "learning-rate", "batch-size") into
 ``--tensorboard-dir``, which the runner reads. Progress is logged as a plain line per
 iteration (``multimodule: iteration N/M | lm loss X | grad norm G | T ms``).
+
+``model.modules.<language model>.mhc.log_stats: true`` adds the mHC statistics of
+:mod:`megatron_ext.mhc.stats` at every iteration (the runner's log interval is 1): the language
+model's hyper connections record their sample with the language model's own TP/CP/DP groups,
+every rank takes part in the gather (the encoders' ranks contribute nothing), the last rank
+writes the ``mhc/...`` scalars and prints the gains.
 """
 
 from __future__ import annotations
@@ -225,6 +231,7 @@ def train(
     forward_step = vlm.make_forward_step(plan.language_model)
     last_rank = dist.get_rank() == dist.get_world_size() - 1
     writer = _tensorboard_writer(tensorboard_dir) if last_rank else None
+    recorder = _mhc_stats_recorder(recipe, plan)
     losses = []
     # No try/finally around destroy(): it starts with a barrier, which a failing rank would
     # block in while its peers wait on it. A failure ends the rank (main's fail-fast) instead.
@@ -269,10 +276,42 @@ def train(
                 f"| grad norm {grad_norm:.3f} | {elapsed_ms:.0f} ms"
             )
             sys.stdout.flush()
+        if recorder is not None:
+            _log_mhc_stats(recorder, iteration, writer, log if last_rank else None)
+    if recorder is not None:
+        from megatron_ext.mhc import stats
+
+        stats.disable()
     if writer is not None:
         writer.close()
     pipeline.destroy()
     return losses
+
+
+def _mhc_stats_recorder(recipe: Recipe, plan: MultiModulePlan):
+    """The mHC statistics' recorder when the language model logs them (else None)."""
+    lm = (recipe.model.modules or {}).get(plan.language_model)
+    if lm is None or not (lm.mhc.enabled and lm.mhc.log_stats):
+        return None
+    from megatron_ext.mhc import stats
+
+    return stats.enable()
+
+
+def _log_mhc_stats(recorder, iteration: int, writer, log) -> None:
+    """Every rank: gather the step's figures; the last rank writes and prints them. Then the
+    next step records afresh."""
+    from megatron_ext.mhc import stats, stats_logging
+
+    figures = stats.collect(recorder)
+    recorder.samples.clear()
+    if writer is not None and figures:
+        stats_logging.add_scalars(writer, figures, iteration)
+        writer.flush()
+    line = stats_logging.console_line(figures, iteration)
+    if log is not None and line:
+        log(line)
+        sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

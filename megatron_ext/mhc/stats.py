@@ -1,45 +1,61 @@
 """mHC stability statistics (``--log-mhc-stats``, recipe ``model.mhc.log_stats``).
 
-What is measured, on a fixed sample of tokens (the first :data:`SAMPLE_TOKENS` sequence
-positions of the first sequence of a logged step's first micro-batch, as each hyper
-connection sees them):
+What is measured, on a fixed sample of tokens: the first :data:`SAMPLE_TOKENS` positions of
+the whole sequence (global positions, however SP and CP split it) of the first sequence of a
+logged step's first micro-batch, as each hyper connection sees them:
 
 * per sub-layer (``mhc/layerNN.<sublayer>/...``): the H_res residual of double stochasticity,
   ``h_res_row_err`` = max |row sum − 1| and ``h_res_col_err`` = max |column sum − 1| (Sinkhorn
   leaves some; birkhoff is exact to rounding), and the ranges ``h_pre_min/max``,
   ``h_post_min/max``;
 * over the model (``mhc/forward_gain``, ``mhc/backward_gain``): the paper's "Amax Gain
-  Magnitude" of the composite residual mixing. A sub-layer maps the streams by
+  Magnitude" of the composite residual mixing of the decoder. A sub-layer maps the streams by
   ``x ↦ H_resᵀ x`` (our orientation, see :mod:`megatron_ext.mhc.hyper_connection`), so the
   composite is ``M = H_Lᵀ ⋯ H_1ᵀ`` in layer order; the forward gain is the largest absolute row
   sum of M, the backward gain its largest absolute column sum (max over the sample tokens).
 
-Cost: on a logged step each hyper connection computes its maps once more for its sample
-tokens (no gradient), and at the log the figures and n×n products are formed and gathered;
-other steps only test one flag per sub-layer.
+Multi-token prediction. The paper's gain is the main residual path (decoder layers, main
+loss); MTP layers (Hybrid MTP depths carry the n streams on from the decoder's last layer) are
+not in it. Their sub-layers report under ``mhc/mtpD.layerNN.<sublayer>/...`` (D the depth,
+NN the layer inside it) and ``mhc/mtp_forward_gain`` / ``mhc/mtp_backward_gain`` are the gains
+of the path of the deepest MTP loss: the decoder's layers, then every depth's in order
+(``h_proj`` acts on each stream alike, so it mixes none). GPT's MTP layers are plain layers
+on the contracted output and have no hyper connections (nothing to report). A repeated MTP
+layer (``mtp_use_repeated_layer``) is recorded at its first call (depth 1) only.
 
-Pipeline parallelism: every rank composes the products of its own consecutive layers (one per
-stage or virtual chunk); the products and per-layer figures are gathered and the chunks'
-products multiplied in global layer order, from the ranks of the first tensor-, context- and
-data-parallel coordinate (those that hold the sample positions a single rank would). The last
-rank writes them to TensorBoard through megatron's writer; the recipe runner reads them into
-metrics.json and plots them in ``mhc.png``.
+Cost: on a logged step each hyper connection computes its maps once more for its sample
+tokens (no gradient), and at the log the maps (a few KiB) are gathered; other steps only test
+one flag per sub-layer.
+
+Parallelism. Each rank records the sample tokens it holds, with their global positions (its
+slice under SP, its two load-balanced chunks under CP), from its first data-parallel replica
+(the one holding the single-rank run's micro-batch) and, without SP, from its first TP rank
+only (the others hold copies). Every rank's records are gathered; tokens are merged by
+position and the sub-layers ordered globally by (MTP depth, layer number, order inside the
+layer), so pipeline stages and VPP chunks compose in global layer order and the figures equal
+a single rank's. The process groups are each connection's own (the layer's
+``pg_collection``: the language model's groups in a multi-module pipeline), else megatron's
+``parallel_state``. The last rank writes the figures to TensorBoard through megatron's writer;
+the recipe runner reads them into metrics.json and plots them in ``mhc.png``.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-# Sequence positions sampled per hyper connection (of the local sequence under SP/CP).
+# Global sequence positions sampled per hyper connection.
 SAMPLE_TOKENS = 8
 
 FORWARD_GAIN = "mhc/forward_gain"
 BACKWARD_GAIN = "mhc/backward_gain"
 GAIN_NAMES = (FORWARD_GAIN, BACKWARD_GAIN)
+MTP_FORWARD_GAIN = "mhc/mtp_forward_gain"
+MTP_BACKWARD_GAIN = "mhc/mtp_backward_gain"
+MTP_GAIN_NAMES = (MTP_FORWARD_GAIN, MTP_BACKWARD_GAIN)
 
 _creation_counter = itertools.count()
 
@@ -49,12 +65,62 @@ def next_creation_index() -> int:
     return next(_creation_counter)
 
 
+class Sample(NamedTuple):
+    """One hyper connection's maps of the sample tokens this rank holds."""
+
+    positions: torch.Tensor  # [T] global sequence positions, ascending
+    h_pre: torch.Tensor  # [T, n]
+    h_post: torch.Tensor  # [T, n]
+    h_res: torch.Tensor  # [T, n, n] float64
+    holder: bool  # whether this rank's copy counts (first DP replica; first TP rank w/o SP)
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    # The group's own rank()/size(): no lookup in torch's registry of live groups.
+    if group is None:
+        return 0, 1
+    return group.rank(), group.size()
+
+
+def _groups(connection) -> dict[str, tuple[int, int]]:
+    """(rank, size) in the connection's TP, CP and DP groups: its own process groups
+    (``stats_groups``, the layer's pg_collection) or megatron's parallel_state."""
+    own = getattr(connection, "stats_groups", None)
+    if own is not None:
+        return {name: _group_rank_size(getattr(own, name, None)) for name in ("tp", "cp", "dp")}
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {name: (0, 1) for name in ("tp", "cp", "dp")}
+    return {
+        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        "cp": (ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
+        "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+    }
+
+
+def global_positions(local_length: int, groups: dict, sequence_parallel: bool) -> torch.Tensor:
+    """Global sequence position of each of this rank's ``local_length`` tokens: SP gives a TP
+    rank one slice of its CP rank's sequence; CP gives a rank two load-balanced chunks."""
+    tp_rank, tp_size = groups["tp"]
+    cp_rank, cp_size = groups["cp"]
+    local = torch.arange(local_length)
+    cp_length = local_length
+    if sequence_parallel and tp_size > 1:
+        local, cp_length = local + tp_rank * local_length, local_length * tp_size
+    if cp_size > 1:
+        from megatron_ext.models.context_parallel import local_token_positions
+
+        return local_token_positions(cp_length, cp_size, cp_rank)[local]
+    return local
+
+
 @dataclass
 class Recorder:
     """Holds each hyper connection's maps of its sample tokens in the armed step."""
 
     armed: bool = True
-    # id(connection) -> (connection, (h_pre [T, n], h_post [T, n], h_res [T, n, n]))
+    # id(connection) -> (connection, Sample or None while being taken)
     samples: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
     def capture(self, connection, x: torch.Tensor) -> None:
@@ -64,12 +130,25 @@ class Recorder:
         if not self.armed or not connection.training or key in self.samples:
             return
         self.samples[key] = (connection, None)  # compute_mappings below records again
-        sample = x[:SAMPLE_TOKENS, :1].detach()
+        groups = _groups(connection)
+        sequence_parallel = bool(getattr(connection.config, "sequence_parallel", False))
+        positions = global_positions(x.shape[0], groups, sequence_parallel)
+        taken = torch.nonzero(positions < SAMPLE_TOKENS).flatten()
+        holder = groups["dp"][0] == 0 and (sequence_parallel or groups["tp"][0] == 0)
         n = connection.n
+        if taken.numel() == 0:  # this rank holds none of the sample positions
+            empty = torch.zeros(0, n, dtype=torch.float64)
+            self.samples[key] = (
+                connection,
+                Sample(taken, empty, empty, empty.view(0, n, n), False),
+            )
+            return
         with torch.no_grad():
-            h_pre, h_post, h_res = connection.compute_mappings(sample)
+            h_pre, h_post, h_res = connection.compute_mappings(
+                x.index_select(0, taken.to(x.device))[:, :1].detach()
+            )
         maps = (h_pre.reshape(-1, n), h_post.reshape(-1, n), h_res.reshape(-1, n, n).double())
-        self.samples[key] = (connection, maps)
+        self.samples[key] = (connection, Sample(positions[taken], *maps, holder))
 
 
 _recorder: Recorder | None = None
@@ -112,66 +191,109 @@ def compose(operators: list[torch.Tensor]) -> torch.Tensor:
     return product
 
 
-def gains(composite: torch.Tensor) -> dict[str, float]:
+def gains(composite: torch.Tensor, names: tuple[str, str] = GAIN_NAMES) -> dict[str, float]:
     """Forward (max abs row sum) and backward (max abs column sum) gain of ``[T, n, n]``."""
     magnitude = composite.abs()
     return {
-        FORWARD_GAIN: magnitude.sum(-1).max().item(),
-        BACKWARD_GAIN: magnitude.sum(-2).max().item(),
+        names[0]: magnitude.sum(-1).max().item(),
+        names[1]: magnitude.sum(-2).max().item(),
     }
 
 
-def _sublayer_name(connection) -> str:
-    return f"mhc/layer{connection.layer_number:02d}.{connection.stats_sublayer}"
+def mtp_depth(connection) -> int:
+    """0 for the decoder's hyper connections, D for those of MTP depth D."""
+    return int(getattr(connection, "stats_mtp_depth", 0))
 
 
-@torch.no_grad()
-def local_figures(samples: dict) -> tuple[dict[str, float], list[tuple[tuple, torch.Tensor]]]:
-    """This rank's per-sub-layer figures and one composed product per run of consecutive
-    layers (a stage or a virtual chunk), keyed by its first sub-layer's global order."""
-    ordered = sorted(samples.values(), key=lambda item: (item[0].layer_number, item[0].stats_order))
-    figures: dict[str, float] = {}
-    chunks: list[tuple[tuple, list[torch.Tensor]]] = []
-    previous_layer = None
-    for connection, (h_pre, h_post, h_res) in ordered:
-        for name, value in sublayer_figures(h_pre, h_post, h_res).items():
-            figures[f"{_sublayer_name(connection)}/{name}"] = value
-        layer = connection.layer_number
-        if previous_layer is None or layer not in (previous_layer, previous_layer + 1):
-            chunks.append(((layer, connection.stats_order), []))
-        chunks[-1][1].append(h_res.transpose(-1, -2))  # the operator x -> H_resᵀ x
-        previous_layer = layer
-    return figures, [(key, compose(ops)) for key, ops in chunks]
+def sublayer_name(connection) -> str:
+    """``mhc/layerNN.<sublayer>`` (decoder) or ``mhc/mtpD.layerNN.<sublayer>`` (MTP depth D)."""
+    depth = mtp_depth(connection)
+    scope = f"mtp{depth}." if depth else ""
+    return f"mhc/{scope}layer{connection.layer_number:02d}.{connection.stats_sublayer}"
 
 
-def _is_sample_holder() -> bool:
-    """Whether this rank's sample is the single-rank run's (first TP, CP and DP coordinate)."""
-    from megatron.core import parallel_state as ps
+class Entry(NamedTuple):
+    """One sub-layer's sample as it is gathered: name, global order, tokens and maps."""
 
-    if not ps.model_parallel_is_initialized():
-        return True
-    return (
-        ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_context_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
-    )
+    name: str
+    order: tuple[int, int, int]  # (MTP depth, layer number, index inside the layer)
+    positions: torch.Tensor
+    h_pre: torch.Tensor
+    h_post: torch.Tensor
+    h_res: torch.Tensor
+
+
+def contribution(samples: dict, holders_only: bool = True) -> list[Entry]:
+    """This rank's entries: the samples it holds for the model's figures (see the module doc;
+    ``holders_only=False`` takes every sample, for a model built on one rank of a larger
+    world), each ordered by its place in the layer (creation order: attention before MLP)."""
+    recorded = [(c, s) for c, s in samples.values() if s is not None]
+    by_layer: dict[tuple[int, int], list] = {}
+    for connection, sample in recorded:
+        by_layer.setdefault((mtp_depth(connection), connection.layer_number), []).append(
+            (connection.stats_order, connection, sample)
+        )
+    entries = []
+    for (depth, layer), members in by_layer.items():
+        for index, (_, connection, sample) in enumerate(sorted(members, key=lambda m: m[0])):
+            if (sample.holder or not holders_only) and sample.positions.numel():
+                entries.append(
+                    Entry(
+                        sublayer_name(connection),
+                        (depth, layer, index),
+                        sample.positions.cpu(),
+                        sample.h_pre.detach().double().cpu(),
+                        sample.h_post.detach().double().cpu(),
+                        sample.h_res.detach().double().cpu(),
+                    )
+                )
+    return entries
+
+
+def _merged(contributions: list) -> dict[str, Entry]:
+    """Every sub-layer's sample tokens from every rank, one copy per position, by position."""
+    parts: dict[str, list[Entry]] = {}
+    for entries in contributions:
+        for entry in entries or ():
+            parts.setdefault(entry.name, []).append(entry)
+    merged = {}
+    for name, pieces in parts.items():
+        positions = torch.cat([p.positions for p in pieces])
+        order = torch.argsort(positions, stable=True)
+        keep = order[
+            torch.cat([torch.tensor([True]), positions[order][1:] != positions[order][:-1]])
+        ]
+        merged[name] = Entry(
+            name,
+            pieces[0].order,
+            positions[keep],
+            *(
+                torch.cat([getattr(p, f) for p in pieces])[keep]
+                for f in ("h_pre", "h_post", "h_res")
+            ),
+        )
+    return merged
+
+
+def _composite_gains(entries: list[Entry], names: tuple[str, str]) -> dict[str, float]:
+    """The gains of the entries' operators composed in order; none unless every sub-layer
+    holds the same sample positions."""
+    if not entries or any(not torch.equal(e.positions, entries[0].positions) for e in entries):
+        return {}
+    return gains(compose([e.h_res.transpose(-1, -2) for e in entries]), names)  # x -> H_resᵀ x
 
 
 def combine(contributions: list) -> dict[str, float]:
-    """Per-sub-layer figures and the model's gains from every rank's contribution."""
+    """Per-sub-layer figures and the gains from every rank's :func:`contribution`."""
+    merged = sorted(_merged(contributions).values(), key=lambda entry: entry.order)
     figures: dict[str, float] = {}
-    chunks = []
-    for contribution in contributions:
-        if contribution is None:
-            continue
-        rank_figures, rank_chunks = contribution
-        figures.update(rank_figures)
-        chunks.extend(rank_chunks)
-    if chunks:
-        chunks.sort(key=lambda chunk: chunk[0])
-        lengths = {product.shape[0] for _, product in chunks}
-        if len(lengths) == 1:  # every stage sampled the same number of tokens
-            figures.update(gains(compose([product for _, product in chunks])))
+    for entry in merged:
+        for name, value in sublayer_figures(entry.h_pre, entry.h_post, entry.h_res).items():
+            figures[f"{entry.name}/{name}"] = value
+    decoder = [entry for entry in merged if entry.order[0] == 0]
+    figures.update(_composite_gains(decoder, GAIN_NAMES))
+    if len(decoder) < len(merged):
+        figures.update(_composite_gains(merged, MTP_GAIN_NAMES))
     return figures
 
 
@@ -179,31 +301,35 @@ def collect(recorder_: Recorder) -> dict[str, float]:
     """Every rank calls this at a logged step; all get the model's figures."""
     import torch.distributed as dist
 
-    contribution: tuple[dict[str, float], list[tuple[tuple[Any, ...], torch.Tensor]]] | None = None
-    if recorder_.samples and _is_sample_holder():
-        figures, chunks = local_figures(recorder_.samples)
-        contribution = (figures, [(key, product.cpu()) for key, product in chunks])
+    mine = contribution(recorder_.samples)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, contribution)
+        dist.all_gather_object(gathered, mine)
     else:
-        gathered = [contribution]
+        gathered = [mine]
     return combine(gathered)
 
 
 __all__ = [
     "BACKWARD_GAIN",
+    "Entry",
     "FORWARD_GAIN",
     "GAIN_NAMES",
+    "MTP_BACKWARD_GAIN",
+    "MTP_FORWARD_GAIN",
+    "MTP_GAIN_NAMES",
     "Recorder",
     "SAMPLE_TOKENS",
+    "Sample",
     "collect",
     "combine",
     "compose",
+    "contribution",
     "disable",
     "enable",
     "gains",
-    "local_figures",
+    "global_positions",
     "recorder",
     "sublayer_figures",
+    "sublayer_name",
 ]

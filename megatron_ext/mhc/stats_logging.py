@@ -33,14 +33,32 @@ def write(figures: dict[str, float], iteration: int) -> None:
 
     writer = get_tensorboard_writer()
     if writer is not None:
-        for name, value in sorted(figures.items()):
-            writer.add_scalar(name, value, iteration)
-    if is_last_rank() and stats.FORWARD_GAIN in figures:
-        print(
-            f" mHC [iteration {iteration}]: forward gain {figures[stats.FORWARD_GAIN]:.6f}, "
-            f"backward gain {figures[stats.BACKWARD_GAIN]:.6f}",
-            flush=True,
+        add_scalars(writer, figures, iteration)
+    line = console_line(figures, iteration)
+    if is_last_rank() and line:
+        print(line, flush=True)
+
+
+def add_scalars(writer: Any, figures: dict[str, float], iteration: int) -> None:
+    """Every figure as a TensorBoard scalar under its ``mhc/...`` name."""
+    for name, value in sorted(figures.items()):
+        writer.add_scalar(name, value, iteration)
+
+
+def console_line(figures: dict[str, float], iteration: int) -> str | None:
+    """`` mHC [iteration N]: forward gain X, backward gain Y`` (+ the MTP path's), or None."""
+    if stats.FORWARD_GAIN not in figures:
+        return None
+    line = (
+        f" mHC [iteration {iteration}]: forward gain {figures[stats.FORWARD_GAIN]:.6f}, "
+        f"backward gain {figures[stats.BACKWARD_GAIN]:.6f}"
+    )
+    if stats.MTP_FORWARD_GAIN in figures:
+        line += (
+            f"; MTP path forward gain {figures[stats.MTP_FORWARD_GAIN]:.6f}, "
+            f"backward gain {figures[stats.MTP_BACKWARD_GAIN]:.6f}"
         )
+    return line
 
 
 def logging_mhc_stats(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,4 +85,4 @@ def logging_mhc_stats(original: Callable[..., Any]) -> Callable[..., Any]:
     return training_log
 
 
-__all__ = ["logging_mhc_stats", "start_if_requested", "write"]
+__all__ = ["add_scalars", "console_line", "logging_mhc_stats", "start_if_requested", "write"]

@@ -170,6 +170,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             )
         connection = build_module(spec, config=self.config, layer_number=self.layer_number)
         connection.stats_sublayer = name  # "self_attention" or "mlp" in mhc/layerNN.<name>/...
+        connection.stats_groups = self.pg_collection  # whose TP/CP/DP ranks hold its sample
         return connection
 
     # ---------------------------------------------------------- mHC steps (small on purpose)

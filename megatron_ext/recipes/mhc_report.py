@@ -11,14 +11,27 @@ from pathlib import Path
 
 from megatron_ext.recipes.plot import write_png_plot
 
-# megatron_ext.mhc.stats.GAIN_NAMES
-GAIN_NAMES = ("mhc/forward_gain", "mhc/backward_gain")
+# megatron_ext.mhc.stats.GAIN_NAMES + MTP_GAIN_NAMES (the MTP path's: Hybrid MTP runs only)
+GAIN_NAMES = (
+    "mhc/forward_gain",
+    "mhc/backward_gain",
+    "mhc/mtp_forward_gain",
+    "mhc/mtp_backward_gain",
+)
 PLOT_NAME = "mhc.png"
 
 
+def logs_stats(recipe) -> bool:
+    """Whether the run logs mHC stats: ``model.mhc.log_stats``, or a multi-module recipe's
+    ``model.modules.<name>.mhc.log_stats``."""
+    modules = getattr(recipe.model, "modules", None) or {}
+    return bool(recipe.model.mhc.log_stats) or any(m.mhc.log_stats for m in modules.values())
+
+
 def recorded_names(recipe, names: list[str]) -> list[str]:
-    """metrics.json's metrics: the recipe's, plus the gains when the run logs mHC stats."""
-    if not recipe.model.mhc.log_stats:
+    """metrics.json's metrics: the recipe's, plus the gains when the run logs mHC stats (a
+    gain the run did not log, e.g. the MTP path's without MTP, is left out)."""
+    if not logs_stats(recipe):
         return names
     return names + [name for name in GAIN_NAMES if name not in names]
 
@@ -44,4 +57,4 @@ def summary_lines(run_metrics: dict) -> list[str]:
     return lines
 
 
-__all__ = ["GAIN_NAMES", "PLOT_NAME", "recorded_names", "summary_lines", "write_plot"]
+__all__ = ["GAIN_NAMES", "PLOT_NAME", "logs_stats", "recorded_names", "summary_lines", "write_plot"]

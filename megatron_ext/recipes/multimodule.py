@@ -174,7 +174,6 @@ _UNUSED_MHC = {
     "recompute": False,
     "recompute_layer_num": None,
     "fused": False,
-    "log_stats": False,
 }
 
 

@@ -13,8 +13,10 @@ class StatsCheck:
     """Records the samples of both runs; ``on_gradients`` for check_equivalence compares the
     first step's figures and keeps the last step's (a trained few-step model's)."""
 
-    def __init__(self, steps: int, rtol: float = 1e-5):
-        self.steps, self.rtol = steps, rtol
+    def __init__(self, steps: int, rtol: float = 1e-5, reference_rank: int | None = None):
+        # reference_rank: the one rank the single-rank reference runs on (a multi-module
+        # pipeline's harness); its figures are shared with every rank. None: every rank.
+        self.steps, self.rtol, self.reference_rank = steps, rtol, reference_rank
         self.recorder = stats.enable()
         self.reference: dict | None = None
         self.first: dict | None = None
@@ -25,7 +27,13 @@ class StatsCheck:
         sharded = {k: v for k, v in self.recorder.samples.items() if k in ours}
         if step == 0:
             others = {k: v for k, v in self.recorder.samples.items() if k not in ours}
-            self.reference = stats.combine([stats.local_figures(others)])
+            self.reference = stats.combine([stats.contribution(others, holders_only=False)])
+            if self.reference_rank is not None:
+                import torch.distributed as dist
+
+                shared = [self.reference]
+                dist.broadcast_object_list(shared, src=self.reference_rank)
+                self.reference = shared[0]
         own = stats.Recorder(samples=sharded)
         figures = stats.collect(own)
         if step == 0:

@@ -144,9 +144,11 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
         validation = metrics["lm loss validation"]
         assert validation["start_step"] == eval_interval, validation
         assert validation["step_interval"] == eval_interval, validation
-    if (yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"].get("mhc") or {}).get(
-        "log_stats"
-    ):
+    model = yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]
+    mhc_sections = [model.get("mhc")] + [
+        m.get("mhc") for m in (model.get("modules") or {}).values()
+    ]
+    if any((section or {}).get("log_stats") for section in mhc_sections):
         assert_mhc_stats_recorded(run_dir, metrics, result.stdout)
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Metrics as upstream reads them; throughput, memory, versions and the plan recorded.

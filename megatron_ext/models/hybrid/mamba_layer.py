@@ -78,6 +78,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         spec = getattr(submodules, "mixer_hyper_connection", HyperConnectionModule)
         self.mixer_hyper_connection = build_module(spec, config=config, layer_number=layer_number)
         self.mixer_hyper_connection.stats_sublayer = "mixer"
+        self.mixer_hyper_connection.stats_groups = pg_collection  # for mhc.stats' sample
 
     def forward(
         self,

@@ -46,6 +46,7 @@ from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext import registry
+from megatron_ext.mhc.hyper_connection import HyperConnectionModule
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 
 
@@ -119,6 +120,11 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
         self.h_proj = self._build_projection(submodules.h_proj, "mtp_h_proj", pg_collection)
 
         self._build_learned_contraction()
+        # mhc.stats reports this depth's hyper connections apart from the decoder's (their
+        # layer numbers restart at 1 inside the depth).
+        for module in self.modules():
+            if isinstance(module, HyperConnectionModule):
+                module.stats_mtp_depth = self.layer_number
 
     def _build_projection(self, spec, buffer_name: str, pg_collection):
         h = self.config.hidden_size

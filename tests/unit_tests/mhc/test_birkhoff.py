@@ -104,3 +104,31 @@ def test_loading_the_other_methods_weights_is_refused_with_the_fix():
         birkhoff.load_state_dict(sinkhorn.state_dict())
     with pytest.raises(RuntimeError, match="--mhc-h-res-method birkhoff"):
         sinkhorn.load_state_dict(birkhoff.state_dict())
+
+
+def test_a_hybrid_with_mtp_refuses_the_other_methods_weights_in_every_hyper_connection():
+    """The refusal holds in the Hybrid stack (learned contraction) and in its MTP depth's
+    hyper connections, which a model-level load reaches only after the decoder's: the MTP
+    block alone is refused too, naming its own key."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.distributed import model_parallel
+    from megatron_ext.testing.equivalence import transformer_config
+    from megatron_ext.testing.hybrid import hybrid_model_factory, hybrid_plan
+
+    pattern = "*-/*-"
+    models = {}
+    with model_parallel(seed=1):
+        for method in ("sinkhorn", "birkhoff"):
+            plan = hybrid_plan(
+                pattern,
+                config_overrides=dict(
+                    enable_mhc_connections=True, mhc_num_residual_streams=3, mhc_h_res_method=method
+                ),
+            )
+            config = transformer_config(plan, parallel=False, config_class=MHCTransformerConfig)
+            models[method] = hybrid_model_factory(plan, pattern)(config, True, True, None)
+    sinkhorn, birkhoff = models["sinkhorn"], models["birkhoff"]
+    with pytest.raises(RuntimeError, match="--mhc-h-res-method sinkhorn"):
+        birkhoff.load_state_dict(sinkhorn.state_dict())
+    with pytest.raises(RuntimeError, match=r"^mtp_model_layer\.layers\.0\..*birkhoff"):
+        sinkhorn.mtp.layers[0].load_state_dict(birkhoff.mtp.layers[0].state_dict())

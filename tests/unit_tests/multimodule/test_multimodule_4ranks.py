@@ -22,7 +22,9 @@ from multimodule_cases import (
     record_shapes,
 )
 
+from megatron_ext.mhc.stats import GAIN_NAMES
 from megatron_ext.multimodule import AmbiguousShapeError, ModulePlan as M, OutputNdimError
+from megatron_ext.testing.mhc_stats import StatsCheck
 from megatron_ext.testing.multimodule import PipelineEquivalenceError
 
 pytestmark = pytest.mark.world_size(4)
@@ -196,22 +198,37 @@ def test_keeping_only_the_last_successors_gradient_is_caught(monkeypatch):
         )
 
 
-def test_encoder_to_mhc_language_model_pp2():
+@pytest.mark.parametrize("method", ["sinkhorn", "birkhoff"])
+def test_encoder_to_mhc_language_model_pp2(method):
     """The bridge carries the encoder's [s, b, h]; the mHC language model expands to n
-    streams on its first stage, and its own P2P carries [s, b, n*h]."""
+    streams on its first stage, and its own P2P carries [s, b, n*h]. With either H_res method
+    it matches the reference, and so do the mHC statistics: recorded by the language model's
+    ranks with its own groups (the encoder's ranks hold no hyper connection), its two stages'
+    layers composed in order; birkhoff's gains are 1."""
     shapes: list = []
-    equivalence(
-        FAN_IN,
-        ENC_LLM,
-        {
-            "enc": encoder(),
-            "llm": language_model(
-                forward=record_shapes(shapes),
-                enable_mhc_connections=True,
-                mhc_num_residual_streams=2,
-            ),
-        },
-    )
+    check = StatsCheck(steps=2, reference_rank=0)
+    try:
+        equivalence(
+            FAN_IN,
+            ENC_LLM,
+            {
+                "enc": encoder(),
+                "llm": language_model(
+                    forward=record_shapes(shapes),
+                    enable_mhc_connections=True,
+                    mhc_num_residual_streams=2,
+                    mhc_h_res_method=method,
+                ),
+            },
+            on_gradients=lambda step, pipeline: check.on_gradients(step, [pipeline.model]),
+        )
+    finally:
+        check.close()
+    assert not check.problems(), check.problems()
+    assert len([name for name in check.first if name.endswith("/h_res_row_err")]) == 4
+    if method == "birkhoff":
+        for name in GAIN_NAMES:
+            assert abs(check.first[name] - 1) <= 1e-5 and abs(check.last[name] - 1) <= 1e-5
     import torch.distributed as dist
 
     everyone: list = [None] * dist.get_world_size()
@@ -255,3 +272,51 @@ def test_ambiguous_shape_guard_on_an_intra_module_link():
         ),
     )
     assert "singleton last dim" in messages[0]
+
+
+# ------------------------------------------------------------------ the training entry
+@pytest.mark.parametrize("method", ["sinkhorn", "birkhoff"])
+def test_training_entry_logs_the_language_models_mhc_stats(tmp_path, method):
+    """pretrain_multimodule with model.modules.llm.mhc.log_stats: every iteration the last
+    rank writes the language model's mhc/... scalars (its 4 layers over 2 stages) and prints
+    the gains; birkhoff's are 1. (Near init Sinkhorn's are 1 too: H_res is near uniform. The
+    figures' values against the single rank's are test_encoder_to_mhc_language_model_pp2's.)"""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_ext import pretrain_multimodule as entry
+    from megatron_ext.recipes import metrics, multimodule as recipe_plan
+    from megatron_ext.testing.distributed import init_distributed
+
+    init_distributed()
+    recipe_path = Path(__file__).resolve().parents[3] / "recipes"
+    recipe = entry.load_recipe(
+        str(recipe_path / "multimodule_encoder_llm_mhc_pp2.yaml"),
+        [
+            "training.iterations=2",
+            "model.modules.llm.mhc.log_stats=true",
+            f"model.modules.llm.mhc.h_res_method={method}",
+        ],
+    )
+    plan = recipe_plan.plan_of(recipe, dist.get_world_size())
+    lines: list[str] = []
+    board = tmp_path / "tensorboard"
+    entry.train(recipe, plan, log=lines.append, tensorboard_dir=str(board))
+    problems = []
+    if dist.get_rank() == dist.get_world_size() - 1:
+        scalars = metrics.read_tensorboard(board)
+        for layer in range(1, 5):
+            for sublayer in ("self_attention", "mlp"):
+                name = f"mhc/layer{layer:02d}.{sublayer}/h_res_row_err"
+                if sorted(scalars.get(name, {})) != [1, 2]:
+                    problems.append(f"{name}: {scalars.get(name)}")
+        for name in GAIN_NAMES:
+            values = list(scalars.get(name, {}).values())
+            if len(values) != 2 or method == "birkhoff" and any(abs(v - 1) > 1e-5 for v in values):
+                problems.append(f"{name}: {values}")
+        if sum(line.startswith(" mHC [iteration") for line in lines) != 2:
+            problems.append(f"console: {lines}")
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    assert not any(everyone), everyone

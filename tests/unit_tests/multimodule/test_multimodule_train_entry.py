@@ -25,6 +25,25 @@ def test_the_recipe_is_valid_without_starting_anything():
     assert plan.micro_batch_size("vision_encoder", 2) == 1  # fan-in: DP 2 -> DP 1
 
 
+@pytest.mark.parametrize("method", ["sinkhorn", "birkhoff"])
+def test_the_language_model_may_log_mhc_stats_with_either_h_res_method(method):
+    """model.modules.llm.mhc.log_stats is honoured by this entry (no longer refused), with
+    either H_res method; the runner then records the gains (mhc_report)."""
+    from megatron_ext.recipes import mhc_report
+
+    overrides = [
+        "model.modules.llm.mhc.log_stats=true",
+        f"model.modules.llm.mhc.h_res_method={method}",
+    ]
+    assert validate_recipe(str(RECIPE), overrides, world_size=4) == []
+    recipe = load_recipe(str(RECIPE), overrides)
+    assert mhc_report.logs_stats(recipe)
+    assert "mhc/forward_gain" in mhc_report.recorded_names(recipe, ["lm loss"])
+    assert not mhc_report.logs_stats(
+        load_recipe(str(RECIPE), ["model.modules.llm.mhc.log_stats=false"])
+    )
+
+
 def test_validation_reports_plan_problems_of_overrides():
     problems = validate_recipe(str(RECIPE), ["model.modules.llm.first_rank=1"], world_size=4)
     assert any("overlap on rank 1, but 'vision_encoder' feeds 'llm'" in p for p in problems)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,13 @@ def check_mhc(plan: TrainPlan, **kwargs):
     return check_equivalence(plan, config_class=MHCTransformerConfig, **kwargs)
 
 
-def check_mhc_and_stats(plan: TrainPlan) -> StatsCheck:
-    """:func:`check_mhc`, and the mHC statistics of the sharded run's first step equal the
-    single-rank reference's (the same run; the statistics cost only their own computation)."""
+def check_mhc_and_stats(plan: TrainPlan, run=None) -> StatsCheck:
+    """:func:`check_mhc` (or ``run(on_gradients=...)``), and the mHC statistics of the sharded
+    run's first step equal the single-rank reference's (the same run; the statistics cost only
+    their own computation)."""
     check = StatsCheck(plan.steps)
     try:
-        check_mhc(plan, on_gradients=check.on_gradients)
+        (run or partial(check_mhc, plan))(on_gradients=check.on_gradients)
     finally:
         check.close()
     problems = check.problems()
@@ -43,10 +45,10 @@ def check_mhc_and_stats(plan: TrainPlan) -> StatsCheck:
     return check
 
 
-def assert_birkhoff_gains_are_one(check: StatsCheck) -> None:
+def assert_birkhoff_gains_are_one(check: StatsCheck, extra: tuple[str, ...] = ()) -> None:
     """A birkhoff model's composite gains are 1 within 1e-5, at the first and the last step."""
     for figures in (check.first, check.last):
-        for name in GAIN_NAMES:
+        for name in GAIN_NAMES + extra:
             assert abs(figures[name] - 1) <= 1e-5, (name, figures[name])
 
 

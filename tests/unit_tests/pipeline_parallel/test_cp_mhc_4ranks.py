@@ -1,19 +1,25 @@
 """Context parallelism (megatron-ext's local CP attention) with mHC on 4 ranks, through the
 equivalence harness: loss, every gradient of every step and the final weights equal the
 single-rank run. GPT at CP=2 (x DP=2), CP=2 x PP=2 and CP=2 x TP=2 with sequence parallelism;
-Hybrid (rotary positions) at CP=2 x PP=2 with MTP. Pipelined runs also check that every P2P
-tensor is [s/cp (/tp under SP), b, n*h]. A negative control shows the harness catches wrong
-global positions."""
+Hybrid (rotary positions, learned contraction) at CP=2 x PP=2 with MTP; each with Sinkhorn and
+birkhoff H_res. Every run also checks the mHC statistics against the single rank's: at 16
+tokens a CP=2 rank holds chunks of 4, so the 8 sampled positions lie on both CP ranks (and on
+two TP ranks' SP slices). Pipelined runs also check that every P2P tensor is [s/cp (/tp under
+SP), b, n*h]. A negative control shows the harness catches wrong global positions."""
 
 import pytest
 from mhc_pipeline_cases import (
     all_ranks,
+    assert_birkhoff_gains_are_one,
     assert_every_exchange_is_n_streams_wide,
     check_mhc,
+    check_mhc_and_stats,
     mhc_plan,
     recorded_p2p_shapes,
 )
 from test_pp_mhc_hybrid import check_pipelined, fresh_mtp_loss_tracker  # noqa: F401
+
+from megatron_ext.mhc.stats import MTP_GAIN_NAMES
 
 pytestmark = [
     pytest.mark.world_size(4),
@@ -30,27 +36,37 @@ PER_TOKEN = dict(calculate_per_token_loss=True)
 SMALL = dict(steps=2, num_layers=2, global_batch_size=4)
 
 
-def cp_plan(**layout):
-    return mhc_plan(config_overrides=PER_TOKEN, **SMALL, **layout)
+def cp_plan(method: str = "sinkhorn", **layout):
+    overrides = dict(PER_TOKEN, mhc_h_res_method=method)
+    return mhc_plan(config_overrides=overrides, **SMALL, **layout)
 
 
 @pytest.mark.parametrize(
-    "layout",
-    [dict(cp=2), dict(cp=2, pp=2), dict(cp=2, tp=2, sequence_parallel=True)],
-    ids=["cp2_dp2", "cp2_pp2", "cp2_tp2_sp"],
+    "method, layout",
+    [
+        ("sinkhorn", dict(cp=2)),
+        ("sinkhorn", dict(cp=2, pp=2)),
+        ("sinkhorn", dict(cp=2, tp=2, sequence_parallel=True)),
+        ("birkhoff", dict(cp=2, pp=2)),
+        ("birkhoff", dict(cp=2, tp=2, sequence_parallel=True)),
+    ],
+    ids=["cp2_dp2", "cp2_pp2", "cp2_tp2_sp", "birkhoff_cp2_pp2", "birkhoff_cp2_tp2_sp"],
 )
-def test_gpt_mhc_context_parallel_matches_reference(monkeypatch, layout):
-    plan = cp_plan(**layout)
+def test_gpt_mhc_context_parallel_matches_reference(monkeypatch, method, layout):
+    plan = cp_plan(method, **layout)
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_mhc(plan)
+        check = check_mhc_and_stats(plan)
     if plan.pp > 1:
         assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+    if method == "birkhoff":
+        assert_birkhoff_gains_are_one(check)
 
 
-def test_hybrid_mhc_cp2_pp2_mtp_matches_reference(monkeypatch):
+@pytest.mark.parametrize("method", ["sinkhorn", "birkhoff"])
+def test_hybrid_mhc_cp2_pp2_mtp_matches_reference(monkeypatch, method):
     # Megatron scales each CP rank's MTP loss by that rank's token counts before and after the
     # MTP roll; masking every chunk's first token makes them agree with the whole sequence's.
-    check_pipelined(
+    check = check_pipelined(
         monkeypatch,
         "*-|*-/*-",
         cp=2,
@@ -58,8 +74,12 @@ def test_hybrid_mhc_cp2_pp2_mtp_matches_reference(monkeypatch):
         steps=2,
         global_batch_size=4,
         loss_mask_zero_every=16 // 4,
-        config_overrides=dict(PER_TOKEN),
+        config_overrides=dict(PER_TOKEN, mhc_h_res_method=method),
+        with_stats=True,
     )
+    assert set(MTP_GAIN_NAMES) <= set(check.first)
+    if method == "birkhoff":
+        assert_birkhoff_gains_are_one(check, MTP_GAIN_NAMES)
 
 
 def test_wrong_global_positions_are_caught(monkeypatch):
@@ -79,3 +99,18 @@ def test_wrong_global_positions_are_caught(monkeypatch):
         check_mhc(
             mhc_plan(cp=2, steps=1, num_layers=2, global_batch_size=4, config_overrides=PER_TOKEN)
         )
+
+
+def test_a_stats_sample_of_local_positions_is_caught(monkeypatch):
+    """Negative control: taking each rank's first local tokens as the sample (what a sample
+    blind to CP's chunks would do) makes the statistics differ from the single rank's."""
+    import torch
+
+    from megatron_ext.mhc import stats
+
+    def local_only(local_length, groups, sequence_parallel):
+        return torch.arange(local_length)
+
+    monkeypatch.setattr(stats, "global_positions", local_only)
+    with pytest.raises(AssertionError, match="sharded .*, single rank"):
+        check_mhc_and_stats(cp_plan(cp=2, tp=2, sequence_parallel=True))

@@ -3,17 +3,22 @@ chunks, every exchange carries n*h, and each run matches the single-rank referen
 pattern without '|'): loss, every gradient of every step and the weights after 3 steps.
 Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_pp_mhc_hybrid.py"""
 
+from functools import partial
+
 import pytest
 import torch
 from mhc_pipeline_cases import (
     MHC_LR,
     STREAMS,
     all_ranks,
+    assert_birkhoff_gains_are_one,
     assert_every_exchange_is_n_streams_wide,
+    check_mhc_and_stats,
     recorded_p2p_shapes,
 )
 
 from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.mhc.stats import MTP_GAIN_NAMES
 from megatron_ext.testing.equivalence import check_equivalence, run_reference, run_sharded
 from megatron_ext.testing.hybrid import (
     hybrid_forward_step,
@@ -48,7 +53,7 @@ def mhc_hybrid_plan(pattern: str, **kwargs):
     return hybrid_plan(pattern, lr=MHC_LR, config_overrides=overrides, **kwargs)
 
 
-def check_hybrid(plan, pattern):
+def check_hybrid(plan, pattern, on_gradients=None):
     # megatron-core 0.19.2 cannot index a tied output layer on a non-first MTP stage (see
     # hybrid_model_factory), so MTP runs untie the output layer; the MTP embedding stays tied.
     tied = "/" not in pattern
@@ -57,14 +62,21 @@ def check_hybrid(plan, pattern):
         factory=hybrid_model_factory(plan, pattern, share_embeddings_and_output_weights=tied),
         forward_step=hybrid_forward_step,
         config_class=MHCTransformerConfig,
+        on_gradients=on_gradients,
     )
 
 
-def check_pipelined(monkeypatch, pattern, **layout):
+def check_pipelined(monkeypatch, pattern, with_stats=False, **layout):
+    """The equivalence run; ``with_stats``: also the mHC statistics (returns the StatsCheck)."""
     plan = mhc_hybrid_plan(pattern, **layout)
+    check = None
     with recorded_p2p_shapes(monkeypatch) as seen:
-        check_hybrid(plan, pattern)
+        if with_stats:
+            check = check_mhc_and_stats(plan, partial(check_hybrid, plan, pattern))
+        else:
+            check_hybrid(plan, pattern)
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+    return check
 
 
 def test_pp2_attention_mlp_moe_carries_n_streams_and_matches_reference(monkeypatch):
@@ -88,8 +100,28 @@ def test_pp2_vpp2_with_an_empty_segment_carries_n_streams_and_matches_reference(
 
 def test_pp2_with_mtp_on_the_last_chunk_matches_reference(monkeypatch):
     """MTP (after '/') on the final post_process chunk consumes the decoder's n streams;
-    only decoder stages exchange anything, all of it n*h wide."""
-    check_pipelined(monkeypatch, "*-|*-/*-", pp=2)
+    only decoder stages exchange anything, all of it n*h wide. The mHC statistics (decoder and
+    MTP depth) equal the single rank's."""
+    check = check_pipelined(monkeypatch, "*-|*-/*-", pp=2, with_stats=True)
+    assert set(MTP_GAIN_NAMES) <= set(check.first)
+
+
+@pytest.mark.parametrize(
+    "pattern, vpp", [("*-|*-/*-", None), ("*-|-|*|*-/*-", 2)], ids=["pp2", "pp2_vpp2"]
+)
+def test_birkhoff_learned_contraction_with_mtp_matches_reference(monkeypatch, pattern, vpp):
+    """mHC-lite's H_res in the Hybrid stack (learned contraction on the last chunk, an MTP
+    depth carrying the streams): loss, every gradient and the weights equal the single rank's,
+    so do the mHC statistics, and the decoder's and the MTP path's gains are 1."""
+    check = check_pipelined(
+        monkeypatch,
+        pattern,
+        pp=2,
+        vpp=vpp,
+        with_stats=True,
+        config_overrides=dict(mhc_h_res_method="birkhoff"),
+    )
+    assert_birkhoff_gains_are_one(check, MTP_GAIN_NAMES)
 
 
 @pytest.mark.parametrize("pattern", ["*-|-|*|*-/*-", "*-|*-|*-|/*-"], ids=["layers", "empty"])
