@@ -216,6 +216,24 @@ register(
 
 register(
     Patch(
+        target="megatron.training.training:get_forward_backward_func",
+        replacement="megatron_ext.pipeline.selection:choosing_pipeline_schedule",
+        why=(
+            "--pipeline-schedule zb-h1 (recipes: parallelism.schedule): megatron.training has no "
+            "way to name a schedule; train() and evaluate() each call get_forward_backward_func "
+            "(imported into megatron.training.training, looked up by name there) and use what "
+            "it returns. The wrapper returns megatron's own function unless the run's "
+            "arguments say zb-h1 and megatron would run 1F1B; then megatron-ext's ZB-H1 "
+            "(pipeline.zero_bubble) runs the training steps and megatron's 1F1B the "
+            "forward-only ones (evaluation). Same arguments, same return value (losses, "
+            "tokens), so train_step, evaluate and finalize_model_grads are unchanged."
+        ),
+    )
+)
+
+
+register(
+    Patch(
         target="megatron.training.checkpointing:_maybe_setup_gpt_to_hybrid_load",
         replacement="megatron_ext.guards.checkpoint_args:refusing_mhc_mismatch_before_loading",
         why=(

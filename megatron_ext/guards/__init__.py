@@ -263,6 +263,17 @@ def inference_wrapper_rejecting_mhc_pipeline(init):
     return __init__
 
 
+# ---- the pipeline schedule ---------------------------------------------------------------------
+def check_pipeline_schedule(config: Any) -> None:
+    """``pipeline_schedule='zb-h1'`` only where ZB-H1 runs (the rules:
+    :func:`megatron_ext.pipeline.selection.schedule_problems`); nothing to check for 1f1b."""
+    from megatron_ext.pipeline.selection import schedule_problems
+
+    problems = schedule_problems(config)
+    if problems:
+        raise UnsupportedCombinationError("; ".join(str(p) for p in problems))
+
+
 # ---- the one list --------------------------------------------------------------------------------
 # Every guard of megatron-ext, wherever it has to live (tests/unit_tests/guards/test_guard_list.py
 # fails on a raising check that is missing here).
@@ -304,6 +315,13 @@ GUARDS: tuple[Guard, ...] = (
         "mHC under PP with the overlapped MoE schedule or activation offloading",
     ),
     Guard(
+        "megatron_ext.guards:check_pipeline_schedule",
+        "config",
+        "pipeline_schedule='zb-h1' with one stage, virtual stages, overlap_p2p_comm, the "
+        "overlapped MoE schedule, CUDA graphs, or what the ZB-H1 runtime refuses (validate; "
+        "the entries before the model is built)",
+    ),
+    Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",
         "config",
         "a GPT with mHC, PP and MTP (validate; GPTModel at construction)",
@@ -318,6 +336,12 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.recipes.plan:_check_context_parallel",
         "recipe",
         "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag",
+    ),
+    Guard(
+        "megatron_ext.recipes.plan:_check_schedule",
+        "recipe",
+        "parallelism.schedule: zb-h1 with pp=1, virtual stages, a multimodule recipe, the "
+        "overlapped MoE schedule or CUDA graphs in extra_args",
     ),
     Guard(
         "megatron_ext.recipes.plan:plan_problems",

@@ -229,7 +229,18 @@ def parse_megatron_args(
     problem = mhc_flags_without_mhc(sys.argv[1:], args)
     if problem:
         raise SystemExit(f"error: {problem}")
+    refuse_unsupported_schedule(args)
     return args
+
+
+def refuse_unsupported_schedule(args: argparse.Namespace) -> None:
+    """``--pipeline-schedule zb-h1`` with settings ZB-H1 does not run with stops here, one line
+    per setting, before megatron initialises anything."""
+    from megatron_ext.pipeline.selection import schedule_problems
+
+    problems = schedule_problems(args)
+    if problems:
+        raise SystemExit("\n".join(f"error: --pipeline-schedule: {p}" for p in problems))
 
 
 def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> str | None:
