@@ -232,10 +232,11 @@ register(
             "way to name a schedule; train() and evaluate() each call get_forward_backward_func "
             "(imported into megatron.training.training, looked up by name there) and use what "
             "it returns. The wrapper returns megatron's own function unless the run's "
-            "arguments say zb-h1 and megatron would run 1F1B; then megatron-ext's ZB-H1 "
-            "(pipeline.zero_bubble) runs the training steps and megatron's 1F1B the "
-            "forward-only ones (evaluation). Same arguments, same return value (losses, "
-            "tokens), so train_step, evaluate and finalize_model_grads are unchanged."
+            "arguments say zb-h1 and megatron would run 1F1B; then it returns megatron-ext's "
+            "ZB-H1 (pipeline.zero_bubble), which runs the training steps and hands the "
+            "forward-only ones (evaluation) to megatron's 1F1B. Same arguments, same return "
+            "value (losses, tokens), so train_step, evaluate and finalize_model_grads are "
+            "unchanged."
         ),
     )
 )

@@ -317,9 +317,10 @@ GUARDS: tuple[Guard, ...] = (
     Guard(
         "megatron_ext.guards:check_pipeline_schedule",
         "config",
-        "pipeline_schedule='zb-h1' with one stage, virtual stages, overlap_p2p_comm, the "
-        "overlapped MoE schedule, CUDA graphs, or what the ZB-H1 runtime refuses (validate; "
-        "the entries before the model is built)",
+        "pipeline_schedule='zb-h1' with what pipeline.zero_bubble.zero_bubble_problems "
+        "lists: one stage, virtual stages, overlap_p2p_comm, the overlapped MoE schedule, "
+        "CUDA graphs, paged stash, activation offloading (validate; the entries before the "
+        "model is built)",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",

@@ -511,6 +511,9 @@ def argv_problems(
                 mhc_problem = launch.mhc_flags_without_mhc(argv, args)
                 if mhc_problem:
                     return [Problem("megatron arguments", mhc_problem)]
+                schedule = launch.schedule_problem_lines(args)
+                if schedule:  # what the entries refuse right after parsing, one line each
+                    return [Problem("megatron arguments", line) for line in schedule]
             stage = f"config ({config_class.__name__})"
             config = build_config(args, config_class)
             stage = "guard"
