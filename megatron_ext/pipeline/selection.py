@@ -83,6 +83,25 @@ def _run_arguments() -> Any:
     return get_args()
 
 
+# What rank 0 prints (once) when megatron.training runs ZB-H1: the run's log says which
+# schedule trained it, as megatron's argument dump says what was asked for.
+ANNOUNCEMENT = (
+    "> pipeline schedule: zb-h1 (megatron_ext.pipeline.zero_bubble for training steps, "
+    "megatron's 1F1B for forward-only steps)"
+)
+_announced = False
+
+
+def _announce_once() -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    from megatron.training.utils import print_rank_0
+
+    print_rank_0(ANNOUNCEMENT)
+
+
 def choosing_pipeline_schedule(
     get_forward_backward_func: Callable[..., Any],
 ) -> Callable[..., Any]:
@@ -103,6 +122,7 @@ def choosing_pipeline_schedule(
                 f"{getattr(func, '__name__', func)}; use one pipeline chunk per rank and more "
                 f"than one stage, or {FLAG} 1f1b"
             )
+        _announce_once()
         # Looked up now, not imported by name: tracing wraps the module attribute.
         return importlib.import_module(
             ZERO_BUBBLE_MODULE
