@@ -292,7 +292,7 @@ def _check_config_schedule(args: argparse.Namespace, config: TransformerConfig) 
             f"has {selection.FIELD}={built!r}; build it from MHCTransformerConfig (the "
             "entry's default config_class) or a subclass"
         )
-    guards.check_pipeline_schedule(config)
+    guards.check_schedule_supported(config)
 
 
 def language_model_kwargs(

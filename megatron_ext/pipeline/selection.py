@@ -15,7 +15,7 @@ patched Megatron-LM scripts; recipes: ``parallelism.schedule``), which fills the
   (the runtime's rules), reading megatron's names, which parsed arguments and a
   TransformerConfig share. The entries refuse them right after parsing
   (:func:`megatron_ext.launch.training.parse_megatron_args`), and
-  :func:`megatron_ext.guards.check_pipeline_schedule` on a config before the model is built.
+  :func:`megatron_ext.guards.check_schedule_supported` on a config before the model is built.
   Recipes are refused earlier, by field (:func:`megatron_ext.recipes.plan._check_schedule`).
 """
 

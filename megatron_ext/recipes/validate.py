@@ -544,7 +544,7 @@ def argv_problems(
 def _model_guards(model_type: str, config: Any) -> None:
     from megatron_ext import guards
 
-    guards.check_pipeline_schedule(config)
+    guards.check_schedule_supported(config)
     if model_type == "gpt":
         guards.check_gpt_mhc_mtp(config)
     elif model_type == "hybrid":

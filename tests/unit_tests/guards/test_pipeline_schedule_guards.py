@@ -45,7 +45,7 @@ def test_the_entries_declare_the_flag_with_1f1b_by_default():
 def test_a_plain_pipeline_is_accepted():
     assert selection.schedule_problems(_settings()) == []
     launch.refuse_unsupported_schedule(_settings())
-    guards.check_pipeline_schedule(_settings())
+    guards.check_schedule_supported(_settings())
 
 
 def test_1f1b_is_not_checked_here():
@@ -79,7 +79,7 @@ def test_arguments_zb_h1_does_not_run_with_stop_the_entry_in_one_line(overrides,
 @pytest.mark.parametrize("overrides, where", REFUSED, ids=[w for _, w in REFUSED])
 def test_a_config_zb_h1_does_not_run_with_is_refused(overrides, where):
     with pytest.raises(guards.UnsupportedCombinationError, match=f"^{where}: "):
-        guards.check_pipeline_schedule(_settings(**overrides))
+        guards.check_schedule_supported(_settings(**overrides))
 
 
 def test_every_refusal_is_its_own_line():
