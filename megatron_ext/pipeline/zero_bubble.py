@@ -100,7 +100,7 @@ def zero_bubble_problems(
             Problem(
                 f"virtual_pipeline_model_parallel_size={vpp}",
                 "ZB-H1 runs one model chunk per pipeline rank (no interleaving); drop the "
-                f"virtual stages (vpp) {_KEEP_1F1B} to interleave",
+                f"virtual stages (vpp) {_KEEP_1F1B}",
             )
         )
     if field("overlap_p2p_comm", False):
@@ -300,6 +300,7 @@ class _Run:
         sent = None
         if sends is not None:
             sent = self._sent(sends, step)
+            self.latest[sends] = None  # sent once; not kept alive past the send
             args.append(sent)
         if receives is not None:
             args.append(self.recv_shapes if receives == "F" else self.send_shapes)
@@ -400,9 +401,10 @@ def forward_backward_pipelining_zero_bubble_h1(
         schedules, config, p2p_communicator, pg_collection
     )
     steps = rank_steps(communicator.total_stages, communicator.current_stage, num_microbatches)
-    if wgrad.pending():
+    earlier = wgrad.pending()
+    if earlier:
         raise wgrad.PendingWeightGradientError(
-            f"weight gradients of micro-batches {wgrad.pending()} are still pending from an "
+            f"weight gradients of micro-batches {earlier} are still pending from an "
             "earlier step; every W must run before the next forward-backward"
         )
 
