@@ -268,9 +268,10 @@ def assert_same_training(one: Path, other: Path, world_size: int) -> None:
 def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
     """Two runs of the same tiny mHC GPT at PP=2 through megatron.training.pretrain, 1F1B and
     ZB-H1 (`--pipeline-schedule zb-h1` from `parallelism.schedule`): identical losses and
-    gradient norms at every iteration, and the second run really trained with ZB-H1."""
+    gradient norms at every iteration, and the second run really trained with ZB-H1 (traced:
+    every rank ran the derived ZB-H1 order, W steps included)."""
     runs = {}
-    for schedule in ("1f1b", "zb-h1"):
+    for schedule, traced in (("1f1b", ()), ("zb-h1", ("--trace",))):
         run_dir = tmp_path / schedule
         result = megatron_ext(
             "run",
@@ -280,12 +281,14 @@ def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
             "test.type=regular",
             "training.iterations=6",
             f"parallelism.schedule={schedule}",
+            *traced,
             "--run-dir",
             run_dir,
         )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
         assert trained_with(run_dir) == schedule
         runs[schedule] = run_dir
+    assert "schedule order: every rank ran megatron-ext's ZB-H1 order exactly" in result.stdout
     assert_same_training(runs["1f1b"], runs["zb-h1"], world_size=2)
 
 
