@@ -268,8 +268,9 @@ def assert_same_training(one: Path, other: Path, world_size: int) -> None:
 def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
     """Two runs of the same tiny mHC GPT at PP=2 through megatron.training.pretrain, 1F1B and
     ZB-H1 (`--pipeline-schedule zb-h1` from `parallelism.schedule`): identical losses and
-    gradient norms at every iteration, and the second run really trained with ZB-H1 (traced:
-    every rank ran the derived ZB-H1 order, W steps included)."""
+    gradient norms at every iteration, the same validation losses (evaluation is forward-only:
+    megatron's 1F1B under both), and the second run really trained with ZB-H1 (traced: every
+    rank ran the derived ZB-H1 order, W steps included)."""
     runs = {}
     for schedule, traced in (("1f1b", ()), ("zb-h1", ("--trace",))):
         run_dir = tmp_path / schedule
@@ -280,6 +281,8 @@ def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
             "parallelism.sp=false",
             "test.type=regular",
             "training.iterations=6",
+            "training.eval_interval=3",  # evaluation: forward-only, megatron's 1F1B in both
+            "training.eval_iters=1",
             f"parallelism.schedule={schedule}",
             *traced,
             "--run-dir",
@@ -290,6 +293,10 @@ def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
         runs[schedule] = run_dir
     assert "schedule order: every rank ran megatron-ext's ZB-H1 order exactly" in result.stdout
     assert_same_training(runs["1f1b"], runs["zb-h1"], world_size=2)
+    a, _ = met.read_run_metrics(runs["1f1b"])
+    b, _ = met.read_run_metrics(runs["zb-h1"])
+    assert sorted(a["lm loss validation"]) == [3, 6]
+    assert a["lm loss validation"] == b["lm loss validation"]
 
 
 def test_the_tp2_pp2_sp_recipe_trains_under_zb_h1_as_under_1f1b(tmp_path):
