@@ -13,23 +13,38 @@ pipeline's bubble). This module owns W for megatron-ext's local layer specs:
   parallelism, reduce-scatter with it). Inside :func:`capture` it stores what the weight
   gradient needs (the layer's input as the matmul saw it before any sequence-parallel gather,
   the output gradient, the weight and bias); outside it computes the weight gradient at once,
-  exactly as megatron does. With deferral off the layers are megatron's, bit for bit.
+  with megatron's arithmetic (eager: plain ``loss.backward()``, or 1F1B with the field set).
+  With deferral off the layers are megatron's, bit for bit (megatron's own autograd function).
 * :func:`run` computes the stored work of one micro-batch and accumulates it through each
   parameter's own autograd accumulator (``param.expand_as(param)`` leads to the
   ``AccumulateGrad`` node megatron's DDP hooked), so DDP's grad hooks fire once per parameter
-  per micro-batch, into ``main_grad``, as in an eager backward.
+  per micro-batch, into ``main_grad``, as in an eager backward (a parameter several stored
+  items share gets their sum, once).
 * Each linear's ``backward_dw()`` (megatron-core's seam: attention, MLP, SequentialMLP and MLA
-  call their linears' ``backward_dw``) computes that linear's stored work.
+  call their linears' ``backward_dw``) computes that linear's stored work, micro-batch by
+  micro-batch.
 * A torch optimizer step (megatron's optimizers step their inner torch optimizer) with work
-  still stored raises :class:`PendingWeightGradientError`, instead of applying a stale gradient.
+  still stored raises :class:`PendingWeightGradientError`, instead of applying a stale gradient;
+  :func:`raise_if_pending` is the same check for a schedule to call before finalising grads.
 
-What stays in B: megatron's own modules (the output layer / LM head, tied to the embedding or
-not, keeps megatron's ColumnParallelLinear: its weight gradient is computed in B), MLA's down
-projections (megatron's MLA accepts only its own classes there, by identity), the row-parallel
-bias added after the reduce (its gradient is a sum, computed by autograd in B), and the mHC
-projection of :mod:`megatron_ext.mhc` (its output is a few numbers per token, n^2 + 2n, so its
-weight gradient is a small fraction of a layer's FLOPs; deferring it is not worth storing its
-n*h-wide input a second time).
+Why the parameters enter the function detached: autograd runs a parameter's AccumulateGrad node
+(and DDP's hook on it) even when the gradient reaching it is None, so a wired-in weight would
+fire DDP's hook in B with no gradient and again in W. Detached, the node runs only when W (or
+the eager path, from inside B) hands it the gradient. The price, in the eager path only: a
+linear called twice in one forward accumulates twice (autograd would sum first), so DDP's hook
+runs twice for it in that backward.
+
+What stays in B (megatron's own path, weight gradient in the backward): linears our specs do
+not swap (the output layer / LM head, tied to the embedding or not, which GPTModel builds
+itself; the Hybrid MTP projections and Mamba's in/out projections), MLA's down projections (megatron's MLA accepts only its own classes
+there, by identity), a call whose input needs no gradient (nothing would reach the detached
+weight), the row-parallel bias added after the reduce and ``skip_bias_add`` biases (added by
+the caller; their gradients are sums), frozen or non-leaf weights, megatron's embedding wgrad
+deferral and GTP-sharded weights; and the mHC projection of :mod:`megatron_ext.mhc` (its output
+is n^2 + 2n numbers per token, so its weight gradient is a small fraction of a layer's FLOPs;
+deferring it is not worth keeping its n*h-wide input alive until W).
+gradient_accumulation_fusion (wgrad GEMM straight into main_grad) is refused with zb-h1 by
+:func:`megatron_ext.guards.check_pipeline_schedule`.
 
 Transformer Engine specs are not deferred here: TE's own ``delay_wgrad_compute`` is switched on
 through megatron-core 0.19.2's ``TransformerConfig.delay_wgrad_compute``, whose
@@ -97,14 +112,40 @@ class _Work:
         grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
         return grad_weight, grad_bias
 
-    def accumulate(self) -> None:
-        """Compute the gradients and hand them to the parameters' accumulators."""
+    def param_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, gradient) for the weight and, when it is in the matmul, the bias."""
         grad_weight, grad_bias = self.gradients()
-        params, grads = [self.weight], [grad_weight]
+        pairs = [(self.weight, grad_weight)]
         if self.bias is not None and grad_bias is not None:
-            params.append(self.bias)
-            grads.append(grad_bias)
-        _accumulate(params, grads)
+            pairs.append((self.bias, grad_bias))
+        return pairs
+
+
+def _accumulate_micro_batch(works: list[_Work]) -> None:
+    """Accumulate one micro-batch's work in order. A parameter that several items share (a
+    linear called more than once in a forward) gets the sum, once, at its last item: an eager
+    backward sums such contributions in the AccumulateGrad node's input buffer (first + next,
+    in arrival order, which is the stored order) and runs the node, and DDP's hook, once."""
+    remaining: dict[int, int] = {}
+    for work in works:
+        for param in (work.weight, work.bias):
+            if param is not None:
+                remaining[id(param)] = remaining.get(id(param), 0) + 1
+    partial: dict[int, torch.Tensor] = {}
+    for work in works:
+        params, grads = [], []
+        for param, grad in work.param_grads():
+            key = id(param)
+            remaining[key] -= 1
+            if key in partial:
+                grad = partial.pop(key) + grad
+            if remaining[key]:
+                partial[key] = grad
+                continue
+            params.append(param)
+            grads.append(grad)
+        if params:
+            _accumulate(params, grads)
 
 
 def _gather_sequence(local: torch.Tensor, group: Any) -> torch.Tensor:
@@ -141,13 +182,14 @@ class _Store:
     def take(self, key: Hashable) -> list[_Work]:
         return self.work.pop(key, [])
 
-    def take_owned(self, owner: torch.nn.Module) -> list[_Work]:
+    def take_owned(self, owner: torch.nn.Module) -> list[list[_Work]]:
+        """``owner``'s work, one list per micro-batch (oldest first)."""
         taken = []
         for key in list(self.work):
             mine = [w for w in self.work[key] if w.owner is owner]
             if mine:
                 self.work[key] = [w for w in self.work[key] if w.owner is not owner]
-                taken.extend(mine)
+                taken.append(mine)
                 if not self.work[key]:
                     del self.work[key]
         return taken
@@ -174,15 +216,23 @@ def capture(microbatch: Hashable) -> Iterator[None]:
 
 def run(microbatch: Hashable) -> None:
     """Compute and accumulate all work stored under ``microbatch``, in the order stored
-    (nothing stored: nothing to do, e.g. a stage without deferrable linears)."""
-    work = _STORE.take(microbatch)
-    while work:
-        work.pop(0).accumulate()
+    (nothing stored: nothing to do, e.g. a stage without deferrable linears).
+
+    Under megatron's DDP the accumulation fires its grad hooks, which start the bucket reduce
+    when the DDP is at its last micro-batch: run every W but the one that comes last inside
+    DDP's ``no_sync()`` (config.no_sync_func), as megatron does for every B but the last."""
+    _accumulate_micro_batch(_STORE.take(microbatch))
 
 
 def pending() -> list:
     """The keys with work still stored, oldest first."""
     return [key for key, work in _STORE.work.items() if work]
+
+
+def deferrable_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linears of ``model`` whose weight gradient can be deferred (empty for a Transformer
+    Engine spec: a zero-bubble schedule's W steps then have nothing to do)."""
+    return [m for m in model.modules() if isinstance(m, _Deferrable)]
 
 
 def raise_if_pending(when: str) -> None:
@@ -272,7 +322,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
         if _STORE.active:
             _STORE.add(work)
         else:  # eager (no capture): W right away, inside B
-            work.accumulate()
+            _accumulate_micro_batch([work])
         return grad_input, None, None, None, None, None, None, None
 
 
@@ -323,8 +373,8 @@ class _Deferrable:
     def backward_dw(self) -> None:
         """Compute and accumulate this linear's stored weight-gradient work (every
         micro-batch's, oldest first); nothing stored: nothing to do."""
-        for work in _STORE.take_owned(self):  # type: ignore[arg-type]
-            work.accumulate()
+        for micro_batch in _STORE.take_owned(self):  # type: ignore[arg-type]
+            _accumulate_micro_batch(micro_batch)
 
 
 class ColumnParallelLinear(_Deferrable, tensor_parallel.ColumnParallelLinear):
@@ -369,6 +419,7 @@ __all__ = [
     "PendingWeightGradientError",
     "RowParallelLinear",
     "capture",
+    "deferrable_linears",
     "deferral_enabled",
     "discard_pending",
     "pending",

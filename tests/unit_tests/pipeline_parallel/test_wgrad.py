@@ -5,8 +5,11 @@ micro-batch; an optimizer step with work pending is refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from mhc_moe_mla_cases import mla_plan, moe_plan
 
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -177,6 +180,34 @@ def test_backward_dw_computes_the_modules_own_work():
         _assert_equal(_grads(column), _grads(ref_column))
 
 
+def test_a_linear_used_twice_accumulates_once_per_micro_batch():
+    """Shared use (as a repeated MTP layer would): the two contributions are summed first, as
+    autograd's input buffer does, and the accumulator (DDP's hook) runs once per micro-batch."""
+    with model_parallel():
+        ours = _build("column", wgrad, "zb-h1")
+        ref = _build("column", tensor_parallel, "1f1b")
+        nodes, calls = [], []
+        for layer in (ours, ref):
+            node = layer.weight.expand_as(layer.weight).grad_fn.next_functions[0][0]
+            nodes.append(node)  # keeps the node (and its hook) alive
+            calls.append([0])
+            node.register_hook(lambda *_, c=calls[-1]: c.__setitem__(0, c[0] + 1))
+        xs, gs = _inputs("column", 4)
+        for key in range(2):
+            for layer in (ours, ref):
+                a = xs[2 * key].clone().requires_grad_()
+                b = xs[2 * key + 1].clone().requires_grad_()
+                out = layer(a)[0] * gs[2 * key] + layer(b)[0] * gs[2 * key + 1]
+                with wgrad.capture(key) if layer is ours else contextlib.nullcontext():
+                    out.sum().backward()
+        assert calls[0] == [0] and calls[1] == [2]
+        wgrad.run(0)
+        assert calls[0] == [1]
+        wgrad.run(1)
+        assert calls[0] == [2]
+        _assert_equal(_grads(ours), _grads(ref))
+
+
 def test_optimizer_step_with_work_pending_is_an_error():
     with model_parallel():
         layer = _build("column", wgrad, "zb-h1")
@@ -253,7 +284,7 @@ def test_gpt_mhc_model_grads_equal_1f1b():
         batches = make_microbatches(plan, 0)
         ref = _gpt("1f1b", plan)
         ours = _gpt("zb-h1", plan)
-        deferred = [m for m in ours.modules() if isinstance(m, wgrad._Deferrable)]
+        deferred = wgrad.deferrable_linears(ours)
         assert len(deferred) == 2 * 4  # qkv, proj, fc1, fc2 per layer
         for batch in batches:
             _loss(ref, batch).backward()
@@ -289,8 +320,6 @@ def _count_hook_calls(ddp) -> dict[str, list[int]]:
 
 
 def _run_ddp(ddp, batches, deferred: bool, counts) -> None:
-    import contextlib
-
     ddp.zero_grad_buffer()
     last = len(batches) - 1
     for key, batch in enumerate(batches):
@@ -368,3 +397,84 @@ def test_megatron_optimizer_step_with_work_pending_is_an_error(distributed_optim
         ddp.finish_grad_sync()
         update_successful, _, _ = optimizer.step()
         assert update_successful
+
+
+def _factory_model(plan: TrainPlan, schedule: str):
+    from megatron_ext.config import MHCMLATransformerConfig, MHCTransformerConfig
+    from megatron_ext.testing.equivalence import gpt_model_factory
+
+    plan.config_overrides["pipeline_schedule"] = schedule
+    mla = "q_lora_rank" in plan.config_overrides
+    config_class = MHCMLATransformerConfig if mla else MHCTransformerConfig
+    config = transformer_config(plan, parallel=False, config_class=config_class)
+    torch.manual_seed(plan.seed)
+    model_parallel_cuda_manual_seed(plan.seed)
+    return gpt_model_factory(plan)(config, True, True, None)
+
+
+@pytest.mark.parametrize("case", ["moe", "mla"])
+def test_moe_and_mla_grads_equal_1f1b(case):
+    """MoE: the routed (SequentialMLP) and shared experts' linears defer; MLA: every linear
+    but the down projections (megatron checks their class by identity)."""
+    plan_of = {"moe": moe_plan, "mla": mla_plan}[case]
+    with model_parallel():
+        ref = _factory_model(plan_of(micro_batch_size=2, global_batch_size=4), "1f1b")
+        ours = _factory_model(plan_of(micro_batch_size=2, global_batch_size=4), "zb-h1")
+        batches = make_microbatches(plan_of(micro_batch_size=2, global_batch_size=4), 0)
+        names = {n for n, m in ours.named_modules() if isinstance(m, wgrad._Deferrable)}
+        if case == "moe":
+            assert any(".experts.local_experts.3.linear_fc2" in n for n in names)
+            assert any(".shared_experts.linear_fc1" in n for n in names)
+        else:
+            assert any(n.endswith("linear_q_up_proj") for n in names)
+            assert not any(n.endswith("linear_kv_down_proj") for n in names)
+        for batch in batches:
+            _loss(ref, batch).backward()
+        for key, batch in enumerate(batches):
+            with wgrad.capture(key):
+                _loss(ours, batch).backward()
+        assert wgrad.pending() == [0, 1]
+        for key in range(len(batches)):
+            wgrad.run(key)
+        _assert_equal(_gpt_grads(ours), _gpt_grads(ref))
+
+
+def test_hybrid_mhc_stack_grads_equal_1f1b():
+    """The Hybrid local stack (attention, MLP and MoE layers) with mHC defers the same way."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.hybrid import hybrid_model_factory, hybrid_plan
+
+    pattern = "*-E"
+
+    def build(schedule: str):
+        plan = hybrid_plan(
+            pattern,
+            micro_batch_size=2,
+            global_batch_size=4,
+            config_overrides=dict(
+                enable_mhc_connections=True,
+                mhc_num_residual_streams=2,
+                pipeline_schedule=schedule,
+            ),
+        )
+        config = transformer_config(plan, parallel=False, config_class=MHCTransformerConfig)
+        torch.manual_seed(plan.seed)
+        model_parallel_cuda_manual_seed(plan.seed)
+        return plan, hybrid_model_factory(plan, pattern)(config, True, True, None)
+
+    with model_parallel():
+        plan, ref = build("1f1b")
+        _, ours = build("zb-h1")
+        names = {n for n, m in ours.named_modules() if isinstance(m, wgrad._Deferrable)}
+        assert any("experts.local_experts.0.linear_fc1" in n for n in names)
+        assert any(n.endswith("mlp.linear_fc2") and "experts" not in n for n in names)
+        batches = make_microbatches(plan, 0)
+        for batch in batches:
+            _loss(ref, batch).backward()
+        for key, batch in enumerate(batches):
+            with wgrad.capture(key):
+                _loss(ours, batch).backward()
+        assert wgrad.pending() == [0, 1]
+        for key in range(len(batches)):
+            wgrad.run(key)
+        _assert_equal(_gpt_grads(ours), _gpt_grads(ref))

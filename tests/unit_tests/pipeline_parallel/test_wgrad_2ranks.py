@@ -97,3 +97,64 @@ def test_tensor_parallel_deferred_grads_equal_megatron(sequence_parallel):
                 mine.named_parameters(), theirs.named_parameters(), strict=True
             ):
                 torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("parallel", ["pp2", "tp2_sp"])
+def test_eager_path_under_megatron_1f1b_matches_the_reference(parallel):
+    """pipeline_schedule='zb-h1' under megatron's own 1F1B (no capture: W inside B, through
+    the accumulators DDP hooked) trains as the single-rank reference (megatron's linears):
+    loss, every gradient of every step, the final weights. mHC on."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
+
+    sizes = dict(pp=2) if parallel == "pp2" else dict(tp=2, sequence_parallel=True)
+    plan = TrainPlan(
+        **sizes,
+        num_layers=2,
+        steps=2,
+        lr=1e-4,  # mhc_moe_mla_cases.MHC_LR: Adam turns alpha_res's rounding noise into steps
+        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
+        parallel_overrides=dict(pipeline_schedule="zb-h1"),
+    )
+    check_equivalence(plan, config_class=MHCTransformerConfig)
+    assert wgrad.pending() == []
+
+
+@pytest.mark.world_size(2)
+def test_captured_b_then_w_inside_megatron_1f1b_matches_the_reference(monkeypatch):
+    """Every backward_step of megatron's PP=2 1F1B runs as B inside capture(k) then W = run(k)
+    at once (the stages' received tensors, megatron's custom backward, DDP and finalize_model_grads
+    on the real path): the run still equals the single-rank reference. mHC on."""
+    import itertools
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
+
+    original = schedules.backward_step
+    keys = itertools.count()
+    stored = []
+
+    def b_then_w(*args, **kwargs):
+        key = next(keys)
+        with wgrad.capture(key):
+            input_grad = original(*args, **kwargs)
+        stored.append(wgrad.pending() == [key])
+        wgrad.run(key)
+        assert wgrad.pending() == []
+        return input_grad
+
+    monkeypatch.setattr(schedules, "backward_step", b_then_w)
+    plan = TrainPlan(
+        pp=2,
+        num_layers=2,
+        steps=2,
+        lr=1e-4,
+        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
+        parallel_overrides=dict(pipeline_schedule="zb-h1"),
+    )
+    check_equivalence(plan, config_class=MHCTransformerConfig)
+    # The sharded run stored work in every backward step (the reference, 1f1b, none).
+    assert any(stored) and stored.count(True) == plan.steps * plan.local_microbatches()
