@@ -567,6 +567,13 @@ def _virtual_stages_source(r: Recipe) -> str:
     return "parallelism.vpp"
 
 
+def schedule_problems(r: Recipe) -> list[Problem]:
+    """What :func:`_check_schedule` finds, for entries that load a recipe themselves."""
+    problems: list[Problem] = []
+    _check_schedule(r, lambda where, what: problems.append(Problem(where, what)))
+    return problems
+
+
 def _check_schedule(r: Recipe, add) -> None:
     """``parallelism.schedule: zb-h1`` only where ZB-H1 runs: a pipeline of more than one
     stage without virtual stages, outside multi-module recipes (whose top-level parallelism is
