@@ -462,10 +462,16 @@ def forward_backward_pipelining_zero_bubble_h1(
         ),
     )
     no_sync.disable()
-    for step in steps:
-        run.step(step)
+    try:
+        for step in steps:
+            run.step(step)
+    except BaseException:
+        # The failed iteration's stored work must not leak into the next one.
+        wgrad.discard_pending()
+        raise
     leftover = wgrad.pending()
     if leftover:
+        wgrad.discard_pending()
         raise wgrad.PendingWeightGradientError(
             f"weight gradients of micro-batches {leftover} were never run by a W step; the "
             "gradients would be incomplete at finalize_model_grads"
