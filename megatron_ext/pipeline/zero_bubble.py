@@ -154,6 +154,15 @@ def zero_bubble_problems(
                 f"W still reads; switch the offloading off {_KEEP_1F1B}",
             )
         )
+    if field("gradient_accumulation_fusion", False):
+        problems.append(
+            Problem(
+                "gradient_accumulation_fusion=True",
+                "the fused weight-gradient GEMM writes main_grad inside B, which the deferred "
+                "W replaces (megatron_ext.guards.check_pipeline_schedule refuses it too); set "
+                f"it False (--no-gradient-accumulation-fusion) {_KEEP_1F1B}",
+            )
+        )
     if field("variable_seq_lengths", False):
         problems.append(
             Problem(

@@ -42,6 +42,7 @@ def plain_config(**fields):
         external_cuda_graph=False,
         moe_paged_stash=False,
         fine_grained_activation_offloading=False,
+        gradient_accumulation_fusion=False,
         finalize_model_grads_func=None,
         timers=None,
         no_sync_func=None,
@@ -72,6 +73,7 @@ REFUSED = [
     (dict(fine_grained_activation_offloading=True), "fine_grained_activation_offloading=True"),
     (dict(pipeline_model_parallel_size=1), "pipeline_model_parallel_size=1"),
     (dict(variable_seq_lengths=True), "variable_seq_lengths=True"),
+    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion=True"),
 ]
 
 
