@@ -154,6 +154,25 @@ def zero_bubble_problems(
                 f"W still reads; switch the offloading off {_KEEP_1F1B}",
             )
         )
+    if field("gradient_accumulation_fusion", False):
+        problems.append(
+            Problem(
+                "gradient_accumulation_fusion=True",
+                "the fused weight-gradient GEMM writes main_grad inside B, which the deferred "
+                "W replaces (megatron_ext.guards.check_pipeline_schedule refuses it too); set "
+                f"it False (--no-gradient-accumulation-fusion) {_KEEP_1F1B}",
+            )
+        )
+    if field("variable_seq_lengths", False):
+        problems.append(
+            Problem(
+                "variable_seq_lengths=True",
+                "each tensor's shape then goes first in a blocking exchange of its own, and "
+                "ZB-H1's send_backward, W, recv_forward waits on the neighbour's "
+                "send_forward_recv_backward, which waits on that recv_forward's shape: a "
+                f"deadlock (seen on gloo); use fixed sequence lengths {_KEEP_1F1B}",
+            )
+        )
     pp = pipeline_parallel_size or field("pipeline_model_parallel_size", 1) or 1
     if pp < 2:
         problems.append(
@@ -452,10 +471,16 @@ def forward_backward_pipelining_zero_bubble_h1(
         ),
     )
     no_sync.disable()
-    for step in steps:
-        run.step(step)
+    try:
+        for step in steps:
+            run.step(step)
+    except BaseException:
+        # The failed iteration's stored work must not leak into the next one.
+        wgrad.discard_pending()
+        raise
     leftover = wgrad.pending()
     if leftover:
+        wgrad.discard_pending()
         raise wgrad.PendingWeightGradientError(
             f"weight gradients of micro-batches {leftover} were never run by a W step; the "
             "gradients would be incomplete at finalize_model_grads"

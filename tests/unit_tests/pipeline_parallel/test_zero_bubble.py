@@ -42,6 +42,7 @@ def plain_config(**fields):
         external_cuda_graph=False,
         moe_paged_stash=False,
         fine_grained_activation_offloading=False,
+        gradient_accumulation_fusion=False,
         finalize_model_grads_func=None,
         timers=None,
         no_sync_func=None,
@@ -71,6 +72,8 @@ REFUSED = [
     (dict(moe_paged_stash=True), "moe_paged_stash=True"),
     (dict(fine_grained_activation_offloading=True), "fine_grained_activation_offloading=True"),
     (dict(pipeline_model_parallel_size=1), "pipeline_model_parallel_size=1"),
+    (dict(variable_seq_lengths=True), "variable_seq_lengths=True"),
+    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion=True"),
 ]
 
 
@@ -364,3 +367,54 @@ def test_a_weight_gradient_pending_from_before_is_an_error(stand_in_passes, monk
     with pytest.raises(wgrad.PendingWeightGradientError, match="still pending from an earlier"):
         _run(2, 0, 4, stand_in_passes)
     assert stand_in_passes == []  # refused before any step
+
+
+def test_forward_only_is_megatrons_1f1b(monkeypatch):
+    """Evaluation has no weight gradient to defer: megatron's own non-interleaved schedule
+    runs it, with every argument handed over unchanged and its result returned."""
+    import importlib
+
+    schedules = importlib.import_module(SCHEDULES)
+    seen = {}
+
+    def one_f_one_b(**kwargs):
+        seen.update(kwargs)
+        return ["reports"]
+
+    monkeypatch.setattr(schedules, "forward_backward_pipelining_without_interleaving", one_f_one_b)
+    arguments = dict(
+        forward_step_func=_never,
+        data_iterator=iter([]),
+        model=[_Chunk(plain_config())],
+        num_microbatches=3,
+        seq_length=8,
+        micro_batch_size=2,
+        decoder_seq_length=4,
+        collect_non_loss_data=True,
+        first_val_step=True,
+        adjust_tensor_shapes_fn=None,
+        p2p_communicator="communicator",
+        pg_collection="groups",
+        force_all_reduce=False,
+    )
+    result = forward_backward_pipelining_zero_bubble_h1(forward_only=True, **arguments)
+    assert result == ["reports"]
+    assert seen == dict(arguments, forward_only=True)
+
+
+def test_a_failing_step_discards_the_stored_weight_gradients(stand_in_passes, monkeypatch):
+    """A pass that raises leaves its iteration's stored work behind: it is dropped, so the
+    next iteration does not start with (or apply) a stale weight gradient."""
+    import importlib
+
+    schedules = importlib.import_module(SCHEDULES)
+    discarded = []
+    monkeypatch.setattr(wgrad, "discard_pending", lambda: discarded.append(True))
+
+    def failing_backward(*args):
+        raise RuntimeError("B failed")
+
+    monkeypatch.setattr(schedules, "backward_step", failing_backward)
+    with pytest.raises(RuntimeError, match="B failed"):
+        _run(2, 1, 4, stand_in_passes)
+    assert discarded == [True]
