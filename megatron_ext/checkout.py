@@ -126,10 +126,19 @@ def refuse_upstream_mhc(script: str, entry: str, config_class: type | None = Non
 
 
 def refuse_modelopt_with_mhc(args: argparse.Namespace) -> None:
-    """ModelOpt builds its own GPT (no mHC layers): refuse the combination by name."""
-    if getattr(args, "enable_mhc_connections", False) and getattr(args, "modelopt_enabled", False):
+    """ModelOpt builds its own GPT (no mHC layers, no deferred weight gradients for ZB-H1):
+    refuse either combination by name."""
+    if not getattr(args, "modelopt_enabled", False):
+        return
+    if getattr(args, "enable_mhc_connections", False):
         raise SystemExit(
             "--enable-mhc-connections cannot be combined with ModelOpt (modelopt_enabled: "
             "quantization, distillation or a ModelOpt checkpoint): ModelOpt builds its own GPT "
             "without mHC layers. Drop the ModelOpt flags, or train without mHC."
+        )
+    if getattr(args, "pipeline_schedule", "1f1b") != "1f1b":
+        raise SystemExit(
+            f"--pipeline-schedule {args.pipeline_schedule} cannot be combined with ModelOpt "
+            "(modelopt_enabled): ModelOpt builds its own GPT, whose layers do not defer weight "
+            "gradients. Drop the ModelOpt flags, or use --pipeline-schedule 1f1b."
         )

@@ -163,6 +163,47 @@ _trace(
     "The interleaved schedule, likewise.",
 )
 
+# megatron-ext's own ZB-H1 schedule (parallelism.schedule: zb-h1). Its forwards and input
+# gradients go through the megatron passes above; the schedule function and the weight-gradient
+# step are ours, wrapped the same way. Registered when the module is there (find_spec imports
+# only the megatron_ext.pipeline package, whose __init__ imports nothing).
+ZERO_BUBBLE = "megatron_ext.pipeline.zero_bubble"
+ZERO_BUBBLE_SCHEDULE = "forward_backward_pipelining_zero_bubble_h1"
+
+
+def _zero_bubble_present() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(ZERO_BUBBLE) is not None
+    except ImportError:
+        return False
+
+
+if _zero_bubble_present():
+    register(
+        Patch(
+            target=f"{ZERO_BUBBLE}:{ZERO_BUBBLE_SCHEDULE}",
+            replacement="megatron_ext.schedules.trace:traced_schedule",
+            why=(
+                "ZB-H1: one iteration per call, its P2P communicator handed over wrapped in a "
+                "recorder, as for megatron's schedules."
+            ),
+            group="trace",
+        )
+    )
+    register(
+        Patch(
+            target=f"{ZERO_BUBBLE}:weight_gradient_step",
+            replacement="megatron_ext.schedules.trace:traced_weight_gradient_step",
+            why=(
+                "ZB-H1 runs every deferred weight gradient (W) through this module-level "
+                "function, looked up through the module: the one place to time and label a W."
+            ),
+            group="trace",
+        )
+    )
+
 
 _DEAD_MTP_OUTPUT_WEIGHT_WHY = (
     "With tied embeddings and MTP under PP, the MTP stage (pre_process=False) gets an "
@@ -209,6 +250,25 @@ register(
             "wrapper gathers the mHC statistics recorded during a logged step there and writes "
             "them with megatron's TensorBoard writer. Without --log-mhc-stats it only calls the "
             "original."
+        ),
+    )
+)
+
+
+register(
+    Patch(
+        target="megatron.training.training:get_forward_backward_func",
+        replacement="megatron_ext.pipeline.selection:choosing_pipeline_schedule",
+        why=(
+            "--pipeline-schedule zb-h1 (recipes: parallelism.schedule): megatron.training has no "
+            "way to name a schedule; train() and evaluate() each call get_forward_backward_func "
+            "(imported into megatron.training.training, looked up by name there) and use what "
+            "it returns. The wrapper returns megatron's own function unless the run's "
+            "arguments say zb-h1 and megatron would run 1F1B; then it returns megatron-ext's "
+            "ZB-H1 (pipeline.zero_bubble), which runs the training steps and hands the "
+            "forward-only ones (evaluation) to megatron's 1F1B. Same arguments, same return "
+            "value (losses, tokens), so train_step, evaluate and finalize_model_grads are "
+            "unchanged."
         ),
     )
 )
@@ -589,7 +649,8 @@ declare(
     Seam(
         f"{_MCORE}.pipeline_parallel.schedules:_build_default_pg_collection",
         "private_function",
-        "Schedule tracing hands the schedule the process groups it would build itself.",
+        "Schedule tracing hands the schedule the process groups it would build itself; the "
+        "ZB-H1 schedule builds the same default groups megatron's 1F1B builds.",
         (),
     )
 )

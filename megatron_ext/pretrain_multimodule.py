@@ -66,11 +66,18 @@ HONOURED_FLAGS = {
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """The typed recipe through the one recipe loader (schema, overrides); ValueError lists
-    every problem."""
+    every problem. A pipeline schedule other than megatron's 1F1B is refused here too: started
+    without ``megatron-ext run`` (which validates), this entry would otherwise ignore it."""
+    from megatron_ext.recipes.plan import schedule_problems
+
     try:
-        return load(path, overrides=list(overrides)).recipe
+        recipe = load(path, overrides=list(overrides)).recipe
     except RecipeError as error:
         raise ValueError("; ".join(str(p) for p in error.problems)) from None
+    problems = schedule_problems(recipe)
+    if problems:
+        raise ValueError("; ".join(str(p) for p in problems))
+    return recipe
 
 
 def _module_impls(recipe: Recipe, plan: MultiModulePlan) -> dict:

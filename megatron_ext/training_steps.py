@@ -37,13 +37,13 @@ from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.training import set_startup_timestamps
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext import registry
+from megatron_ext import guards, registry
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.launch import stop_signals, training as launch
 from megatron_ext.mhc import stats_logging
 from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.models.lm_loss import masked_token_loss
-from megatron_ext.pipeline import consistency
+from megatron_ext.pipeline import consistency, selection
 
 # Megatron-LM's default: pretraining reads GPT-2 BPE unless told otherwise.
 ENTRY_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -163,7 +163,24 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="layers per mHC recompute group with --recompute-modules mhc "
         "(default: the whole stage is one group)",
     )
+    add_pipeline_schedule_arg(parser)
     return parser
+
+
+def add_pipeline_schedule_arg(parser: argparse.ArgumentParser) -> None:
+    """``--pipeline-schedule``, which fills MHCTransformerConfig.pipeline_schedule."""
+    field = MHCTransformerConfig.__dataclass_fields__.get(selection.FIELD)
+    group = parser.add_argument_group(title="megatron-ext pipeline", description="schedule")
+    _add_flag(
+        parser,
+        group,
+        selection.FLAG,
+        choices=selection.SCHEDULES,
+        default=field.default if field is not None else selection.ONE_F_ONE_B,
+        help="1f1b: megatron's 1F1B (interleaved with virtual stages); zb-h1: megatron-ext's "
+        "zero-bubble ZB-H1 (backward split into input and weight gradients, the weight "
+        "gradients fill the pipeline bubble; more than one stage, no virtual stages)",
+    )
 
 
 def reject_unsupported_flags(
@@ -256,11 +273,26 @@ def stage_config(
     who differs. Raises PipelineConsistencyError on every rank of the pipeline group."""
     if config is None:
         config = transformer_config(args, config_class)
+    _check_config_schedule(args, config)
     group = getattr(pg_collection, "pp", None)
     if group is None and mpu.model_parallel_is_initialized():
         group = mpu.get_pipeline_model_parallel_group()
     consistency.agree_before_build(config, group, agreed_run_fields(args))
     return config
+
+
+def _check_config_schedule(args: argparse.Namespace, config: TransformerConfig) -> None:
+    """The config runs the schedule the flags chose (a config class without the
+    pipeline_schedule field would build layers that never defer a weight gradient), and the
+    config's settings allow it (the flags check saw the arguments only)."""
+    wanted, built = selection.selected_schedule(args), selection.selected_schedule(config)
+    if wanted != built:
+        raise SystemExit(
+            f"error: {selection.FLAG} {wanted}: the model's config ({type(config).__name__}) "
+            f"has {selection.FIELD}={built!r}; build it from MHCTransformerConfig (the "
+            "entry's default config_class) or a subclass"
+        )
+    guards.check_schedule_supported(config)
 
 
 def language_model_kwargs(

@@ -1,6 +1,6 @@
-"""``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
-megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and bytes
-per pipeline edge, without starting anything."""
+"""``megatron-ext schedule --pp P [--vpp V] --microbatches M [--schedule zb-h1] [...]`` or
+``--recipe RECIPE``: megatron-core's pipeline schedule (or megatron-ext's ZB-H1) as a grid, its
+bubble, peak in-flight micro-batches and bytes per pipeline edge, without starting anything."""
 
 from __future__ import annotations
 
@@ -11,7 +11,36 @@ NAME = "schedule"
 HELP = "print megatron-core's pipeline schedule: grid, bubble, in-flight, bytes per edge"
 
 
+def _time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_ext.schedules.schedule import SCHEDULES
+
+    parser.add_argument(
+        "--schedule",
+        help=f"pipeline schedule: {' or '.join(SCHEDULES)} (default: the recipe's "
+        "parallelism.schedule, else 1f1b); zb-h1 also shows 1F1B's figures beside its own",
+    )
+    parser.add_argument(
+        "--forward-time", type=_time, default=1.0, help="time of a forward (default: 1)"
+    )
+    parser.add_argument(
+        "--backward-time",
+        type=_time,
+        default=2.0,
+        help="time of a whole backward, input and weight gradients (default: 2)",
+    )
+    parser.add_argument(
+        "--weight-time",
+        type=_time,
+        default=1.0,
+        help="the weight-gradient part of it, ZB-H1's W step (default: 1, so F = B = W)",
+    )
     parser.add_argument("--pp", type=int, help="pipeline stages (--pipeline-model-parallel-size)")
     parser.add_argument(
         "--vpp", type=int, help="chunks per rank (--num-virtual-stages-per-pipeline-rank)"
@@ -51,7 +80,17 @@ MAX_COMPUTE_STEPS = 20_000
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
-def _size_problem(plan) -> str | None:
+def _size_problem(plan, costs) -> str | None:
+    """Checked before any schedule is built: the number of steps (ZB-H1 has three per
+    micro-batch and is simulated beside 1F1B, about 2 s together at the bound), and the grid's
+    size (ranks x columns; the costs' ratio decides a column's time)."""
+    from megatron_ext.schedules.report import (
+        MAX_COLUMNS_PER_STEP,
+        MAX_GRID_CELLS,
+        columns_per_step,
+        grid_cells,
+    )
+
     if plan.multimodule is not None:
         return None
     steps = max(plan.pp, 1) * max(plan.vpp or 1, 1) * max(plan.microbatches, 1)
@@ -60,6 +99,20 @@ def _size_problem(plan) -> str | None:
             f"--pp {plan.pp} x --vpp {plan.vpp or 1} x --microbatches {plan.microbatches} = "
             f"{steps} steps per pass, more than the {MAX_COMPUTE_STEPS} this tool draws; the bubble "
             "depends on pp, vpp and m only through their ratios: try fewer micro-batches"
+        )
+    times = costs.describe(plan.schedule == "zb-h1")
+    if (width := columns_per_step(plan, costs)) > MAX_COLUMNS_PER_STEP:
+        return (
+            f"step times {times} make one step {width} grid columns wide (more than "
+            f"{MAX_COLUMNS_PER_STEP}): use times in small whole ratios, such as --forward-time 1 "
+            "--backward-time 2 --weight-time 1"
+        )
+    cells = grid_cells(plan, costs)
+    if cells > MAX_GRID_CELLS:
+        return (
+            f"--pp {plan.pp} x --microbatches {plan.microbatches} with step times {times} make a "
+            f"grid of about {cells} cells, more than the {MAX_GRID_CELLS} this tool draws: try "
+            "fewer stages or micro-batches"
         )
     return None
 
@@ -87,16 +140,23 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.schedule import plan_from_recipe
     from megatron_ext.schedules import report as rep
-    from megatron_ext.schedules.schedule import SchedulePlan
+    from megatron_ext.schedules.schedule import SCHEDULES, SchedulePlan
 
     overrides = list(getattr(args, "targets", None) or [])
     if args.plot and (problem := _plot_problem(args.plot)):
         return _error(problem)
+    if args.schedule is not None and args.schedule not in SCHEDULES:
+        return _error(f"--schedule {args.schedule}: use one of {', '.join(SCHEDULES)}")
+    costs = rep.Costs(args.forward_time, args.backward_time, args.weight_time)
+    if cost_problems := costs.problems():
+        return _error(str(cost_problems[0]))
     try:
         if args.recipe:
             plan, size = plan_from_recipe(args.recipe, overrides, args.platform)
             if args.microbatches is not None:
                 plan.microbatches = args.microbatches
+            if args.schedule is not None:
+                plan.schedule = args.schedule
         else:
             if args.pp is None or args.microbatches is None:
                 return _error("give --pp and --microbatches (or --recipe RECIPE)")
@@ -105,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
                 vpp=args.vpp,
                 microbatches=args.microbatches,
                 microbatch_group_size=args.microbatch_group_size,
+                schedule=args.schedule or "1f1b",
             )
             size = None
             if args.hidden is not None:
@@ -119,19 +180,27 @@ def main(args: argparse.Namespace) -> int:
                 )
             elif args.mhc_streams:
                 return _error("--mhc-streams needs --hidden, --seq and --micro-batch-size")
-        if problem := _size_problem(plan):
+        if plan_problems := plan.problems():
+            return _error(str(plan_problems[0]))
+        if problem := _size_problem(plan, costs):
             return _error(problem)
-        lines, schedule = rep.report(plan, size, steps=args.steps)
+        lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs)
     except RecipeError as exc:
         return _error(f"{exc.source}: {exc.problems[0]}")
     except ValueError as exc:
         return _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     print("\n".join(lines))
     if args.plot:
-        from megatron_ext.schedules.schedule import simulate
         from megatron_ext.schedules.timeline import plot_timeline
 
-        timeline = simulate(schedule)
+        timeline = costs.simulate(schedule)
+        split = plan.schedule == "zb-h1"
+        note = f"bubble {timeline.bubble():.1%}"
+        if split:
+            from dataclasses import replace
+
+            baseline = rep.build_schedule(replace(plan, schedule="1f1b"))
+            note += f" (1F1B: {costs.simulate(baseline).bubble():.1%})"
         title = (
             f"{rep.kind_of(plan).split(' (')[0]}: {len(schedule.ranks)} ranks"
             + (f" x {plan.vpp} chunks" if plan.vpp else "")
@@ -143,8 +212,8 @@ def main(args: argparse.Namespace) -> int:
                 args.plot,
                 title,
                 schedule.chunks,
-                unit="time (forward = 1, backward = 2)",
-                note=f"bubble {timeline.bubble():.1%}",
+                unit=f"time ({costs.describe(split)})",
+                note=note,
             )
         except OSError as exc:
             return _error(f"--plot {args.plot} cannot be written: {exc.strerror or exc}")

@@ -224,6 +224,19 @@ def check_pipeline_schedule(config: Any) -> None:
         )
 
 
+def check_schedule_supported(config: Any) -> None:
+    """The run's ``pipeline_schedule`` can run this config: for zb-h1, nothing that
+    :func:`megatron_ext.pipeline.selection.schedule_problems` (the ZB-H1 runtime's rules) lists.
+    Not part of the config's own checks (:func:`check_pipeline_schedule`): a single-stage zb-h1
+    config is fine for the deferred-gradient layers alone; the entries and validate run it on
+    the run's config before the model is built."""
+    from megatron_ext.pipeline.selection import schedule_problems
+
+    problems = schedule_problems(config)
+    if problems:
+        raise UnsupportedCombinationError("; ".join(str(p) for p in problems))
+
+
 # ---- mHC and the rest of Megatron ----------------------------------------------------------------
 def check_mhc_pipeline(config: Any) -> None:
     """mHC with pipeline parallelism: what the pipeline support does not qualify (CUDA graphs
@@ -337,6 +350,14 @@ GUARDS: tuple[Guard, ...] = (
         "mHC under PP with the overlapped MoE schedule or activation offloading",
     ),
     Guard(
+        "megatron_ext.guards:check_schedule_supported",
+        "config",
+        "pipeline_schedule='zb-h1' with what pipeline.zero_bubble.zero_bubble_problems "
+        "lists: one stage, virtual stages, overlap_p2p_comm, the overlapped MoE schedule, "
+        "CUDA graphs, paged stash, activation offloading (validate; the entries before the "
+        "model is built)",
+    ),
+    Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",
         "config",
         "a GPT with mHC, PP and MTP (validate; GPTModel at construction)",
@@ -356,6 +377,12 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.recipes.plan:_check_context_parallel",
         "recipe",
         "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag",
+    ),
+    Guard(
+        "megatron_ext.recipes.plan:_check_schedule",
+        "recipe",
+        "parallelism.schedule: zb-h1 with pp=1, virtual stages, a multimodule recipe, the "
+        "overlapped MoE schedule or CUDA graphs in extra_args",
     ),
     Guard(
         "megatron_ext.recipes.plan:plan_problems",

@@ -229,7 +229,24 @@ def parse_megatron_args(
     problem = mhc_flags_without_mhc(sys.argv[1:], args)
     if problem:
         raise SystemExit(f"error: {problem}")
+    refuse_unsupported_schedule(args)
     return args
+
+
+def schedule_problem_lines(args: argparse.Namespace) -> list[str]:
+    """One line per setting of ``args`` that the chosen ``--pipeline-schedule`` does not run
+    with (ZB-H1's rules; none for 1f1b)."""
+    from megatron_ext.pipeline.selection import FLAG, schedule_problems, selected_schedule
+
+    return [f"{FLAG} {selected_schedule(args)}: {p}" for p in schedule_problems(args)]
+
+
+def refuse_unsupported_schedule(args: argparse.Namespace) -> None:
+    """``--pipeline-schedule zb-h1`` with settings ZB-H1 does not run with stops here, one line
+    per setting, before megatron initialises anything."""
+    lines = schedule_problem_lines(args)
+    if lines:
+        raise SystemExit("\n".join(f"error: {line}" for line in lines))
 
 
 def mhc_flags_without_mhc(argv: Iterable[str], args: argparse.Namespace) -> str | None:

@@ -48,6 +48,7 @@ FIELD_FLAGS: dict[str, str] = {
     "--context-parallel-size": "parallelism.cp",
     "--expert-model-parallel-size": "parallelism.ep",
     "--sequence-parallel": "parallelism.sp",
+    "--pipeline-schedule": "parallelism.schedule",
     "--train-iters": "training.iterations",
     "--micro-batch-size": "training.micro_batch_size",
     "--global-batch-size": "training.global_batch_size",

@@ -24,6 +24,7 @@ from typing import Any
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import Problem, Recipe
+from megatron_ext.schedules.schedule import ONE_F_ONE_B, ZB_H1
 
 RECIPE_PLACEHOLDER = "@RECIPE@"
 """Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
@@ -138,6 +139,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
         if p.ep != 1:
             _flag(args, "--expert-model-parallel-size", p.ep)
         _flag(args, "--sequence-parallel", p.sp)
+        if p.schedule != ONE_F_ONE_B:  # megatron's 1F1B needs no flag (and older runs had none)
+            _flag(args, "--pipeline-schedule", p.schedule)
         if m.type == "gpt":
             _flag(args, "--num-layers", m.num_layers)
             if m.pipeline_layout:
@@ -323,6 +326,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     else:
         _check_model(r, add)
         _check_parallel_plan(r, add)
+    _check_schedule(r, add)
     _check_training(r, add)
     _check_data(loaded, add)
     _check_test(r, add)
@@ -538,6 +542,74 @@ def _check_parallel_plan(r: Recipe, add) -> None:
                 add("model.num_layers", layers_problem)
             if p.vpp and p.vpp > 1 and p.pp == 1:
                 add("parallelism.vpp", "virtual stages need pp > 1")
+
+
+# extra_args flags ZB-H1 does not run with, and why (megatron_ext.pipeline.selection refuses
+# the same settings on the command line and in a config).
+ZB_H1_EXTRA_ARGS = {
+    "--overlap-moe-expert-parallel-comm": (
+        "its overlapped MoE schedule replaces the pipeline schedule (and delays weight "
+        "gradients its own way)"
+    ),
+    **dict.fromkeys(
+        ("--cuda-graph-impl", "--enable-cuda-graph", "--external-cuda-graph"),
+        "CUDA graphs capture a whole backward, which ZB-H1 splits into input and weight gradients",
+    ),
+}
+
+
+def _virtual_stages_source(r: Recipe) -> str:
+    """The field that gives the recipe its virtual stages."""
+    if r.model.type == "gpt" and r.model.pipeline_layout:
+        return "model.pipeline_layout"
+    if r.model.type == "hybrid" and r.model.hybrid_layer_pattern:
+        return "model.hybrid_layer_pattern"
+    return "parallelism.vpp"
+
+
+def schedule_problems(r: Recipe) -> list[Problem]:
+    """What :func:`_check_schedule` finds, for entries that load a recipe themselves."""
+    problems: list[Problem] = []
+    _check_schedule(r, lambda where, what: problems.append(Problem(where, what)))
+    return problems
+
+
+def _check_schedule(r: Recipe, add) -> None:
+    """``parallelism.schedule: zb-h1`` only where ZB-H1 runs: a pipeline of more than one
+    stage without virtual stages, outside multi-module recipes (whose top-level parallelism is
+    not used), without the settings of :data:`ZB_H1_EXTRA_ARGS`."""
+    p = r.parallelism
+    if p.schedule != ZB_H1:
+        return
+    if r.model.type == "multimodule":
+        add(
+            "parallelism.schedule",
+            "zb-h1 is not available for multimodule recipes (their pipeline runs megatron's "
+            "1F1B across the modules' grids); set parallelism.schedule: 1f1b",
+        )
+        return
+    if p.pp < 2:
+        add(
+            "parallelism.schedule",
+            f"zb-h1 needs pp > 1 (pp={p.pp}: one stage has no pipeline bubble to fill); set "
+            "parallelism.pp to 2 or more, or parallelism.schedule: 1f1b",
+        )
+    vpp = virtual_stages(r)
+    if vpp:
+        source = _virtual_stages_source(r)
+        add(
+            source,
+            f"gives {vpp} virtual stages per pipeline rank, but zb-h1 is a non-interleaved "
+            f"schedule; remove the virtual stages from {source}, or set parallelism.schedule: "
+            "1f1b (interleaved)",
+        )
+    for flag, why in ZB_H1_EXTRA_ARGS.items():
+        if r.extra_args.get(flag) not in (None, False, "none"):
+            add(
+                f"extra_args.{flag}",
+                f"is not supported with parallelism.schedule: zb-h1 ({why}); remove it or set "
+                "parallelism.schedule: 1f1b",
+            )
 
 
 # Megatron flags that give attention a non-causal mask, which the local context-parallel
@@ -820,6 +892,7 @@ def describe(loaded: LoadedRecipe) -> str:
         plan += f" cp{p.cp}" if p.cp > 1 else ""
         plan += f" ep{p.ep}" if p.ep > 1 else ""
         plan += f" dp{p.dp}" + (" sp" if p.sp else "")
+        plan += f" {p.schedule}" if p.schedule != ONE_F_ONE_B else ""
         parts.append(plan)
         if m.pipeline_layout:
             parts.append(f"layout {m.pipeline_layout!r}")

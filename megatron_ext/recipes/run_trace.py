@@ -1,6 +1,8 @@
 """``megatron-ext run RECIPE --trace``: what the traced ranks wrote, turned into the run's
 ``trace.json`` (Chrome trace events), ``timeline.png`` and the measured bubble next to the
-theoretical one, and a check that every rank ran megatron-core's order exactly."""
+theoretical one, and a check that every rank ran megatron-core's order exactly (or, with
+``parallelism.schedule: zb-h1``, megatron-ext's ZB-H1 order, its ``W`` steps included; they
+count as busy time in the measured bubble)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.schedules.schedule import build_schedule, compare, simulate, textbook_bubble
+from megatron_ext.schedules.report import zb_h1_textbook_bubble
+from megatron_ext.schedules.schedule import (
+    ZB_H1,
+    build_schedule,
+    compare,
+    simulate,
+    textbook_bubble,
+)
 from megatron_ext.schedules.timeline import (
     chrome_trace,
     iterations,
@@ -90,7 +99,11 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
         else None,
         "bubble_measured_per_iteration": {str(i + 1): round(b, 4) for i, b in measured.items()},
     }
-    if plan.multimodule is None:
+    if plan.schedule == ZB_H1:
+        # The textbook figure with F = B = W (what simulate()'s default costs give too).
+        entry["schedule"] = ZB_H1
+        entry["bubble_textbook"] = round(zb_h1_textbook_bubble(plan.pp, plan.microbatches), 4)
+    elif plan.multimodule is None:
         entry["bubble_textbook"] = round(
             textbook_bubble(plan.pp, plan.microbatches, plan.chunks), 4
         )
@@ -128,13 +141,19 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
         )
     echo(
         f"  pipeline bubble: {entry['bubble_measured']:.1%} measured (median of {len(steady)} "
-        f"iteration(s); waiting in P2P counts as idle), {entry['bubble_theoretical']:.1%} in theory"
+        f"iteration(s); waiting in P2P counts as idle"
+        + (", W steps count as busy" if plan.schedule == ZB_H1 else "")
+        + f"), {entry['bubble_theoretical']:.1%} in theory"
         + (f" (textbook {entry['bubble_textbook']:.1%})" if "bubble_textbook" in entry else "")
     )
     echo(
         "  schedule order: "
         + (
-            "every rank ran megatron-core's order exactly"
+            (
+                "every rank ran megatron-ext's ZB-H1 order exactly"
+                if plan.schedule == ZB_H1
+                else "every rank ran megatron-core's order exactly"
+            )
             if not mismatches
             else f"{len(mismatches)} rank(s) differ: {mismatches[0]}"
         )

@@ -1027,6 +1027,7 @@ def resolved_plan(loaded: LoadedRecipe) -> dict:
         "ep": p.ep,
         "dp": p.dp,
         "sp": p.sp,
+        "schedule": p.schedule,
         "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,
         "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),

@@ -1,13 +1,14 @@
 """The pipeline schedule a recipe trains with, for ``megatron-ext schedule --recipe`` and a
 traced run's summary: a :class:`~megatron_ext.schedules.schedule.SchedulePlan` and the
-message size on each pipeline edge, from the typed recipe."""
+message size on each pipeline edge, from the typed recipe (``parallelism.schedule`` picks
+1F1B or ZB-H1)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from megatron_ext.schedules.report import DTYPE_BYTES, MessageSize
-from megatron_ext.schedules.schedule import SchedulePlan
+from megatron_ext.schedules.schedule import ONE_F_ONE_B, SchedulePlan
 
 
 def plan_from_recipe(
@@ -41,4 +42,6 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
         cp=p.cp,
         sequence_parallel=p.sp,
     )
-    return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches), size
+    # parallelism.schedule (1f1b | zb-h1); a schema without the field trains with 1F1B.
+    schedule = getattr(p, "schedule", None) or ONE_F_ONE_B
+    return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches, schedule=schedule), size

@@ -179,6 +179,12 @@ class Parallelism:
     ep: int = _doc("--expert-model-parallel-size", default=1)
     sp: bool = _doc("--sequence-parallel (needs tp > 1)", default=False)
     dp: int = _doc("data-parallel replicas; world size = tp * pp * cp * dp", default=1)
+    schedule: Literal["1f1b", "zb-h1"] = _doc(
+        "--pipeline-schedule: 1f1b (megatron's 1F1B, interleaved when vpp gives virtual "
+        "stages) or zb-h1 (zero bubble: backward split into input and weight gradients, the "
+        "weight gradients fill the bubble; needs pp > 1 and no virtual stages)",
+        default="1f1b",
+    )
 
 
 @dataclass

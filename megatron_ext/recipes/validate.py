@@ -511,6 +511,9 @@ def argv_problems(
                 mhc_problem = launch.mhc_flags_without_mhc(argv, args)
                 if mhc_problem:
                     return [Problem("megatron arguments", mhc_problem)]
+                schedule = launch.schedule_problem_lines(args)
+                if schedule:  # what the entries refuse right after parsing, one line each
+                    return [Problem("megatron arguments", line) for line in schedule]
             stage = f"config ({config_class.__name__})"
             config = build_config(args, config_class)
             stage = "guard"
@@ -541,6 +544,7 @@ def argv_problems(
 def _model_guards(model_type: str, config: Any) -> None:
     from megatron_ext import guards
 
+    guards.check_schedule_supported(config)
     if model_type == "gpt":
         guards.check_gpt_mhc_mtp(config)
     elif model_type == "hybrid":

@@ -5,9 +5,13 @@
   ``bubble()`` is the measured idle share (waiting in P2P counts as idle);
 - :func:`chrome_trace` writes them in the Chrome trace-event format (the format PyTorch's
   profiler writes; open it in Perfetto or chrome://tracing): one process per rank, passes on
-  one thread, P2P calls on another;
+  one thread, P2P calls on another; ZB-H1's weight-gradient steps (``W``) have their own
+  category, ``weight``;
 - :func:`plot_timeline` draws a timeline with matplotlib, one row per rank, forwards and
-  backwards coloured by chunk, labelled with their micro-batch.
+  backwards coloured by chunk, ``W`` steps in green, labelled with their micro-batch.
+
+A ``W`` step is busy time like a forward or backward: the measured bubble counts only what
+no pass covers (waiting in P2P included).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ def iterations(events_per_rank: Sequence[Iterable]) -> list[int]:
     return sorted({e.iteration for events in events_per_rank for e in events})
 
 
+# The trace-event category of each kind of pass.
+CATEGORIES = {"F": "forward", "B": "backward", "W": "weight"}
+
+
 def chrome_trace(
     events_per_rank: Sequence[Iterable],
     chunks: int = 1,
@@ -65,7 +73,7 @@ def chrome_trace(
             trace.append(
                 {
                     "name": step.label(chunks) if is_pass else f"{e.call} {step.label(chunks)}",
-                    "cat": "forward" if e.kind == "F" else "backward" if is_pass else "p2p",
+                    "cat": CATEGORIES.get(e.kind, "backward") if is_pass else "p2p",
                     "ph": "X",
                     "pid": rank,
                     "tid": 0 if is_pass else 1,
@@ -82,9 +90,18 @@ def chrome_trace(
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-# Forward passes in blues, backward passes in oranges; later chunks darker.
+# Forward passes in blues, backward passes in oranges, weight gradients (W) in greens; later
+# chunks darker.
 _FORWARD = ["#9ecae1", "#4292c6", "#2171b5", "#08519c"]
 _BACKWARD = ["#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"]
+_WEIGHT = ["#a1d99b", "#41ab5d", "#238b45", "#005a32"]
+_PALETTES = {"F": _FORWARD, "B": _BACKWARD, "W": _WEIGHT}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (W)"}
+
+
+def colour_of(kind: str, chunk: int) -> str:
+    palette = _PALETTES.get(kind, _BACKWARD)
+    return palette[min(chunk, len(palette) - 1)]
 
 
 def plot_timeline(
@@ -113,8 +130,7 @@ def plot_timeline(
     )
     span = timeline.makespan or 1.0
     for slot in timeline.slots:
-        palette = _FORWARD if slot.step.kind == "F" else _BACKWARD
-        colour = palette[min(slot.step.chunk, len(palette) - 1)]
+        colour = colour_of(slot.step.kind, slot.step.chunk)
         width = slot.end - slot.start
         ax.barh(
             slot.rank,
@@ -140,10 +156,15 @@ def plot_timeline(
     ax.set_xlabel(unit)
     ax.set_title(title + (f"\n{note}" if note else ""), fontsize=10)
     handles = []
+    kinds = [k for k in _PALETTES if any(s.step.kind == k for s in timeline.slots)] or ["F", "B"]
+    if "W" in kinds:  # B is then the input gradient only
+        names = dict(_NAMES, B="input gradient (B)", F="forward (F)")
+    else:
+        names = _NAMES
     for chunk in range(chunks):
         suffix = f" (chunk {chunk})" if chunks > 1 else ""
-        handles.append(Patch(color=_FORWARD[min(chunk, 3)], label=f"forward{suffix}"))
-        handles.append(Patch(color=_BACKWARD[min(chunk, 3)], label=f"backward{suffix}"))
+        for kind in kinds:
+            handles.append(Patch(color=colour_of(kind, chunk), label=names[kind] + suffix))
     ax.legend(
         handles=handles,
         loc="upper center",

@@ -11,7 +11,10 @@ produced them, so the recorded order can be compared with
 The patched targets (megatron-core 0.19.2, ``pipeline_parallel.schedules``):
 ``forward_step``, ``backward_step``, ``backward_step_multimodule`` (the passes) and the two
 pipelined schedule functions, whose P2P communicator is handed over wrapped in a recorder
-(the default one is built exactly as the schedule would build it).
+(the default one is built exactly as the schedule would build it). megatron-ext's ZB-H1
+schedule (:mod:`megatron_ext.pipeline.zero_bubble`) runs its forwards and input-gradient
+backwards through the same two passes; its schedule function is wrapped like megatron's, and
+its ``weight_gradient_step`` is recorded as a pass of kind ``W`` (micro-batch, chunk).
 
 When a pass or an exchange raises, the error gets a note naming where it happened --
 "rank 2, chunk 1, step 7: B3" -- and, if the tracer knows the theoretical schedule, that
@@ -63,7 +66,7 @@ class _Message:
 
 @dataclass
 class Event:
-    """One recorded step: a pass (``kind`` F/B) or an exchange (``call`` and messages)."""
+    """One recorded step: a pass (``kind`` F/B/W) or an exchange (``call`` and messages)."""
 
     iteration: int
     index: int
@@ -336,6 +339,24 @@ def traced_backward_step(original: Callable) -> Callable:
     return backward_step
 
 
+def traced_weight_gradient_step(original: Callable) -> Callable:
+    """ZB-H1's ``W``: the weight gradient of one micro-batch on one model chunk, deferred
+    after its ``B`` (megatron_ext.pipeline.zero_bubble.weight_gradient_step(model_chunk,
+    microbatch, config))."""
+
+    def weight_gradient_step(*args, **kwargs):
+        tracer = _ACTIVE
+        if tracer is None:
+            return original(*args, **kwargs)
+        model_chunk = _argument(args, kwargs, (0, "model_chunk"))
+        mb = _argument(args, kwargs, (1, "microbatch"))
+        chunk = getattr(model_chunk, "vp_stage", None) or 0
+        event = tracer._event(kind="W", microbatch=mb, chunk=chunk)
+        return _run(tracer, event, lambda: original(*args, **kwargs))
+
+    return weight_gradient_step
+
+
 # How each communicator call says what it sends and receives: argument positions (and
 # names) of the activation sent, the gradient sent, the receive flags and the end-of-model
 # flags that suppress the whole call.
@@ -444,7 +465,9 @@ def traced_schedule(original: Callable) -> Callable:
 
     def schedule(*, p2p_communicator=None, pg_collection=None, **kwargs):
         tracer = _ACTIVE
-        if tracer is None:
+        if tracer is None or isinstance(p2p_communicator, RecordingCommunicator):
+            # (ZB-H1's evaluation hands its already recording communicator to megatron's 1F1B:
+            # one iteration, recorded once.)
             return original(
                 p2p_communicator=p2p_communicator, pg_collection=pg_collection, **kwargs
             )

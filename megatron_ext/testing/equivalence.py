@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,6 +58,10 @@ class TrainPlan:
     ep: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    # The sharded run's pipeline schedule: "1f1b" (megatron's, by get_forward_backward_func)
+    # or "zb-h1" (megatron_ext.pipeline.zero_bubble; the config's pipeline_schedule too).
+    schedule: str = "1f1b"
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
@@ -151,10 +156,16 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
             expert_model_parallel_size=plan.ep,
             sequence_parallel=plan.sequence_parallel,
         )
+    cls = config_class or TransformerConfig
+    if parallel and plan.schedule != "1f1b":
+        # What switches the weight-gradient deferral on (a config class without the field
+        # cannot defer: its W steps stay empty).
+        if "pipeline_schedule" in {f.name for f in dataclasses.fields(cls)}:
+            kwargs["pipeline_schedule"] = plan.schedule
     kwargs.update(plan.config_overrides)
     if parallel:
         kwargs.update(plan.parallel_overrides)
-    return (config_class or TransformerConfig)(**kwargs)
+    return cls(**kwargs)
 
 
 def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
@@ -272,12 +283,24 @@ class Reference:
     final_weights: dict[str, torch.Tensor]
 
 
-def forward_backward(plan: TrainPlan, forward_step, model: list, data, num_microbatches: int):
-    """One step's forward and backward passes through megatron-core's schedule for ``model``
-    (its chunks), at the plan's sequence length and micro-batch size; the schedule's reports."""
+def schedule_function(plan: TrainPlan) -> Callable:
+    """The forward-backward function for the current parallel state: megatron's choice, or
+    megatron-ext's ZB-H1 when the plan asks for it and there is a pipeline (looked up on its
+    module at call time, where the tracer wraps it)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    return get_forward_backward_func()(
+    if plan.schedule == "zb-h1" and ps.get_pipeline_model_parallel_world_size() > 1:
+        from megatron_ext.pipeline import zero_bubble
+
+        return zero_bubble.forward_backward_pipelining_zero_bubble_h1
+    return get_forward_backward_func()
+
+
+def forward_backward(plan: TrainPlan, forward_step, model: list, data, num_microbatches: int):
+    """One step's forward and backward passes through the plan's schedule for ``model``
+    (its chunks), at the plan's sequence length and micro-batch size; the schedule's reports."""
+    return schedule_function(plan)(
         forward_step_func=forward_step,
         data_iterator=data,
         model=model,
@@ -385,7 +408,8 @@ def run_sharded(
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=plan.seed):
         config = transformer_config(plan, parallel=True, config_class=config_class)
         ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=plan.use_distributed_optimizer, overlap_grad_reduce=False
+            use_distributed_optimizer=plan.use_distributed_optimizer,
+            overlap_grad_reduce=plan.overlap_grad_reduce,
         )
         chunks = [
             DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)

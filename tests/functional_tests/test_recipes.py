@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ RECIPES = [
 ]
 RECIPES.append(UPSTREAM_FORMAT_CASE)
 TIMEOUT_S = 600
+# Run directories of the recipe runs above that passed, by case id: later tests compare with
+# them instead of training the same recipe again (pytest runs this file's tests in order).
+TRAINED_RUNS: dict[str, Path] = {}
 
 
 def megatron_ext(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -162,6 +166,7 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
     assert summary["plan"]["world_size"] == summary["world_size"]
     # ... and the progress it saw on the way.
     assert "  iteration    1/" in result.stdout and f"PASSED: {summary['name']}" in result.stdout
+    TRAINED_RUNS[_case_id(recipe)] = run_dir
 
 
 NUMERICS_RECIPE = "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml"
@@ -227,3 +232,96 @@ def test_a_change_of_seed_fails_the_run(tmp_path):
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
     assert "lm loss         approximate rtol=0.0001" in result.stdout and "FAILED" in result.stdout
     assert _summary(run_dir)["status"] == "mismatch"
+
+
+# ---- ZB-H1 through megatron.training.pretrain ------------------------------------------------------
+ZB_H1_RECIPE = "recipes/gpt_mhc_tp2_pp2_sp.yaml"
+ITERATION_LINE = re.compile(
+    r"iteration +(\d+)/ *\d+ \|.*\| lm loss: (\S+) \|.*\| grad norm: (\S+) \|"
+)
+
+
+def printed_steps(run_dir: Path, world_size: int) -> dict[int, tuple[str, str]]:
+    """Megatron's printed (lm loss, grad norm) per iteration of a run's uninterrupted phase
+    (the last rank prints them)."""
+    text = (run_dir / "logs" / f"rank-{world_size - 1}.log").read_text()
+    steps = {int(m[1]): (m[2], m[3]) for m in ITERATION_LINE.finditer(text)}
+    assert steps, f"no iteration lines in {run_dir}/logs"
+    return steps
+
+
+def trained_with(run_dir: Path) -> str:
+    """The schedule megatron.training ran: rank 0 says so when it is ZB-H1."""
+    from megatron_ext.pipeline.selection import ANNOUNCEMENT
+
+    return "zb-h1" if ANNOUNCEMENT in (run_dir / "logs" / "rank-0.log").read_text() else "1f1b"
+
+
+def assert_same_training(one: Path, other: Path, world_size: int) -> None:
+    """Step for step the same printed lm loss and grad norm, and the same TensorBoard scalars
+    (float32, as Megatron wrote them): lm loss, grad norm and zeros in the gradient."""
+    assert printed_steps(one, world_size) == printed_steps(other, world_size)
+    a, _ = met.read_run_metrics(one)
+    b, _ = met.read_run_metrics(other)
+    for name in ("lm loss", "grad-norm", "num-zeros"):
+        assert a[name] and a[name] == b[name], name
+
+
+def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
+    """Two runs of the same tiny mHC GPT at PP=2 through megatron.training.pretrain, 1F1B and
+    ZB-H1 (`--pipeline-schedule zb-h1` from `parallelism.schedule`): identical losses and
+    gradient norms at every iteration, the same validation losses (evaluation is forward-only:
+    megatron's 1F1B under both), and the second run really trained with ZB-H1 (traced: every
+    rank ran the derived ZB-H1 order, W steps included)."""
+    runs = {}
+    for schedule, traced in (("1f1b", ()), ("zb-h1", ("--trace",))):
+        run_dir = tmp_path / schedule
+        result = megatron_ext(
+            "run",
+            ZB_H1_RECIPE,
+            "parallelism.tp=1",
+            "parallelism.sp=false",
+            "test.type=regular",
+            "training.iterations=6",
+            "training.eval_interval=3",  # evaluation: forward-only, megatron's 1F1B in both
+            "training.eval_iters=1",
+            f"parallelism.schedule={schedule}",
+            *traced,
+            "--run-dir",
+            run_dir,
+        )
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        assert trained_with(run_dir) == schedule
+        runs[schedule] = run_dir
+    assert "schedule order: every rank ran megatron-ext's ZB-H1 order exactly" in result.stdout
+    assert_same_training(runs["1f1b"], runs["zb-h1"], world_size=2)
+    a, _ = met.read_run_metrics(runs["1f1b"])
+    b, _ = met.read_run_metrics(runs["zb-h1"])
+    assert sorted(a["lm loss validation"]) == [3, 6]
+    assert a["lm loss validation"] == b["lm loss validation"]
+
+
+def test_the_tp2_pp2_sp_recipe_trains_under_zb_h1_as_under_1f1b(tmp_path):
+    """The issue's done-when: `megatron-ext run recipes/gpt_mhc_tp2_pp2_sp.yaml
+    parallelism.schedule=zb-h1` trains (TP2 x PP2 with SP, mHC n=4 with recompute, ckpt-resume)
+    and passes against the recipe's golden values, which are the 1F1B run's; step for step it
+    equals the 1F1B run of the recipe test above (trained here if that did not run)."""
+    run_dir = tmp_path / "zb-h1"
+    result = megatron_ext("run", ZB_H1_RECIPE, "parallelism.schedule=zb-h1", "--run-dir", run_dir)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-8000:]
+    summary = _summary(run_dir)
+    assert summary["status"] == "passed", out[-4000:]
+    titles = [r["title"] for r in summary["reports"]]
+    assert any(t.startswith("golden values") for t in titles), out[-4000:]
+    assert any(t.startswith("ckpt-resume") for t in titles), out[-4000:]
+    assert trained_with(run_dir) == "zb-h1"
+    assert summary["plan"]["schedule"] == "zb-h1"
+
+    reference = TRAINED_RUNS.get("gpt_mhc_tp2_pp2_sp")
+    if reference is None:
+        reference = tmp_path / "1f1b"
+        again = megatron_ext("run", ZB_H1_RECIPE, "--run-dir", reference)
+        assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
+    assert trained_with(reference) == "1f1b"
+    assert_same_training(reference, run_dir, world_size=summary["world_size"])

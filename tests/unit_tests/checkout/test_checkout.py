@@ -137,6 +137,19 @@ def test_modelopt_with_mhc_is_refused_by_name():
     )
 
 
+def test_modelopt_with_zb_h1_is_refused_by_name():
+    with pytest.raises(SystemExit, match=r"--pipeline-schedule zb-h1 cannot be combined with Mod"):
+        checkout.refuse_modelopt_with_mhc(
+            argparse.Namespace(modelopt_enabled=True, pipeline_schedule="zb-h1")
+        )
+    checkout.refuse_modelopt_with_mhc(
+        argparse.Namespace(modelopt_enabled=True, pipeline_schedule="1f1b")
+    )
+    checkout.refuse_modelopt_with_mhc(
+        argparse.Namespace(modelopt_enabled=False, pipeline_schedule="zb-h1")
+    )
+
+
 def test_upstream_dev_flag_spellings_are_aliases():
     from megatron_ext.pretrain_gpt import add_megatron_ext_args
 

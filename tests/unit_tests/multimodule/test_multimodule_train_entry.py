@@ -44,6 +44,14 @@ def test_the_language_model_may_log_mhc_stats_with_either_h_res_method(method):
     )
 
 
+def test_the_entry_refuses_zb_h1_it_would_ignore():
+    """Started directly (not through `megatron-ext run`, which validates), the entry would run
+    its 1F1B across the grids whatever parallelism.schedule says: one line naming the field."""
+    with pytest.raises(ValueError, match=r"^parallelism.schedule: zb-h1 is not available for mul"):
+        load_recipe(str(RECIPE), ["parallelism.schedule=zb-h1"])
+    assert load_recipe(str(RECIPE), ["parallelism.schedule=1f1b"]).parallelism.schedule == "1f1b"
+
+
 def test_validation_reports_plan_problems_of_overrides():
     problems = validate_recipe(str(RECIPE), ["model.modules.llm.first_rank=1"], world_size=4)
     assert any("overlap on rank 1, but 'vision_encoder' feeds 'llm'" in p for p in problems)

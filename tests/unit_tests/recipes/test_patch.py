@@ -46,6 +46,7 @@ def test_patch_touches_only_its_script_and_activates_the_plugin(script):
         provider,
         "MHCTransformerConfig",
         "args.enable_mhc_connections",
+        'args.pipeline_schedule != "1f1b"',  # ZB-H1 needs megatron-ext's layers too
         "refuse_upstream_mhc(",
         "refuse_modelopt_with_mhc(args)",
     ):
@@ -56,5 +57,6 @@ def test_patch_touches_only_its_script_and_activates_the_plugin(script):
     assert added.index("refuse_modelopt_with_mhc(args)") < added.index(
         "if args.enable_mhc_connections"
     )
+    assert "if args.enable_mhc_connections or args.pipeline_schedule" in added
     assert "patches/README.md" in added, "the patched file says where it comes from"
     assert str(patch.name) in (REPO_ROOT / "patches" / "README.md").read_text()

@@ -16,7 +16,7 @@ RECIPE = Path(__file__).parents[3] / "recipes" / "gpt_tp2_pp2.yaml"
 
 def write_dumps(trace_dir: Path, schedule, world_to_stage, swap_on=None, error_on=None):
     """Every world rank's events: the theory's steps of its stage, 1 ms per forward, 2 per
-    backward, run back to back (no waiting), 2 iterations."""
+    backward (B), 1 per weight gradient (W), run back to back (no waiting), 2 iterations."""
     trace_dir.mkdir(parents=True)
     for world, stage in enumerate(world_to_stage):
         events, clock = [], 0
@@ -25,7 +25,9 @@ def write_dumps(trace_dir: Path, schedule, world_to_stage, swap_on=None, error_o
             if swap_on == world and iteration == 1:
                 steps[1], steps[2] = steps[2], steps[1]
             for index, step in enumerate(steps):
-                length = {"F": 1_000_000, "B": 2_000_000}.get(getattr(step, "kind", None), 1000)
+                length = {"F": 1_000_000, "B": 2_000_000, "W": 1_000_000}.get(
+                    getattr(step, "kind", None), 1000
+                )
                 event = Event(iteration, index, clock + 1, clock + 1 + length)
                 if isinstance(step, Compute):
                     event.kind, event.microbatch, event.chunk = (
@@ -81,6 +83,35 @@ def test_a_rank_off_the_theory_is_reported(tmp_path):
     ]
 
 
+def test_zb_h1_run_order_bubble_and_w_events(tmp_path):
+    """parallelism.schedule: zb-h1 (TP2 x PP2, 4 micro-batches): the ranks' W steps are in
+    the order check, count as busy in the measured bubble, and have their own category in
+    trace.json; the textbook figure is ZB-H1's (p-1)/(3m+p-1) = 1/13. Ranks that ran 1F1B's
+    order instead are reported."""
+    loaded = load(RECIPE, "cpu", [])
+    loaded.recipe.parallelism.schedule = "zb-h1"  # (the field zb-plumbing adds to the schema)
+    schedule = build_schedule(SchedulePlan(pp=2, microbatches=4, schedule="zb-h1"))
+    write_dumps(tmp_path / "trace", schedule, [0, 0, 1, 1])
+    lines = []
+    entry = run_trace.summarize(loaded, tmp_path, lines.append)
+    assert entry["order_matches_theory"] and entry["schedule"] == "zb-h1"
+    assert entry["bubble_textbook"] == entry["bubble_theoretical"] == round(1 / 13, 4)
+    assert 0 <= entry["bubble_measured"] < 0.001  # back to back: W is busy time, not idle
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("cat") == "weight"} == {f"W{i}" for i in range(4)}
+    assert any("every rank ran megatron-ext's ZB-H1 order exactly" in line for line in lines)
+    assert any("W steps count as busy" in line for line in lines)
+
+    one_f_one_b = build_schedule(SchedulePlan(pp=2, microbatches=4))
+    write_dumps(tmp_path / "other" / "trace", one_f_one_b, [0, 0, 1, 1])
+    entry = run_trace.summarize(loaded, tmp_path / "other", lambda line: None)
+    assert not entry["order_matches_theory"]
+    assert entry["order_mismatches"][0] == (
+        "world rank 0, iteration 1: rank 0, step 7: expected send_backward(-), got "
+        "send_backward_recv_forward(-)"
+    )
+
+
 def test_failing_step_is_found(tmp_path):
     schedule = build_schedule(SchedulePlan(pp=2, microbatches=4))
     write_dumps(tmp_path / "trace", schedule, [0, 1], error_on=(1, 1, 5))
@@ -112,10 +143,14 @@ def test_a_traced_pass_that_raises_names_rank_chunk_and_step():
 def test_tracing_off_leaves_megatrons_functions_untouched():
     """Outside tracing() every traced target is megatron-core's own function (no wrapper, so
     no cost); inside it each is wrapped; afterwards the originals are back."""
+    import importlib.util
+
     from megatron_ext import registry
 
     targets = [p.target for p in registry.patches("trace")]
-    assert len(targets) == 5
+    # megatron's five, and ZB-H1's schedule function and weight-gradient step when it is there
+    zero_bubble = importlib.util.find_spec("megatron_ext.pipeline.zero_bubble") is not None
+    assert len(targets) == 5 + 2 * zero_bubble
     originals = {t: registry.current(t) for t in targets}
     assert not any(registry.is_applied(t) for t in targets)
     with tracing():

@@ -1,0 +1,35 @@
+"""ZB-H1 (megatron_ext.pipeline.zero_bubble) on 2 ranks: PP=2 with mHC matches the single-rank
+reference and megatron's 1F1B, every W step computes deferred weight gradients, and the
+traced order is build_schedule's, action for action.
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_2ranks.py"""
+
+import pytest
+from zero_bubble_cases import (
+    assert_same_as_1f1b,
+    assert_traced_order_is_the_schedule,
+    check_zb,
+    zb_plan,
+)
+
+pytestmark = [
+    pytest.mark.world_size(2),
+    pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
+]
+
+
+def test_pp2_mhc_matches_reference(monkeypatch):
+    """6 micro-batches: rank 1 defers one W through the steady state, flushes at the end."""
+    check_zb(zb_plan(pp=2, global_batch_size=12), monkeypatch)
+
+
+def test_pp2_equals_1f1b():
+    assert_same_as_1f1b(zb_plan(pp=2, global_batch_size=12))
+
+
+def test_pp2_fewer_microbatches_than_stages_matches_reference(monkeypatch):
+    """One micro-batch: everything is warm-up and flush."""
+    check_zb(zb_plan(pp=2, global_batch_size=2, steps=1), monkeypatch)
+
+
+def test_pp2_traced_order_is_the_schedule():
+    assert_traced_order_is_the_schedule(zb_plan(pp=2, global_batch_size=8, steps=1))
