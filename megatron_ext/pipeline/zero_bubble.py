@@ -38,7 +38,12 @@ gradient may still be pending there).
 
 :func:`zero_bubble_problems` lists the combinations ZB-H1 does not support, each with the
 reason and the fix; recipe validation and the entries call it before anything is built, and
-the function itself checks again before its first step.
+the function itself checks again before its first step: virtual pipeline stages,
+``overlap_p2p_comm``, MoE EP overlap, multi-module pipelines, CUDA graphs, the MoE paged
+stash, fine-grained activation offloading, ``gradient_accumulation_fusion``, a single stage,
+and ``variable_seq_lengths`` (megatron then sends each tensor's shape in a blocking exchange
+of its own first; ZB-H1's ``send_backward``, ``W``, ``recv_forward`` against the neighbour's
+``send_forward_recv_backward`` deadlocks on it, as a PP=2 gloo run showed).
 """
 
 from __future__ import annotations

@@ -418,3 +418,28 @@ def test_a_failing_step_discards_the_stored_weight_gradients(stand_in_passes, mo
     with pytest.raises(RuntimeError, match="B failed"):
         _run(2, 1, 4, stand_in_passes)
     assert discarded == [True]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_with_a_grad_sync_func_only_the_first_stage_syncs_in_the_loop(stand_in_passes, rank):
+    """megatron.training sets config.grad_sync_func with overlap_grad_reduce and
+    align_grad_reduce: as in megatron's 1F1B, the first stage leaves no_sync before its last B,
+    the others after every W, and then call grad_sync_func on their parameters."""
+
+    @contextlib.contextmanager
+    def no_sync():
+        yield
+        stand_in_passes.append(("no_sync", "exit"))
+
+    def grad_sync(params):
+        stand_in_passes.append(("grad_sync", len(list(params))))
+
+    config = plain_config(no_sync_func=no_sync, grad_sync_func=grad_sync)
+    _run(2, rank, 4, stand_in_passes, config)
+    events = [e for e in stand_in_passes if e[0] != "call"]
+    if rank == 0:
+        assert events[events.index(("no_sync", "exit")) + 1] == ("B", 3)
+        assert not [e for e in events if e[0] == "grad_sync"]
+    else:
+        assert events[-2:] == [("no_sync", "exit"), ("grad_sync", 0)]
+        assert events[-3][0] == "W"

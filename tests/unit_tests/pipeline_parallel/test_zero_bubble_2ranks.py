@@ -4,6 +4,7 @@ traced order is build_schedule's, action for action.
 Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_2ranks.py"""
 
 import pytest
+from mhc_moe_mla_cases import MOE
 from zero_bubble_cases import (
     assert_same_as_1f1b,
     assert_traced_order_is_the_schedule,
@@ -33,3 +34,13 @@ def test_pp2_fewer_microbatches_than_stages_matches_reference(monkeypatch):
 
 def test_pp2_traced_order_is_the_schedule():
     assert_traced_order_is_the_schedule(zb_plan(pp=2, global_batch_size=8, steps=1))
+
+
+def test_pp2_moe_mhc_matches_reference(monkeypatch):
+    """mhc_moe_mla_cases' DeepSeek-shaped MoE (dense first layer, shared expert, top-2 of 4
+    routed experts, aux loss on): every expert's linears defer their weight gradients."""
+    overrides = dict(MOE, moe_layer_freq=[0, 1, 1, 1])
+    plan = zb_plan(
+        pp=2, num_moe_experts=4, global_batch_size=8, steps=1, config_overrides=overrides
+    )
+    check_zb(plan, monkeypatch)
