@@ -162,15 +162,6 @@ _trace(
     "traced_schedule",
     "The interleaved schedule, likewise.",
 )
-register(
-    Patch(
-        target="megatron_ext.pipeline.zero_bubble:forward_backward_pipelining_zero_bubble_h1",
-        replacement="megatron_ext.schedules.trace:traced_schedule",
-        why="megatron-ext's ZB-H1 schedule, likewise (its F and B go through megatron's "
-        "forward_step and backward_step, wrapped above).",
-        group="trace",
-    )
-)
 
 register(
     Patch(

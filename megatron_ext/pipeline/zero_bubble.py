@@ -300,6 +300,7 @@ class _Run:
         sent = None
         if sends is not None:
             sent = self._sent(sends, step)
+            self.latest[sends] = None  # sent once; not kept alive past the send
             args.append(sent)
         if receives is not None:
             args.append(self.recv_shapes if receives == "F" else self.send_shapes)
