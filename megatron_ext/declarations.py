@@ -163,6 +163,20 @@ _trace(
     "The interleaved schedule, likewise.",
 )
 
+# megatron-ext's own ZB-H1 schedule (parallelism.schedule: zb-h1): its forwards and input
+# gradients go through megatron's passes above; the schedule function and its weight-gradient
+# step are ours, wrapped the same way.
+register(
+    Patch(
+        target="megatron_ext.pipeline.zero_bubble:forward_backward_pipelining_zero_bubble_h1",
+        replacement="megatron_ext.schedules.trace:traced_schedule",
+        why=(
+            "ZB-H1: one iteration per call, its P2P communicator handed over wrapped in a "
+            "recorder, as for megatron's schedules."
+        ),
+        group="trace",
+    )
+)
 register(
     Patch(
         target="megatron_ext.pipeline.zero_bubble:weight_gradient_step",
