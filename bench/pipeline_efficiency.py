@@ -271,8 +271,11 @@ def _one_case(args, p: int, m: int, mhc: bool) -> dict:
         result[f"bubble_{key}_theory"] = round(simulate(theory).bubble(), 4)
         result[f"order_{key}_matches"] = _order_matches(events, theory)
         result[f"peak_mib_{key}"] = [round(b / 2**20, 2) for b in _gather(peak)]
-        result[f"w_steps_{key}"] = sum(
-            1 for ev in _gather(events) for e in ev if e.kind == "W" and e.iteration == 0
+        passes = [e for ev in _gather(events) for e in ev if e.call is None and e.iteration == 0]
+        busy = sum(e.end_ns - e.start_ns for e in passes) or 1
+        # The share of compute time in W steps: 0 when nothing was deferred.
+        result[f"w_share_{key}"] = round(
+            sum(e.end_ns - e.start_ns for e in passes if e.kind == "W") / busy, 4
         )
     result["step_time_ratio_zb_over_1f1b"] = round(result["t_zb_s"] / result["t_1f1b_s"], 4)
     return result
@@ -293,7 +296,7 @@ def compare_schedules(args) -> None:
         )
         print(
             f"{'variant':8} {'m':>3} {'T 1F1B s':>9} {'T ZB s':>9} {'ZB/1F1B':>8} "
-            f"{'bubble 1F1B meas/theory':>24} {'bubble ZB meas/theory':>22} {'order':>6}  "
+            f"{'bubble 1F1B meas/theory':>24} {'bubble ZB meas/theory':>22} {'W share':>8} {'order':>6}  "
             "peak MiB per rank 1F1B | ZB"
         )
         for r in results:
@@ -302,6 +305,7 @@ def compare_schedules(args) -> None:
                 f"{r['step_time_ratio_zb_over_1f1b']:>8.3f} "
                 f"{r['bubble_1f1b_measured']:>15.1%} / {r['bubble_1f1b_theory']:>5.1%} "
                 f"{r['bubble_zb_measured']:>13.1%} / {r['bubble_zb_theory']:>5.1%} "
+                f"{r['w_share_zb']:>8.1%} "
                 f"{'ok' if r['order_1f1b_matches'] and r['order_zb_matches'] else 'DIFF':>6}  "
                 f"{' '.join(f'{x:.1f}' for x in r['peak_mib_1f1b'])} | "
                 f"{' '.join(f'{x:.1f}' for x in r['peak_mib_zb'])}"
