@@ -22,9 +22,9 @@ its load. Text first; the LAST line is one JSON object.
         --schedule zb-h1 [--microbatches 8 --repeats 2 --steps 2]
 
 Blocks of 1F1B and ZB-H1 steps alternate; per case: both step times and their ratio, the
-measured bubble of one traced step of each (W steps count as busy; the recorded order is
+measured bubble of traced steps of each (median of max(--steps, 3)) (W steps count as busy; the recorded order is
 checked against :func:`~megatron_ext.schedules.schedule.build_schedule`), the theoretical
-bubbles (F = B = W), and every rank's peak memory during one step of each (the highest live
+bubbles (F = B = W, and again with the measured mean time of each kind of pass), and every rank's peak memory during one step of each (the highest live
 CPU allocation above the step's start, from torch.profiler: activations held, deferred
 weight-gradient inputs, received tensors and gradients).
 """
@@ -65,13 +65,13 @@ def _time_block(
     pp: int,
     microbatches: int,
     mhc: bool,
-    traced: bool = False,
+    traced: int = 0,
     schedule: str = "1f1b",
     measure_memory: bool = False,
 ) -> tuple[float, list, int | None]:
     """Median seconds of one training step (forward and backward of every micro-batch) and,
-    with ``traced``, this rank's recorded events of one extra step; with ``measure_memory``,
-    this rank's peak memory during one more step."""
+    with ``traced``, this rank's recorded events of that many more steps (one iteration each);
+    with ``measure_memory``, this rank's peak memory during one more step."""
     from megatron_ext.config import MHCTransformerConfig
     from megatron_ext.schedules.trace import Tracer, tracing
     from megatron_ext.testing.distributed import model_parallel
@@ -86,8 +86,10 @@ def _time_block(
 
     plan = _plan(args, pp, microbatches, mhc, schedule)
     with model_parallel(pp=pp, seed=plan.seed):
+        # Comparing schedules: megatron-ext's config for both (mHC off for plain), the class
+        # with pipeline_schedule, which switches the local linears' weight-gradient deferral on.
         config = transformer_config(
-            plan, parallel=True, config_class=MHCTransformerConfig if mhc else None
+            plan, parallel=True, config_class=MHCTransformerConfig if mhc or args.schedule else None
         )
         chunks = build_model_chunks(plan, config, gpt_model_factory(plan))
         data = make_microbatches(plan, 0)[:microbatches]
@@ -117,8 +119,9 @@ def _time_block(
         if traced:
             tracer = Tracer()
             with tracing(tracer):
-                dist.barrier()
-                step()
+                for _ in range(traced):
+                    dist.barrier()
+                    step()
             events = tracer.events
         peak = _peak_bytes(step) if measure_memory else None
         return statistics.median(times), events, peak
@@ -181,7 +184,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 t1.append(_time_block(args, 1, m, mhc)[0])
                 tp.append(_time_block(args, p, m, mhc)[0])
-            _, events, _ = _time_block(args, p, m, mhc, traced=True)
+            _, events, _ = _time_block(args, p, m, mhc, traced=1)
             bubble = _measured_bubble(events)
             single, piped = statistics.median(t1), statistics.median(tp)
             results.append(
@@ -237,12 +240,28 @@ def _gather(value):
     return gathered
 
 
-def _order_matches(events: list, schedule) -> bool:
-    """Every rank's recorded order is the theory's, action for action."""
+def _order_matches(gathered: list, schedule, iterations: int) -> bool:
+    """Every rank's recorded order is the theory's, action for action, in every iteration."""
     from megatron_ext.schedules.schedule import compare
 
-    recorded = [[e.step() for e in ev if e.iteration == 0] for ev in _gather(events)]
-    return not compare(schedule.ranks, recorded, schedule.chunks)
+    return all(
+        not compare(
+            schedule.ranks,
+            [[e.step() for e in ev if e.iteration == i] for ev in gathered],
+            schedule.chunks,
+        )
+        for i in range(iterations)
+    )
+
+
+def _mean_pass_seconds(gathered: list) -> dict[str, float]:
+    """Mean seconds of each kind of pass (F, B, W) over every rank's traced steps."""
+    spans: dict[str, list[float]] = {}
+    for events in gathered:
+        for e in events:
+            if e.call is None:
+                spans.setdefault(e.kind, []).append((e.end_ns - e.start_ns) / 1e9)
+    return {kind: statistics.fmean(values) for kind, values in sorted(spans.items())}
 
 
 def _one_case(args, p: int, m: int, mhc: bool) -> dict:
@@ -261,17 +280,32 @@ def _one_case(args, p: int, m: int, mhc: bool) -> dict:
             times[name].append(_time_block(args, p, m, mhc, schedule=name)[0])
     result: dict = {"variant": "mhc" if mhc else "plain", "pp": p, "microbatches": m}
     for name in times:
+        traced = max(args.steps, 3)
         _, events, peak = _time_block(
-            args, p, m, mhc, traced=True, schedule=name, measure_memory=True
+            args, p, m, mhc, traced=traced, schedule=name, measure_memory=True
         )
+        gathered = _gather(events)
         theory = build_schedule(SchedulePlan(pp=p, microbatches=m, schedule=name))
         key = "zb" if name == "zb-h1" else "1f1b"
         result[f"t_{key}_s"] = round(statistics.median(times[name]), 4)
         result[f"bubble_{key}_measured"] = round(measured_timeline(_gather(events), 0).bubble(), 4)
         result[f"bubble_{key}_theory"] = round(simulate(theory).bubble(), 4)
-        result[f"order_{key}_matches"] = _order_matches(events, theory)
+        result[f"order_{key}_matches"] = _order_matches(gathered, theory, traced)
+        # The theory again with the measured mean time of each kind of pass (W's real share
+        # of a backward is not F = B = W's one half).
+        costs = _mean_pass_seconds(gathered)
+        result[f"pass_ms_{key}"] = {k: round(v * 1e3, 3) for k, v in costs.items()}
+        result[f"bubble_{key}_theory_measured_costs"] = round(
+            simulate(
+                theory,
+                forward_time=costs["F"],
+                backward_time=costs["B"] + costs.get("W", 0.0),
+                weight_time=costs.get("W", 0.0),
+            ).bubble(),
+            4,
+        )
         result[f"peak_mib_{key}"] = [round(b / 2**20, 2) for b in _gather(peak)]
-        passes = [e for ev in _gather(events) for e in ev if e.call is None and e.iteration == 0]
+        passes = [e for ev in gathered for e in ev if e.call is None]
         busy = sum(e.end_ns - e.start_ns for e in passes) or 1
         # The share of compute time in W steps: 0 when nothing was deferred.
         result[f"w_share_{key}"] = round(
@@ -296,15 +330,18 @@ def compare_schedules(args) -> None:
         )
         print(
             f"{'variant':8} {'m':>3} {'T 1F1B s':>9} {'T ZB s':>9} {'ZB/1F1B':>8} "
-            f"{'bubble 1F1B meas/theory':>24} {'bubble ZB meas/theory':>22} {'W share':>8} {'order':>6}  "
+            f"{'bubble 1F1B meas/theory/costs':>30} {'bubble ZB meas/theory/costs':>28} "
+            f"{'W share':>8} {'order':>6}  "
             "peak MiB per rank 1F1B | ZB"
         )
         for r in results:
             print(
                 f"{r['variant']:8} {r['microbatches']:>3} {r['t_1f1b_s']:>9.4f} {r['t_zb_s']:>9.4f} "
                 f"{r['step_time_ratio_zb_over_1f1b']:>8.3f} "
-                f"{r['bubble_1f1b_measured']:>15.1%} / {r['bubble_1f1b_theory']:>5.1%} "
-                f"{r['bubble_zb_measured']:>13.1%} / {r['bubble_zb_theory']:>5.1%} "
+                f"{r['bubble_1f1b_measured']:>14.1%} / {r['bubble_1f1b_theory']:>5.1%} / "
+                f"{r['bubble_1f1b_theory_measured_costs']:>5.1%} "
+                f"{r['bubble_zb_measured']:>12.1%} / {r['bubble_zb_theory']:>5.1%} / "
+                f"{r['bubble_zb_theory_measured_costs']:>5.1%} "
                 f"{r['w_share_zb']:>8.1%} "
                 f"{'ok' if r['order_1f1b_matches'] and r['order_zb_matches'] else 'DIFF':>6}  "
                 f"{' '.join(f'{x:.1f}' for x in r['peak_mib_1f1b'])} | "
