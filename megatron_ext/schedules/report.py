@@ -116,9 +116,14 @@ class Costs:
 
     def unit(self, split: bool) -> float:
         """The largest time that divides every step's time: one grid column."""
-        fractions = [Fraction(v).limit_denominator(1000) for v in self.step_times(split).values()]
+        times = self.step_times(split).values()
+        fractions = [Fraction(v).limit_denominator(1000) for v in times]
         numerator = math.gcd(*(f.numerator for f in fractions))
         denominator = math.lcm(*(f.denominator for f in fractions))
+        # A time below 1/1000 rounds to 0: the smallest time is the column then (a step far
+        # longer than it is refused by megatron-ext schedule as too wide).
+        if any(f == 0 for f in fractions):
+            return min(times)
         return numerator / denominator
 
     def simulate(self, schedule: Schedule) -> Timeline:
