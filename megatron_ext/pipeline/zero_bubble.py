@@ -154,6 +154,16 @@ def zero_bubble_problems(
                 f"W still reads; switch the offloading off {_KEEP_1F1B}",
             )
         )
+    if field("variable_seq_lengths", False):
+        problems.append(
+            Problem(
+                "variable_seq_lengths=True",
+                "each tensor's shape then goes first in a blocking exchange of its own, and "
+                "ZB-H1's send_backward, W, recv_forward waits on the neighbour's "
+                "send_forward_recv_backward, which waits on that recv_forward's shape: a "
+                f"deadlock (seen on gloo); use fixed sequence lengths {_KEEP_1F1B}",
+            )
+        )
     pp = pipeline_parallel_size or field("pipeline_model_parallel_size", 1) or 1
     if pp < 2:
         problems.append(

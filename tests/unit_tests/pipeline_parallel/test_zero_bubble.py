@@ -71,6 +71,7 @@ REFUSED = [
     (dict(moe_paged_stash=True), "moe_paged_stash=True"),
     (dict(fine_grained_activation_offloading=True), "fine_grained_activation_offloading=True"),
     (dict(pipeline_model_parallel_size=1), "pipeline_model_parallel_size=1"),
+    (dict(variable_seq_lengths=True), "variable_seq_lengths=True"),
 ]
 
 

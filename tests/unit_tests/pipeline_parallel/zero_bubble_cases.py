@@ -6,11 +6,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import pytest
 import torch.distributed as dist
 
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.pipeline import wgrad, zero_bubble
-from megatron_ext.schedules.schedule import SchedulePlan, assert_same_order, build_schedule
+from megatron_ext.schedules.schedule import (
+    Compute,
+    ScheduleMismatch,
+    SchedulePlan,
+    assert_same_order,
+    build_schedule,
+)
 from megatron_ext.schedules.trace import Tracer, tracing
 from megatron_ext.testing.distributed import init_distributed, model_parallel
 from megatron_ext.testing.equivalence import (
@@ -139,5 +146,12 @@ def zb_schedule(plan: TrainPlan):
 
 
 def assert_traced_order_is_the_schedule(plan: TrainPlan) -> None:
+    """The recorded order equals ZB-H1's derived steps, and is told apart from 1F1B's."""
     tracer = traced_zb_run(plan)
-    assert_same_order(zb_schedule(plan), recorded_orders(plan, tracer))
+    recorded = recorded_orders(plan, tracer)
+    assert_same_order(zb_schedule(plan), recorded)
+    one_f_one_b = build_schedule(SchedulePlan(pp=plan.pp, microbatches=plan.local_microbatches()))
+    with pytest.raises(ScheduleMismatch):
+        assert_same_order(one_f_one_b, recorded)
+    kinds = {step.kind for steps in recorded for step in steps if isinstance(step, Compute)}
+    assert kinds == {"F", "B", "W"}, kinds
