@@ -482,6 +482,20 @@ declare(
         ("self", "hidden_states", "inference_context", "padding_mask", "packed_seq_params"),
     )
 )
+for _linear in ("ColumnParallelLinear", "RowParallelLinear"):
+    declare(
+        Seam(
+            f"{_MCORE}.tensor_parallel.layers:{_linear}._forward_impl",
+            "private_method_override",
+            "megatron_ext.pipeline.wgrad's linears of the same name route the matmul through "
+            "their deferrable-weight-gradient function when config.pipeline_schedule is zb-h1; "
+            "forward calls this hook with keyword arguments (input, weight, bias, "
+            "gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, "
+            "grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size), everything "
+            "else of megatron's forward (TP mappings, bias handling) is kept.",
+            ("self", "input", "weight", "args", "kwargs"),
+        )
+    )
 declare(
     Seam(
         f"{_MTP}:MultiTokenPredictionLayer._concat_embeddings",

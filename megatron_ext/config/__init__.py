@@ -63,6 +63,11 @@ class MHCTransformerConfig(TransformerConfig):
     :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
     triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
 
+    pipeline_schedule: str = "1f1b"
+    """The pipeline schedule: "1f1b" (megatron's) or "zb-h1" (zero bubble: the local specs'
+    linears defer their weight gradients, megatron_ext.pipeline.wgrad). Not an upstream field
+    (megatron-core 0.19.2's delay_wgrad_compute requires overlap_moe_expert_parallel_comm)."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
@@ -76,6 +81,7 @@ class MHCTransformerConfig(TransformerConfig):
         if wants_mhc_recompute:
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)
         self._validate_mhc()
+        guards.check_pipeline_schedule(self)
 
     @property
     def mhc_recompute_enabled(self) -> bool:

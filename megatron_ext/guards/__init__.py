@@ -18,7 +18,14 @@ from typing import Any
 
 from megatron_ext.errors import MegatronExtError
 
-__all__ = ["GUARDS", "Guard", "UnsupportedCombinationError", "by_stage"]
+__all__ = [
+    "GUARDS",
+    "PIPELINE_SCHEDULES",
+    "Guard",
+    "PipelineScheduleError",
+    "UnsupportedCombinationError",
+    "by_stage",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,14 @@ class Guard:
 
 class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
     """A combination of settings that megatron-ext rejects (a NotImplementedError)."""
+
+
+class PipelineScheduleError(MegatronExtError, ValueError):
+    """An unknown ``pipeline_schedule``."""
+
+
+# config.pipeline_schedule's values: megatron's 1F1B, or the zero-bubble ZB-H1 (deferred W).
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1")
 
 
 def _mhc_pipeline(config: Any) -> bool:
@@ -191,6 +206,24 @@ def check_mhc_layer_features(config: Any) -> None:
         )
 
 
+# ---- the pipeline schedule ----------------------------------------------------------------------
+def check_pipeline_schedule(config: Any) -> None:
+    """``pipeline_schedule``: a known schedule, and what ZB-H1's deferred weight gradients
+    (megatron_ext.pipeline.wgrad) do not implement."""
+    schedule = getattr(config, "pipeline_schedule", "1f1b")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PipelineScheduleError(
+            f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}; "
+            "set pipeline_schedule='1f1b' (megatron's) or 'zb-h1' (zero bubble)"
+        )
+    if schedule == "zb-h1" and config.gradient_accumulation_fusion:
+        raise UnsupportedCombinationError(
+            "pipeline_schedule='zb-h1' does not defer weight gradients fused into main_grad "
+            "(gradient_accumulation_fusion=True); set gradient_accumulation_fusion=False "
+            "(--no-gradient-accumulation-fusion)"
+        )
+
+
 # ---- mHC and the rest of Megatron ----------------------------------------------------------------
 def check_mhc_pipeline(config: Any) -> None:
     """mHC with pipeline parallelism: what the pipeline support does not qualify (CUDA graphs
@@ -312,6 +345,11 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.guards:check_hybrid_mhc_mtp",
         "config",
         "a standalone MTP stage with mHC (validate; HybridModel at construction)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_pipeline_schedule",
+        "config",
+        "an unknown pipeline_schedule; zb-h1 with gradient_accumulation_fusion",
     ),
     # recipe: megatron-ext validate, before any process starts
     Guard(

@@ -341,6 +341,10 @@ class HyperConnectionModule(MegatronModule):
 
         n, stream_width = self.n, self.n * self.hidden_size
         width = 2 * n + h_res_width(n, self.h_res_method)
+        # Its weight gradient stays in B under the zero-bubble schedule (not deferred by
+        # megatron_ext.pipeline.wgrad): the output is n^2 + 2n numbers per token, so its GEMM
+        # is 2*n*h*(n^2+2n) FLOPs a token; a layer's two come to 16/h of its linears' 24*h^2
+        # at n=4 (0.4 % at h=4096), and deferring would keep the n*h-wide input alive to W.
         self.mapping_proj = torch.nn.Linear(stream_width, width, bias=False)
         gate = config.mhc_init_gating_factor
         self.alpha_pre = torch.nn.Parameter(torch.full((1,), gate))

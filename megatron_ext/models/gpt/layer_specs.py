@@ -11,6 +11,7 @@ treatment for every layer, so a MoE/MLA GPT carries the n streams through every 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs as upstream
@@ -27,29 +28,45 @@ from megatron_ext.mhc.transformer_layer import (
 )
 from megatron_ext.models.context_parallel import ContextParallelDotProductAttention
 from megatron_ext.models.norms import LocalNorm
+from megatron_ext.pipeline.wgrad import DEFERRABLE_LINEARS
 
 # megatron-core's local modules that refuse a parallelism, and ours that do not:
-# its torch-norm builder refuses SP, its DotProductAttention refuses CP.
-LOCAL_MODULE_SWAPS = {
+# its torch-norm builder refuses SP, its DotProductAttention refuses CP; and its linears, whose
+# weight gradient ours can defer (the zero-bubble schedule's W; megatron's exactly when
+# config.pipeline_schedule is "1f1b").
+LOCAL_MODULE_SWAPS: dict[type, type] = {
     WrappedTorchNorm: LocalNorm,
     DotProductAttention: ContextParallelDotProductAttention,
+    **DEFERRABLE_LINEARS,
 }
 
+# Submodule fields that megatron's MLA checks against its own linear classes by identity
+# (``in [..., ColumnParallelLinear]``): they keep megatron's linear (weight gradient in B).
+KEEP_MEGATRON_LINEAR = frozenset(
+    {"linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj"}
+)
 
-def _with_local_modules(value: Any) -> Any:
+
+def with_local_modules(value: Any, field_name: str = "") -> Any:
     """``value`` (a spec, submodules dataclass or module) with LOCAL_MODULE_SWAPS applied,
     recursively."""
     if isinstance(value, type) and value in LOCAL_MODULE_SWAPS:
+        if field_name in KEEP_MEGATRON_LINEAR and value in DEFERRABLE_LINEARS:
+            return value
         return LOCAL_MODULE_SWAPS[value]
     if isinstance(value, ModuleSpec):
         return dataclasses.replace(
             value,
-            module=_with_local_modules(value.module),
-            submodules=_with_local_modules(value.submodules),
+            module=with_local_modules(value.module, field_name),
+            submodules=with_local_modules(value.submodules),
         )
+    if isinstance(value, functools.partial):  # e.g. MLP.as_mlp_submodule(submodules=...)
+        keywords = {k: with_local_modules(v, k) for k, v in value.keywords.items()}
+        return functools.partial(value.func, *value.args, **keywords)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
-            f.name: _with_local_modules(getattr(value, f.name)) for f in dataclasses.fields(value)
+            f.name: with_local_modules(getattr(value, f.name), f.name)
+            for f in dataclasses.fields(value)
         }
         return dataclasses.replace(value, **changes)
     return value
@@ -77,7 +94,7 @@ def get_gpt_layer_local_spec(*, enable_mhc_connections: bool = False, **kwargs: 
     """megatron-core's ``get_gpt_layer_local_spec`` (same keyword arguments), safe under
     sequence and context parallelism; ``enable_mhc_connections=True`` gives the mHC layer
     (config must enable mHC too)."""
-    spec = _with_local_modules(upstream.get_gpt_layer_local_spec(**kwargs))
+    spec = with_local_modules(upstream.get_gpt_layer_local_spec(**kwargs))
     return with_hyper_connections(spec) if enable_mhc_connections else spec
 
 
@@ -104,7 +121,7 @@ def get_gpt_layer_with_transformer_engine_spec(
 
 def _decoder_layer_spec(layer_spec: ModuleSpec, local: bool, mhc: bool) -> ModuleSpec:
     """One of megatron-core's decoder layer specs with our local modules and mHC applied."""
-    spec = _with_local_modules(layer_spec) if local else layer_spec
+    spec = with_local_modules(layer_spec) if local else layer_spec
     return with_hyper_connections(spec) if mhc else spec
 
 
@@ -144,5 +161,5 @@ def get_gpt_decoder_block_spec(
         layer_specs=[
             _decoder_layer_spec(spec, local, enable_mhc_connections) for spec in block.layer_specs
         ],
-        layer_norm=_with_local_modules(block.layer_norm) if local else block.layer_norm,
+        layer_norm=with_local_modules(block.layer_norm) if local else block.layer_norm,
     )

@@ -55,7 +55,7 @@ from megatron_ext.mhc.transformer_layer import (
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
 )
-from megatron_ext.models.gpt.layer_specs import get_gpt_layer_local_spec
+from megatron_ext.models.gpt.layer_specs import get_gpt_layer_local_spec, with_local_modules
 from megatron_ext.models.hybrid.hybrid_stack import HybridStack, HybridStackSubmodules
 from megatron_ext.models.hybrid.mamba_layer import (
     HyperConnectionMambaLayer,
@@ -283,8 +283,11 @@ def get_hybrid_stack_local_spec(
         module=MoETransformerLayer,
         submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=LocalNorm,
-            mlp=get_moe_module_spec(
-                use_te=False, num_experts=_ANY_EXPERT_COUNT, moe_grouped_gemm=moe_grouped_gemm
+            # Experts' linears deferrable as the dense layers' (SequentialMLP).
+            mlp=with_local_modules(
+                get_moe_module_spec(
+                    use_te=False, num_experts=_ANY_EXPERT_COUNT, moe_grouped_gemm=moe_grouped_gemm
+                )
             ),
             mlp_bda=get_bias_dropout_add,
         ),
