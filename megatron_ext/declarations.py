@@ -163,46 +163,31 @@ _trace(
     "The interleaved schedule, likewise.",
 )
 
-# megatron-ext's own ZB-H1 schedule (parallelism.schedule: zb-h1). Its forwards and input
-# gradients go through the megatron passes above; the schedule function and the weight-gradient
-# step are ours, wrapped the same way. Registered when the module is there (find_spec imports
-# only the megatron_ext.pipeline package, whose __init__ imports nothing).
-ZERO_BUBBLE = "megatron_ext.pipeline.zero_bubble"
-ZERO_BUBBLE_SCHEDULE = "forward_backward_pipelining_zero_bubble_h1"
-
-
-def _zero_bubble_present() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(ZERO_BUBBLE) is not None
-    except ImportError:
-        return False
-
-
-if _zero_bubble_present():
-    register(
-        Patch(
-            target=f"{ZERO_BUBBLE}:{ZERO_BUBBLE_SCHEDULE}",
-            replacement="megatron_ext.schedules.trace:traced_schedule",
-            why=(
-                "ZB-H1: one iteration per call, its P2P communicator handed over wrapped in a "
-                "recorder, as for megatron's schedules."
-            ),
-            group="trace",
-        )
+# megatron-ext's own ZB-H1 schedule (parallelism.schedule: zb-h1): its forwards and input
+# gradients go through megatron's passes above; the schedule function and its weight-gradient
+# step are ours, wrapped the same way.
+register(
+    Patch(
+        target="megatron_ext.pipeline.zero_bubble:forward_backward_pipelining_zero_bubble_h1",
+        replacement="megatron_ext.schedules.trace:traced_schedule",
+        why=(
+            "ZB-H1: one iteration per call, its P2P communicator handed over wrapped in a "
+            "recorder, as for megatron's schedules."
+        ),
+        group="trace",
     )
-    register(
-        Patch(
-            target=f"{ZERO_BUBBLE}:weight_gradient_step",
-            replacement="megatron_ext.schedules.trace:traced_weight_gradient_step",
-            why=(
-                "ZB-H1 runs every deferred weight gradient (W) through this module-level "
-                "function, looked up through the module: the one place to time and label a W."
-            ),
-            group="trace",
-        )
+)
+register(
+    Patch(
+        target="megatron_ext.pipeline.zero_bubble:weight_gradient_step",
+        replacement="megatron_ext.schedules.trace:traced_weight_gradient_step",
+        why=(
+            "ZB-H1 runs every deferred weight gradient (W) through this module-level function, "
+            "looked up in its module at each call: the one place to time and label a W."
+        ),
+        group="trace",
     )
+)
 
 
 _DEAD_MTP_OUTPUT_WEIGHT_WHY = (

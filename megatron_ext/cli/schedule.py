@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-time",
         type=_time,
-        default=1.0,
-        help="the weight-gradient part of it, ZB-H1's W step (default: 1, so F = B = W)",
+        help="the weight-gradient part of it, ZB-H1's W step (default: half the backward, "
+        "so F = B = W at the default times)",
     )
     parser.add_argument("--pp", type=int, help="pipeline stages (--pipeline-model-parallel-size)")
     parser.add_argument(
@@ -147,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
         return _error(problem)
     if args.schedule is not None and args.schedule not in SCHEDULES:
         return _error(f"--schedule {args.schedule}: use one of {', '.join(SCHEDULES)}")
-    costs = rep.Costs(args.forward_time, args.backward_time, args.weight_time)
+    weight = args.backward_time / 2 if args.weight_time is None else args.weight_time
+    costs = rep.Costs(args.forward_time, args.backward_time, weight)
     if cost_problems := costs.problems():
         return _error(str(cost_problems[0]))
     try:

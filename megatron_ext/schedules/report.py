@@ -116,9 +116,14 @@ class Costs:
 
     def unit(self, split: bool) -> float:
         """The largest time that divides every step's time: one grid column."""
-        fractions = [Fraction(v).limit_denominator(1000) for v in self.step_times(split).values()]
+        times = self.step_times(split).values()
+        fractions = [Fraction(v).limit_denominator(1000) for v in times]
         numerator = math.gcd(*(f.numerator for f in fractions))
         denominator = math.lcm(*(f.denominator for f in fractions))
+        # A time below 1/1000 rounds to 0: the smallest time is the column then (a step far
+        # longer than it is refused by megatron-ext schedule as too wide).
+        if any(f == 0 for f in fractions):
+            return min(times)
         return numerator / denominator
 
     def simulate(self, schedule: Schedule) -> Timeline:
@@ -138,8 +143,8 @@ def zb_h1_textbook_bubble(pp: int, microbatches: int) -> float:
 def kind_of(plan: SchedulePlan) -> str:
     if plan.schedule == ZB_H1:
         return (
-            "ZB-H1 (megatron_ext.pipeline.zero_bubble: 1F1B with each backward split into B, "
-            "the input gradient, and W, the weight gradient; rank r defers up to r W steps)"
+            "ZB-H1 (megatron_ext.pipeline.zero_bubble: B = input gradient, W = weight "
+            "gradient; rank r keeps up to r W pending)"
         )
     if plan.multimodule is not None:
         return "multi-module 1F1B (forward_backward_pipelining_without_interleaving, one warm-up per rank)"
@@ -287,7 +292,7 @@ def _zero_bubble_figures(
         f"        textbook 1F1B (p-1)/(m+p-1) = {textbook_bubble(p, m):.1%}; ZB-H1 (p-1)/(3m+p-1) "
         f"= {zb_h1_textbook_bubble(p, m):.1%} (F = B = W; "
         + ("m >= p)" if m >= p else "it assumes m >= p, here m < p)"),
-        "peak in-flight micro-batches (activations held until W) per rank:",
+        "peak in-flight micro-batches per rank (activations held; under ZB-H1 until W):",
         f"        ZB-H1: {_per_rank(schedule.peak_in_flight())}",
         f"        1F1B:  {_per_rank(baseline.peak_in_flight())}",
     ]

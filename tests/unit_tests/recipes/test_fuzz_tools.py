@@ -275,6 +275,24 @@ def test_schedule(tmp_path_factory, capsys, options, plot, steps):
     _tool(capsys, argv)
 
 
+@FUZZ
+@given(
+    st.sampled_from(["1f1b", "zb-h1", "zb-h2", ""]),
+    st.dictionaries(
+        st.sampled_from(["--forward-time", "--backward-time", "--weight-time"]),
+        st.one_of(st.floats().map(repr), st.integers(-3, 10**6).map(str), words),
+        max_size=3,
+    ),
+    st.integers(-1, 70),
+    st.integers(-1, 400),
+)  # fmt: skip
+def test_schedule_zero_bubble_and_costs(capsys, schedule, times, pp, microbatches):
+    argv = ["schedule", f"--schedule={schedule}", f"--pp={pp}", f"--microbatches={microbatches}"]
+    for flag, value in times.items():
+        argv.append(f"{flag}={value}")
+    _tool(capsys, argv)
+
+
 # ---- submit --dry-run --------------------------------------------------------------------------
 @FUZZ
 @given(

@@ -80,7 +80,7 @@ def test_zb_h1_pp4_m8_beside_1f1b(capsys, tmp_path):
     argv = "schedule --schedule zb-h1 --pp 4 --microbatches 8 --plot".split() + [str(png)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "schedule: ZB-H1 (megatron_ext.pipeline.zero_bubble" in out
+    assert "schedule: ZB-H1 (megatron_ext.pipeline.zero_bubble: B = input gradient" in out
     assert "rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5" in out
     assert "rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4" in out
     assert "bubble: 11.1% of the iteration idle (ZB-H1, F=1, B=1, W=1; communication free)" in out
@@ -158,3 +158,13 @@ def test_the_recipe_field_picks_the_schedule():
     recipe = SimpleNamespace(**{**vars(loaded.recipe), "parallelism": parallelism})
     plan, _ = plan_from_loaded(SimpleNamespace(recipe=recipe))
     assert plan.schedule == "zb-h1" and plan.pp == 2 and plan.problems() == []
+
+
+def test_readme_shows_the_real_zb_h1_output(capsys):
+    """README.md's ZB-H1 example is what the command prints, and its picture is in docs/."""
+    readme = (RECIPES.parent / "README.md").read_text()
+    assert "megatron-ext schedule --schedule zb-h1 --pp 4 --microbatches 8" in readme
+    assert cli.main("schedule --schedule zb-h1 --pp 4 --microbatches 8".split()) == 0
+    printed = "\n".join(line.rstrip() for line in capsys.readouterr().out.strip().splitlines())
+    assert printed in readme
+    assert (RECIPES.parent / "docs" / "schedule_zb_h1_pp4_m8.png").is_file()

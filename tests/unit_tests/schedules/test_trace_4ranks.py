@@ -74,7 +74,9 @@ def all_steps(tracer, plan):
 
 def check_against_theory(plan, tracer):
     local = plan.local_microbatches()
-    schedule = build_schedule(SchedulePlan(pp=plan.pp, vpp=plan.vpp, microbatches=local))
+    schedule = build_schedule(
+        SchedulePlan(pp=plan.pp, vpp=plan.vpp, microbatches=local, schedule=plan.schedule)
+    )
     assert_same_order(schedule, all_steps(tracer, plan))
     return schedule
 
@@ -144,6 +146,44 @@ def test_a_wrong_theoretical_order_is_caught():
         match=r"rank 0, step 2: expected send_forward_recv_backward\(sF0\+rB0\), got send_forward\(sF0\)",
     ):
         assert_same_order(wrong, recorded)
+
+
+def test_zb_h1_pp4_order_with_w_steps_and_a_wrong_theory_caught():
+    """megatron-ext's ZB-H1 at PP=4 with mHC, 6 micro-batches: every rank's recorded order,
+    its W steps included, is build_schedule's; 1F1B's order, or ZB-H1 with rank 2 keeping
+    up to 3 W pending, is caught at the first step that differs."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.schedules.schedule import Schedule, zero_bubble_h1
+
+    plan = tiny(
+        pp=4,
+        num_layers=4,
+        global_batch_size=12,
+        schedule="zb-h1",
+        config_overrides=dict(enable_mhc_connections=True, mhc_num_residual_streams=2),
+    )
+    tracer, _, _ = traced_run(plan, config_class=MHCTransformerConfig)
+    right = check_against_theory(plan, tracer)
+    recorded = all_steps(tracer, plan)
+    weights = [[s for s in steps if isinstance(s, Compute) and s.kind == "W"] for steps in recorded]
+    assert [sorted(w.microbatch for w in ws) for ws in weights] == [list(range(6))] * 4
+    assert all(e.end_ns >= e.start_ns > 0 for e in tracer.events if e.kind == "W")
+    with pytest.raises(
+        ScheduleMismatch,
+        match=r"rank 0, step 13: expected send_backward_recv_forward\(-\), got send_backward\(-\)",
+    ):
+        assert_same_order(build_schedule(SchedulePlan(pp=4, microbatches=6)), recorded)
+    greedy = Schedule(
+        right.plan,
+        right.ranks[:2] + [zero_bubble_h1(6, 1, False, False, pending_limit=3)] + right.ranks[3:],
+        right.prev_ranks,
+        right.next_ranks,
+    )
+    with pytest.raises(
+        ScheduleMismatch,
+        match=r"^rank 2, step 15: expected send_backward_recv_forward\(rF4\+sB2\), got send_backward\(sB2\)",
+    ):
+        assert_same_order(greedy, recorded)
 
 
 def test_mhc_hybrid_with_an_empty_chunk():
