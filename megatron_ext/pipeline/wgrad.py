@@ -337,6 +337,16 @@ class _Deferrable:
     config: Any
     tp_group: Any
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # megatron's linear (the next class in the MRO)
+        if deferral_enabled(self.config):
+            _guard_optimizer_steps()
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if args or not self._defers(input, weight, kwargs):
+            return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
+        return self._deferrable_forward(input, weight, kwargs)
+
     def _defers(self, input: torch.Tensor, weight: torch.Tensor, kwargs: dict) -> bool:
         # Weights handed in by a caller (tied output layers) may be non-leaf: their graph is
         # gone by W, so they, frozen weights, megatron's embedding wgrad deferral and GTP
@@ -380,30 +390,10 @@ class _Deferrable:
 class ColumnParallelLinear(_Deferrable, tensor_parallel.ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear with a deferrable weight gradient (module doc)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if deferral_enabled(self.config):
-            _guard_optimizer_steps()
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if args or not self._defers(input, weight, kwargs):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return self._deferrable_forward(input, weight, kwargs)
-
 
 class RowParallelLinear(_Deferrable, tensor_parallel.RowParallelLinear):
     """megatron-core's RowParallelLinear with a deferrable weight gradient (module doc); the
     output reduce and the bias add after it stay megatron's, outside the matmul."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if deferral_enabled(self.config):
-            _guard_optimizer_steps()
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if args or not self._defers(input, weight, kwargs):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return self._deferrable_forward(input, weight, kwargs)
 
 
 # megatron-core's linear -> ours, for the local specs.

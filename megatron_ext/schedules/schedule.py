@@ -222,51 +222,18 @@ class _RankBuilder:
 
 
 def one_f_one_b(microbatches: int, warmup: int, first: bool, last: bool) -> list[Step]:
-    """One rank of ``forward_backward_pipelining_without_interleaving`` (training)."""
-    rank = _RankBuilder()
-    warmup = min(warmup, microbatches)
-    remaining = microbatches - warmup
-
-    def recv_forward():
-        rank.exchange("recv_forward", {}, {} if first else {"recv_prev": 0})
-
-    for i in range(warmup):
-        recv_forward()
-        rank.compute("F", i, 0)
-        rank.exchange("send_forward", {} if last else {"send_next": (i, 0)}, {})
-    if remaining > 0:
-        recv_forward()
-    for i in range(remaining):
-        f = warmup + i
-        rank.compute("F", f, 0)
-        rank.exchange(
-            "send_forward_recv_backward",
-            {} if last else {"send_next": (f, 0)},
-            {} if last else {"recv_next": 0},
-        )
-        rank.compute("B", i, 0)
-        if i == remaining - 1:
-            rank.exchange("send_backward", {} if first else {"send_prev": (i, 0)}, {})
-        else:
-            rank.exchange(
-                "send_backward_recv_forward",
-                {} if first else {"send_prev": (i, 0)},
-                {} if first else {"recv_prev": 0},
-            )
-    for i in range(warmup):
-        b = remaining + i
-        rank.exchange("recv_backward", {}, {} if last else {"recv_next": 0})
-        rank.compute("B", b, 0)
-        rank.exchange("send_backward", {} if first else {"send_prev": (b, 0)}, {})
-    return rank.steps
+    """One rank of ``forward_backward_pipelining_without_interleaving`` (training): the
+    skeleton ZB-H1 shares, with each backward whole (no ``W`` steps)."""
+    return zero_bubble_h1(microbatches, warmup, first, last, pending_limit=None)
 
 
 def zero_bubble_h1(
-    microbatches: int, warmup: int, first: bool, last: bool, pending_limit: int
+    microbatches: int, warmup: int, first: bool, last: bool, pending_limit: int | None
 ) -> list[Step]:
     """One rank of ZB-H1 (training): 1F1B's forwards and input-gradient backwards, with the
     weight gradients ``W`` deferred while at most ``pending_limit`` (the rank's position in
-    the pipeline) wait; the module docstring gives the P2P calls."""
+    the pipeline) wait; the module docstring gives the P2P calls. ``pending_limit=None``:
+    whole backwards, no ``W`` steps, which is 1F1B (:func:`one_f_one_b`)."""
     rank = _RankBuilder()
     warmup = min(warmup, microbatches)
     remaining = microbatches - warmup
@@ -281,6 +248,8 @@ def zero_bubble_h1(
     def backward(mb: int) -> list[int]:
         """B of ``mb``; returns the weight gradients now due (oldest first)."""
         rank.compute("B", mb, 0)
+        if pending_limit is None:
+            return []
         pending.append(mb)
         due = []
         while len(pending) > pending_limit:
