@@ -789,6 +789,16 @@ declare(
 )
 declare(
     Seam(
+        f"{_MCORE}.tensor_parallel.layers:RowParallelLinear",
+        "object_attribute",
+        "megatron_ext.models.linears' RowParallelLinear sets explicit_expert_comm on an expert "
+        "linear whose expert-TP group has one rank (megatron sets it only above one), so the "
+        "forward skips the identity output reduce whose view output megatron's expert MLP "
+        "adds its bias to in place (an autograd error at EP=1 with add_bias_linear=True).",
+    )
+)
+declare(
+    Seam(
         "argparse:Action",
         "object_attribute",
         "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "

@@ -82,6 +82,7 @@ class MHCTransformerConfig(TransformerConfig):
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)
         self._validate_mhc()
         guards.check_pipeline_schedule(self)
+        guards.check_moe_bias(self)
 
     @property
     def mhc_recompute_enabled(self) -> bool:

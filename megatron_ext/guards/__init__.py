@@ -206,6 +206,24 @@ def check_mhc_layer_features(config: Any) -> None:
         )
 
 
+# ---- MoE ---------------------------------------------------------------------------------------
+def check_moe_bias(config: Any) -> None:
+    """A linear bias in MoE layers: megatron-core 0.19.2's shared experts have none (its
+    SharedExpertMLP asserts at build time, without the fix). Routed experts of megatron-ext's
+    local specs take one at any EP size (megatron_ext.models.linears); megatron's own config
+    check keeps expert TP at 1 for it."""
+    if (
+        config.num_moe_experts
+        and config.add_bias_linear
+        and config.moe_shared_expert_intermediate_size
+    ):
+        raise UnsupportedCombinationError(
+            "megatron-core's shared experts have no bias (moe_shared_expert_intermediate_size="
+            f"{config.moe_shared_expert_intermediate_size} with add_bias_linear=True); set "
+            "add_bias_linear=False (--disable-bias-linear) or moe_shared_expert_intermediate_size=None"
+        )
+
+
 # ---- the pipeline schedule ----------------------------------------------------------------------
 def check_pipeline_schedule(config: Any) -> None:
     """``pipeline_schedule``: a known schedule, and what ZB-H1's deferred weight gradients
@@ -366,6 +384,11 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.guards:check_hybrid_mhc_mtp",
         "config",
         "a standalone MTP stage with mHC (validate; HybridModel at construction)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_moe_bias",
+        "config",
+        "MoE shared experts with add_bias_linear=True (megatron-core's have no bias)",
     ),
     Guard(
         "megatron_ext.guards:check_pipeline_schedule",

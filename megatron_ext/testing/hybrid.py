@@ -29,7 +29,7 @@ def pattern_without_pipeline_segments(pattern: str) -> str:
 
 def hybrid_plan(pattern: str, **kwargs: Any) -> TrainPlan:
     """A :class:`TrainPlan` sized for ``pattern``: ``num_layers`` is its decoder layer count,
-    MoE settings when it has ``E`` (4 experts; local experts need ``add_bias_linear=False``)
+    MoE settings when it has ``E`` (4 experts, no linear bias unless ``config_overrides`` asks)
     and ``mtp_num_layers`` when it has MTP depths (after ``/``)."""
     parsed = parse_hybrid_pattern(pattern)
     main = pattern_without_pipeline_segments(parsed.main_pattern or "")

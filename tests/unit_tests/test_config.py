@@ -249,6 +249,11 @@ GUARDS = {
         ValueError,
         "use_fused_mhc",
     ),
+    "shared experts with bias": (
+        dict(num_moe_experts=4, moe_shared_expert_intermediate_size=32, add_bias_linear=True),
+        NotImplementedError,
+        "add_bias_linear=False",
+    ),
     "zero streams": (
         dict(enable_mhc_connections=True, mhc_num_residual_streams=0),
         ValueError,

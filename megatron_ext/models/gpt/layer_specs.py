@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import gpt_layer_specs as upstream
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -27,17 +28,20 @@ from megatron_ext.mhc.transformer_layer import (
     HyperConnectionTransformerLayerSubmodules,
 )
 from megatron_ext.models.context_parallel import ContextParallelDotProductAttention
+from megatron_ext.models.linears import RowParallelLinear
 from megatron_ext.models.norms import LocalNorm
 from megatron_ext.pipeline.wgrad import DEFERRABLE_LINEARS
 
 # megatron-core's local modules that refuse a parallelism, and ours that do not:
 # its torch-norm builder refuses SP, its DotProductAttention refuses CP; and its linears, whose
 # weight gradient ours can defer (the zero-bubble schedule's W; megatron's exactly when
-# config.pipeline_schedule is "1f1b").
+# config.pipeline_schedule is "1f1b"). The row-parallel one also lets MoE experts have a bias
+# at EP=1 (megatron_ext.models.linears).
 LOCAL_MODULE_SWAPS: dict[type, type] = {
     WrappedTorchNorm: LocalNorm,
     DotProductAttention: ContextParallelDotProductAttention,
     **DEFERRABLE_LINEARS,
+    tensor_parallel.RowParallelLinear: RowParallelLinear,
 }
 
 # Submodule fields that megatron's MLA checks against its own linear classes by identity

@@ -6,7 +6,8 @@ becomes here (local spec; the Transformer Engine spec is megatron-core's):
 
 * ``*`` attention-only TransformerLayer (norm + SelfAttention; its MLP is ``IdentityOp``);
 * ``-`` MLP-only layer (megatron's ``MLPLayer``);
-* ``E`` MoE-only layer (local experts need ``add_bias_linear=False``);
+* ``E`` MoE-only layer (local experts, with or without ``add_bias_linear``; see
+  :mod:`megatron_ext.models.linears`);
 * ``M`` MambaLayer (norm + MambaMixer), only where ``mamba_ssm`` is installed.
 
 Symbols without a spec here (``G``, ``D``, ``+`` locally, ``M`` without ``mamba_ssm``) build a
@@ -249,7 +250,7 @@ def get_hybrid_stack_local_spec(
     Attention (``*``) is an attention-only TransformerLayer: ``LocalNorm`` input norm and
     SelfAttention (ColumnParallelLinear / ContextParallelDotProductAttention /
     RowParallelLinear), the GPT local spec's attention; MLP (``-``) and MoE (``E``, local
-    experts: they need ``add_bias_linear=False``) are MLP-only layers with a ``LocalNorm``
+    experts, bias or not) are MLP-only layers with a ``LocalNorm``
     pre-MLP norm; the final norm is ``LocalNorm``. Mamba (``M``) is built only where
     ``mamba_ssm`` is installed. ``LocalNorm`` works under sequence parallelism and the core
     attention under context parallelism (causal masks), so the spec runs under every

@@ -1,6 +1,7 @@
 """GPT MoE / MLA with mHC on 2 ranks match the single-rank reference (loss and every gradient
 of every step, weights after the last): MoE at PP=2 (n-stream P2P), EP=2 over DP=2, TP=2 with
-SP and expert TP; MLA at PP=2 and TP=2 with SP. The aux loss is on in every MoE case."""
+SP and expert TP; MoE with a linear bias at PP=2 and EP=2; MLA at PP=2 and TP=2 with SP. The
+aux loss is on in every MoE case."""
 
 import dataclasses
 
@@ -35,6 +36,16 @@ def test_moe_mhc_pipeline_matches_reference_with_n_stream_p2p(monkeypatch, layou
 )
 def test_moe_mhc_matches_reference(layout):
     check(moe_plan(**layout))
+
+
+# megatron's default add_bias_linear=True: the reference (EP=1) and the PP=2 stages run the
+# local spec's expert linear over a one-rank group (megatron_ext.models.linears); at EP=2
+# megatron's own explicit expert path runs, so the two are compared too. megatron-core's
+# shared experts have no bias (refused by megatron_ext.guards.check_moe_bias): none here.
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(ep=2)], ids=["pp2", "ep2_dp2"])
+def test_moe_mhc_with_linear_bias_matches_reference(layout):
+    bias = dict(add_bias_linear=True, moe_shared_expert_intermediate_size=None)
+    check(moe_plan(config_overrides=bias, **layout))
 
 
 def test_mla_mhc_pp2_matches_reference():
