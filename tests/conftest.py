@@ -70,6 +70,18 @@ def _release_process_groups():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_moe_aux_loss_scale():
+    """megatron-core keeps the MoE aux-loss scale on a class, shaped by its first setter: a MoE
+    backward outside megatron's schedules (a plain ``loss.backward()`` in a test) leaves a 0-d
+    tensor that the schedules' 1-element scale then cannot be copied into. Every test starts
+    without one, whatever ran before it in the session."""
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     world = _session_world_size()
     selected, deselected = [], []

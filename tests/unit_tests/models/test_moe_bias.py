@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config import MHCTransformerConfig
 from megatron_ext.guards import UnsupportedCombinationError
@@ -38,14 +37,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:enable_mhc_connections=True with
 
 IN, OUT, TOKENS = 12, 8, 5
 IN_PLACE_ON_A_VIEW = "is a view and is being modified inplace"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_aux_loss_scale(monkeypatch):
-    """megatron keeps the aux-loss scale process-wide, shaped by its first setter: a MoE
-    backward outside megatron's schedules (earlier tests) leaves a 0-d one that the schedules'
-    1-element scale cannot be copied into. Each test here starts without one."""
-    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
 
 
 def _expert_fc2(module, seed: int = 5):
