@@ -99,9 +99,19 @@ class _Work:
     bias: torch.Tensor | None
     sequence_parallel: bool
     tp_group: Any
+    # The autocast state the backward ran under (custom_bwd re-enters the forward's): W runs
+    # later, outside it, and must compute in the same dtype megatron's backward would.
+    autocast: tuple[str, bool, torch.dtype] | None = None
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias gradients, computed as megatron's linear backward does."""
+        if self.autocast is None:
+            return self._gradients()
+        device_type, enabled, dtype = self.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return self._gradients()
+
+    def _gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         total_input = self.input
         if self.sequence_parallel:
             total_input = _gather_sequence(self.input, self.tp_group)
@@ -119,6 +129,14 @@ class _Work:
         if self.bias is not None and grad_bias is not None:
             pairs.append((self.bias, grad_bias))
         return pairs
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return (
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+    )
 
 
 def _accumulate_micro_batch(works: list[_Work]) -> None:
@@ -318,6 +336,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
             param_bias,
             ctx.sequence_parallel,
             ctx.tp_group,
+            _autocast_state(input.device.type),
         )
         if _STORE.active:
             _STORE.add(work)

@@ -478,3 +478,23 @@ def test_hybrid_mhc_stack_grads_equal_1f1b():
         for key in range(len(batches)):
             wgrad.run(key)
         _assert_equal(_gpt_grads(ours), _gpt_grads(ref))
+
+
+def test_weight_gradient_runs_under_the_autocast_state_its_backward_had():
+    # On CUDA, megatron's custom_bwd re-enters the forward's autocast in the backward, where the
+    # work is stored; W runs later, outside it, and must compute as that backward would (bf16
+    # output gradient with the fp32 saved input: a dtype mismatch outside autocast). The GPU
+    # check runs the real case (tests/gpu/test_gpu_wgrad.py, "autocast"); here the mechanism.
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.zeros(OUT, IN, requires_grad=True)
+    x = torch.randn(SEQ * BATCH, IN, generator=generator)
+    g = torch.randn(SEQ * BATCH, OUT, generator=generator).to(torch.bfloat16)
+
+    def work(autocast):
+        return wgrad._Work(None, x, g, weight, None, False, None, autocast)
+
+    with pytest.raises(RuntimeError):
+        work(("cpu", False, torch.bfloat16)).gradients()
+    grad_weight, _ = work(("cpu", True, torch.bfloat16)).gradients()
+    assert grad_weight.dtype == torch.bfloat16
+    assert torch.equal(grad_weight, g.t().matmul(x.to(torch.bfloat16)))
