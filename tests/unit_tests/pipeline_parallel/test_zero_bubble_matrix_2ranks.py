@@ -111,3 +111,14 @@ def test_pp2_untied_embeddings_match_reference(monkeypatch):
     plan = zb_plan(pp=2, global_batch_size=6)
     factory = gpt_model_factory(plan, share_embeddings_and_output_weights=False)
     check_zb(plan, monkeypatch, factory=factory)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(deallocate_pipeline_outputs=True), dict(calculate_per_token_loss=True)],
+    ids=["deallocate_pipeline_outputs", "per_token_loss"],
+)
+def test_pp2_training_loop_settings_match_reference(monkeypatch, settings):
+    """What megatron's training loop sets: sent activations freed after the send (B then runs
+    through the C++ engine on the pseudo-freed output), and losses scaled by token count."""
+    check_zb(zb_plan(pp=2, global_batch_size=10, steps=1, config_overrides=settings), monkeypatch)
