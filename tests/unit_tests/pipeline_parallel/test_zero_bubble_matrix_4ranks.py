@@ -1,8 +1,8 @@
 """ZB-H1 at PP=4 with micro-batch counts the 1F1B-shaped tests do not reach: fewer than the
 stages (m=3: no steady state, rank 0 never fills its warm-up) and odd (m=7); and activation
 recompute with TP=2 x PP=2 and sequence parallelism (megatron's full recompute, plain; mHC's
-recompute). Each matches the single-rank reference (loss, every gradient, weights after the step) and its W
-steps computed deferred weight gradients (mHC, 4 streams, unless stated).
+recompute). Each matches the single-rank reference (loss, every gradient, weights after the
+step) and its W steps computed deferred weight gradients (mHC, 4 streams, unless stated).
 Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_matrix_4ranks.py"""
 
 import pytest
