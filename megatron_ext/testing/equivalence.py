@@ -168,8 +168,11 @@ def transformer_config(plan: TrainPlan, parallel: bool, config_class=None):
     return cls(**kwargs)
 
 
-def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
-    """megatron-ext's GPTModel with the local layer spec (tied embeddings, learned positions);
+def gpt_model_factory(
+    plan: TrainPlan, share_embeddings_and_output_weights: bool = True
+) -> ModelFactory:
+    """megatron-ext's GPTModel with the local layer spec (tied embeddings unless
+    ``share_embeddings_and_output_weights`` is False, learned positions);
     the mHC layer spec when the config enables mHC. MoE and MLA models are built from the
     decoder block spec ``pretrain_gpt`` uses (dense and MoE layers by ``moe_layer_freq``)."""
     from megatron_ext.models.gpt import (
@@ -197,7 +200,7 @@ def gpt_model_factory(plan: TrainPlan) -> ModelFactory:
             max_sequence_length=plan.seq_length,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=True,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type="rope" if config.multi_latent_attention else "learned_absolute",
             vp_stage=vp_stage,
         )

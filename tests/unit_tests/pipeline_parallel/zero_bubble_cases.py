@@ -80,8 +80,9 @@ def watched_weight_steps(monkeypatch):
 def check_zb(plan: TrainPlan, monkeypatch, **kwargs):
     """The ZB-H1 run matches the single-rank reference (loss, every gradient of every step,
     weights after the last), and its W steps ran real deferred weight gradients."""
+    kwargs.setdefault("config_class", MHCTransformerConfig)
     with watched_weight_steps(monkeypatch) as steps:
-        reference = check_equivalence(plan, config_class=MHCTransformerConfig, **kwargs)
+        reference = check_equivalence(plan, **kwargs)
     steps.assert_every_w_computed_deferred_work(plan.local_microbatches(), plan.steps)
     return reference
 
