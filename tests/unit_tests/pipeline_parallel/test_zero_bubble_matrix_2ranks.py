@@ -50,11 +50,10 @@ RECOMPUTE = {
         recompute_granularity="full", recompute_method="block", recompute_num_layers=1
     ),
     "selective_core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    # Without linear biases: with add_bias_linear=True megatron-core 0.19.2's local-spec MLP
-    # recompute never returns (1F1B and single rank too: the checkpoint hands back the fc2
-    # bias parameter itself as an output, and backward recurses through it).
+    # With linear biases (megatron's default; megatron_ext.models.linears returns fc2's bias
+    # as a view, without which megatron-core 0.19.2 hangs here under any schedule).
     "selective_mlp": dict(
-        recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=False
+        recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=True
     ),
     "mhc": dict(
         recompute_granularity="selective", recompute_modules=["mhc"], mhc_recompute_layer_num=1
