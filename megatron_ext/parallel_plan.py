@@ -174,3 +174,26 @@ class ParallelPlan:
         if problems:
             raise ValueError("; ".join(map(str, problems)))
         return self
+
+
+# ----------------------------------------------------------------------------- the CP split
+def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the ``2 * cp_size`` sequence chunks that CP rank ``cp_rank`` holds, in the
+    order they sit in its local sequence (megatron's load-balanced split for causal attention:
+    an early chunk and its mirror, so every rank gets the same share of the mask)."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def cp_token_positions(local_seq_length: int, cp_size: int, cp_rank: int) -> list[int]:
+    """Global sequence index of each of CP rank ``cp_rank``'s ``local_seq_length`` tokens."""
+    if local_seq_length % 2:
+        raise ValueError(
+            f"a CP rank holds two equal chunks, but its local sequence has {local_seq_length} "
+            f"tokens; the sequence length must be divisible by 2 * context_parallel_size"
+        )
+    chunk = local_seq_length // 2
+    return [
+        position
+        for index in load_balanced_chunks(cp_size, cp_rank)
+        for position in range(index * chunk, (index + 1) * chunk)
+    ]

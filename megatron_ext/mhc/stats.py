@@ -47,6 +47,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from megatron_ext.parallel_plan import cp_token_positions
+
 # Global sequence positions sampled per hyper connection.
 SAMPLE_TOKENS = 8
 
@@ -109,9 +111,8 @@ def global_positions(local_length: int, groups: dict, sequence_parallel: bool) -
     if sequence_parallel and tp_size > 1:
         local, cp_length = local + tp_rank * local_length, local_length * tp_size
     if cp_size > 1:
-        from megatron_ext.models.context_parallel import local_token_positions
-
-        return local_token_positions(cp_length, cp_size, cp_rank)[local]
+        positions = torch.tensor(cp_token_positions(cp_length, cp_size, cp_rank))
+        return positions[local]
     return local
 
 

@@ -46,28 +46,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.parallel_plan import cp_token_positions, load_balanced_chunks
+
 
 # ----------------------------------------------------------------------------- the split
-def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two of the ``2 * cp_size`` sequence chunks that CP rank ``cp_rank`` holds, in the
-    order they sit in its local sequence."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
 def local_token_positions(local_seq_length: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
-    """Global sequence index of each of this rank's ``local_seq_length`` tokens."""
-    if local_seq_length % 2:
-        raise ValueError(
-            f"a CP rank holds two equal chunks, but its local sequence has {local_seq_length} "
-            f"tokens; the sequence length must be divisible by 2 * context_parallel_size"
-        )
-    chunk = local_seq_length // 2
-    return torch.cat(
-        [
-            torch.arange(index * chunk, (index + 1) * chunk, device=device)
-            for index in load_balanced_chunks(cp_size, cp_rank)
-        ]
-    )
+    """Global sequence index of each of this rank's ``local_seq_length`` tokens, as a tensor
+    (the split itself: :func:`megatron_ext.parallel_plan.cp_token_positions`)."""
+    positions = cp_token_positions(local_seq_length, cp_size, cp_rank)
+    return torch.tensor(positions, dtype=torch.long, device=device)
 
 
 # ----------------------------------------------------------------------------- the collective
