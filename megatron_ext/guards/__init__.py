@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import MegatronExtError
+from megatron_ext.schedules.schedule import SCHEDULES
 
 __all__ = [
     "GUARDS",
@@ -46,8 +47,9 @@ class PipelineScheduleError(MegatronExtError, ValueError):
     """An unknown ``pipeline_schedule``."""
 
 
-# config.pipeline_schedule's values: megatron's 1F1B, or the zero-bubble ZB-H1 (deferred W).
-PIPELINE_SCHEDULES = ("1f1b", "zb-h1")
+# config.pipeline_schedule's values: megatron's 1F1B, or the zero-bubble ZB-H1 (deferred W);
+# the one list the schedule tools, recipes and the runtime share.
+PIPELINE_SCHEDULES = SCHEDULES
 
 
 def _mhc_pipeline(config: Any) -> bool:

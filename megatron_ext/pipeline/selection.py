@@ -46,7 +46,8 @@ class ScheduleChoiceError(MegatronExtError, RuntimeError):
 FLAG = "--pipeline-schedule"
 FIELD = "pipeline_schedule"
 
-# The runtime's own refusals (zero_bubble_problems), when that module is there.
+# The ZB-H1 runtime (its refusals and its function), imported when first needed (it loads
+# megatron-core) and looked up on the module (tracing wraps its attributes).
 ZERO_BUBBLE_MODULE = "megatron_ext.pipeline.zero_bubble"
 
 
