@@ -483,6 +483,9 @@ def _run_in(
     trace: bool,
 ) -> Outcome:
     """:func:`run` once the run directory is held."""
+    if (why := rsm.existing_run_problem(run_dir)) is not None:
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     try:
         write_run_files(loaded, run_dir)
     except OSError as exc:
@@ -694,12 +697,30 @@ def resume_run(
     echo: Echo = _default_echo,
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
-    overrides applied) from its latest complete checkpoint, in a new segment of the run."""
+    overrides applied) from its latest complete checkpoint, in a new segment of the run. Holds
+    the run directory's lock (as ``run`` does) before it reads or changes anything there."""
+    from megatron_ext.recipes import run_lock
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():  # the lock would create it
+        echo(f"cannot resume: {run_dir}: not a directory")
+        return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
+    try:
+        with run_lock.holding(run_dir):
+            return _resume_in(run_dir, compare_golden, force_compare, megatron_checks, echo)
+    except run_lock.RunDirectoryBusy as exc:
+        echo(f"cannot resume: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
+
+
+def _resume_in(
+    run_dir: Path, compare_golden: bool, force_compare: bool, megatron_checks: bool, echo: Echo
+) -> Outcome:
+    """:func:`resume_run` once the run directory is held."""
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
-    run_dir = Path(run_dir)
     try:
         record = rsm.read_run_record(run_dir)
         if not record.get("resumable"):
@@ -711,6 +732,10 @@ def resume_run(
         if status in ("passed", "mismatch"):
             raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
         resolved = load(run_dir / "recipe.yaml", "cpu", [])
+        ckpt = rsm.checkpoint_dir(run_dir)
+        # Issue 34 item 1: the scan of every pickled file of the checkpoint a resume loads
+        # (ckpt / iter_<latest>) belongs here, before anything is removed or any rank starts.
+        latest, cut = rsm.resume_point(ckpt, resolved.recipe.training.iterations)
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
@@ -720,23 +745,26 @@ def resume_run(
         record.get("platform", "cpu"),
         list(record.get("overrides", [])),
     )
-    ckpt = rsm.checkpoint_dir(run_dir)
-    cut = rsm.discard_incomplete(ckpt)
-    latest = rsm.latest_complete(ckpt)
     segment = rsm.next_segment(run_dir)
     echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
     echo(f"  {plan.describe(loaded)}")
+    why = preflight(loaded, echo, megatron_checks)
+    if why is not None:
+        echo(f"cannot resume: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
     if cut:
+        try:
+            rsm.discard_incomplete(ckpt, loaded.recipe.training.iterations)
+        except OSError as exc:
+            why = cannot_write(exc, run_dir)
+            echo(f"cannot resume: {why}")
+            return Outcome(EXIT_INVALID, None, message=why)
         echo(f"  removed checkpoint(s) cut short while saving: iteration(s) {cut}")
     echo(
         f"  resuming from the checkpoint at iteration {latest}"
         if latest is not None
         else "  no complete checkpoint: training starts over"
     )
-    why = preflight(loaded, echo, megatron_checks)
-    if why is not None:
-        echo(f"cannot resume: {why}")
-        return Outcome(EXIT_INVALID, None, message=why)
     results: list[dict] = []
     try:
         return _run_phases(

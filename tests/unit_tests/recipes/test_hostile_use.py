@@ -1,0 +1,130 @@
+"""Issue 34, "nothing lost, nothing executed": a run directory, a checkpoint tracker, a recipe's
+environment and an output path used carelessly or with hostile intent. Each test reproduces
+one finding of the issue (the base run: gpt_tp2_pp2 at tp=1 for 40 iterations, saving every
+iteration, stopped after iteration 3) and checks that nothing is lost and nothing runs.
+No rank is started: the step that would train is replaced by one that fails the test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.recipes import load, resume as rsm, run_lock, runner
+
+from conftest import REPO_ROOT
+
+BASE = REPO_ROOT / "recipes" / "gpt_tp2_pp2.yaml"
+BASE_OVERRIDES = ["parallelism.tp=1", "training.iterations=40", "checkpoint.save_interval=1"]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail the test if a rank would be started."""
+
+    def train(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(runner, "_run_phases", train)
+
+
+def _stopped_run(tmp_path: Path, saved=(1, 2, 3, 4), tracker: str | None = "3") -> Path:
+    """A run directory as the base run leaves it when stopped after iteration 3 (iteration 4's
+    save cut short unless the tracker says otherwise)."""
+    run_dir = tmp_path / "R"
+    runner.write_run_files(load(BASE, "cpu", BASE_OVERRIDES), run_dir)
+    (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
+    ckpt = rsm.checkpoint_dir(run_dir)
+    for iteration in saved:
+        rsm.iteration_dir(ckpt, iteration).mkdir(parents=True)
+        (rsm.iteration_dir(ckpt, iteration) / "common.pt").write_bytes(b"weights")
+    if tracker is not None:
+        (ckpt / rsm.TRACKER).write_text(tracker)
+    return run_dir
+
+
+def _saved(run_dir: Path) -> list[int]:
+    return rsm.saved_iterations(rsm.checkpoint_dir(run_dir))
+
+
+# ---- item 2: a tracker that is not an iteration deletes nothing ---------------------------------
+@pytest.mark.parametrize("tracker", ["banana", "release", "0", "", "-1", "3.0"])
+def test_resume_refuses_a_tracker_that_is_not_an_iteration_and_deletes_nothing(
+    tmp_path, tracker, no_training
+):
+    run_dir = _stopped_run(tmp_path, tracker=tracker)
+    lines: list[str] = []
+    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID
+    assert _saved(run_dir) == [1, 2, 3, 4]
+    assert (rsm.iteration_dir(rsm.checkpoint_dir(run_dir), 4) / "common.pt").is_file()
+    assert len(lines) == 1 and rsm.TRACKER in lines[0] and "nothing was changed" in lines[0]
+    assert not any("removed" in line for line in lines)
+
+
+def test_resume_refuses_a_tracker_naming_a_missing_checkpoint(tmp_path, no_training):
+    run_dir = _stopped_run(tmp_path, tracker="99")  # issue 34 item 16: was FileNotFoundError
+    lines: list[str] = []
+    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID and _saved(run_dir) == [1, 2, 3, 4]
+    assert "names iteration 99" in lines[0] and "iter_0000099" in lines[0]
+
+
+def test_resume_never_deletes_a_linked_or_foreign_iteration(tmp_path, no_training):
+    run_dir = _stopped_run(tmp_path, saved=(1, 2, 3))
+    ckpt = rsm.checkpoint_dir(run_dir)
+    elsewhere = tmp_path / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    rsm.iteration_dir(ckpt, 4).symlink_to(elsewhere)
+    lines: list[str] = []
+    assert runner.resume_run(run_dir, echo=lines.append).exit_code == runner.EXIT_INVALID
+    assert (elsewhere / "keep").is_file() and "not a save of this run" in lines[0]
+    rsm.iteration_dir(ckpt, 4).unlink()
+    rsm.iteration_dir(ckpt, 41).mkdir()  # past the run's 40 iterations
+    assert runner.resume_run(run_dir, echo=lines.append).exit_code == runner.EXIT_INVALID
+    assert rsm.iteration_dir(ckpt, 41).is_dir()
+
+
+def test_resume_removes_only_the_save_cut_short_and_names_it(tmp_path, monkeypatch):
+    run_dir = _stopped_run(tmp_path)  # tracker 3, iteration 4 cut short
+    started = []
+    monkeypatch.setattr(runner, "_run_phases", lambda *a, **k: started.append(k) or "trained")
+    lines: list[str] = []
+    assert runner.resume_run(run_dir, megatron_checks=False, echo=lines.append) == "trained"
+    assert _saved(run_dir) == [1, 2, 3]
+    assert any("cut short while saving: iteration(s) [4]" in line for line in lines)
+    assert any("resuming from the checkpoint at iteration 3" in line for line in lines)
+
+
+# ---- item 3: --resume holds the run directory's lock before it touches anything -----------------
+def test_resume_of_a_live_run_is_refused_before_it_touches_anything(tmp_path, no_training):
+    run_dir = _stopped_run(tmp_path)  # iteration 4: the live run's save in progress
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock")
+    lines: list[str] = []
+    with run_lock.holding(run_dir):  # the live run (or a first resume)
+        outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID
+    assert lines and "in use by another megatron-ext run" in lines[0]
+    after = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock")
+    assert after == before and _saved(run_dir) == [1, 2, 3, 4]
+
+
+# ---- item 4: a run directory holding a run is refused -------------------------------------------
+@pytest.mark.parametrize("status", ["passed", "mismatch", "training-failed", "stopped"])
+def test_run_into_a_directory_holding_a_run_is_refused(tmp_path, status, no_training):
+    run_dir = _stopped_run(tmp_path)
+    (run_dir / "summary.json").write_text(json.dumps({"status": status}))
+    (run_dir / "metrics.json").write_text('{"lm loss": {"values": {"1": 9.5}}}')
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "training.lr=0.0002"])
+    lines: list[str] = []
+    outcome = runner.run(loaded, run_dir=run_dir, megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID
+    refusal = [line for line in lines if line.startswith("cannot run:")]
+    assert len(refusal) == 1 and f"status {status}" in refusal[0]
+    assert "another --run-dir" in refusal[0]
+    assert ("--resume" in refusal[0]) == (status == "stopped")
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == {p: b for p, b in before.items() if p.name != ".lock"}
