@@ -128,3 +128,33 @@ def test_run_into_a_directory_holding_a_run_is_refused(tmp_path, status, no_trai
     assert ("--resume" in refusal[0]) == (status == "stopped")
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == {p: b for p, b in before.items() if p.name != ".lock"}
+
+
+# ---- item 6: an output that is not a regular file is never replaced -----------------------------
+def test_convert_checkpoint_never_replaces_a_device_fifo_or_link(tmp_path, capsys):
+    import os
+    import stat
+
+    import torch
+
+    from megatron_ext.cli import main as cli_main
+
+    source = tmp_path / "in.pt"
+    torch.save({"decoder.layers.0.mlp.weight": torch.ones(1)}, source)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # stands in for /dev/full: replacing a real device node here would harm
+    precious = tmp_path / "precious.pt"
+    precious.write_bytes(b"keep")
+    link = tmp_path / "link.pt"
+    link.symlink_to(precious)
+    args = ["convert-checkpoint", str(source), "--model", "gpt", "--to", "upstream"]
+    for output, kind in ((fifo, "a FIFO"), (link, "a symbolic link")):
+        assert cli_main([*args[:2], str(output), *args[2:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and kind in err and str(output) in err, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink()
+    assert precious.read_bytes() == b"keep"
+    # /dev/full itself is only examined here, never written (the test may run as root)
+    from megatron_ext.files import output_problem
+
+    assert "/dev/full exists and is a device" in output_problem("/dev/full")
