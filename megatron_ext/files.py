@@ -53,7 +53,9 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     if problem is not None:
         raise OSError(errno.EEXIST, problem, str(path))
     target = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(
+        dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
+    )
     try:
         with os.fdopen(handle, "w") as stream:
             stream.write(text)

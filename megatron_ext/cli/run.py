@@ -74,13 +74,14 @@ def main(args: argparse.Namespace) -> int:
             compare_golden=not args.no_compare,
             force_compare=args.compare,
             megatron_checks=not args.skip_megatron_checks,
+            allow_env=tuple(args.allow_env),
         ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:
         print(f"megatron-ext run: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
         return runner.EXIT_INVALID
     try:
-        loaded = load(recipes[0], args.platform, overrides, args.device)
+        loaded = load(recipes[0], args.platform, overrides, args.device, args.allow_env)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return runner.EXIT_INVALID

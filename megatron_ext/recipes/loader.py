@@ -160,6 +160,9 @@ class LoadedRecipe:
     notes: list[str] = field(default_factory=list)
     """What reading the file changed or dropped (a Megatron-LM test case: the mapping and the
     cpu overlay), one line each; ``validate`` and ``run`` print them."""
+    allowed_env: tuple[str, ...] = ()
+    """Code-loading launch.env keys the user allowed with ``--allow-env KEY`` (see
+    :mod:`megatron_ext.launch.env_policy`); never read from a recipe file."""
 
     @property
     def name(self) -> str:

@@ -695,10 +695,13 @@ def resume_run(
     force_compare: bool = False,
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
+    allow_env: tuple[str, ...] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
     overrides applied) from its latest complete checkpoint, in a new segment of the run. Holds
-    the run directory's lock (as ``run`` does) before it reads or changes anything there."""
+    the run directory's lock (as ``run`` does) before it reads or changes anything there.
+    ``allow_env``: the code-loading launch.env keys allowed again with ``--allow-env`` (a run
+    directory never allows them by itself)."""
     from megatron_ext.recipes import run_lock
 
     run_dir = Path(run_dir)
@@ -707,14 +710,21 @@ def resume_run(
         return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
     try:
         with run_lock.holding(run_dir):
-            return _resume_in(run_dir, compare_golden, force_compare, megatron_checks, echo)
+            return _resume_in(
+                run_dir, compare_golden, force_compare, megatron_checks, echo, allow_env
+            )
     except run_lock.RunDirectoryBusy as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
 
 
 def _resume_in(
-    run_dir: Path, compare_golden: bool, force_compare: bool, megatron_checks: bool, echo: Echo
+    run_dir: Path,
+    compare_golden: bool,
+    force_compare: bool,
+    megatron_checks: bool,
+    echo: Echo,
+    allow_env: tuple[str, ...],
 ) -> Outcome:
     """:func:`resume_run` once the run directory is held."""
     from megatron_ext.recipes import RecipeError
@@ -744,6 +754,7 @@ def _resume_in(
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
         list(record.get("overrides", [])),
+        allowed_env=tuple(allow_env),
     )
     segment = rsm.next_segment(run_dir)
     echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")

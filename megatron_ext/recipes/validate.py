@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ext import registry
-from megatron_ext.launch import shell
+from megatron_ext.launch import env_policy, shell
 from megatron_ext.recipes import entries, plan, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
@@ -262,6 +262,7 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
                     "variable name: use letters, digits and _, not starting with a digit",
                 )
             )
+    problems += env_policy.env_problems(recipe.launch.env, loaded.allowed_env)
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(

@@ -158,3 +158,71 @@ def test_convert_checkpoint_never_replaces_a_device_fifo_or_link(tmp_path, capsy
     from megatron_ext.files import output_problem
 
     assert "/dev/full exists and is a device" in output_problem("/dev/full")
+
+
+# ---- item 5: environment keys that load code --------------------------------------------------
+def _code_dir(tmp_path: Path) -> tuple[Path, Path]:
+    code = tmp_path / "code"
+    code.mkdir()
+    marker = tmp_path / "code-ran"
+    (code / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return code, marker
+
+
+@pytest.mark.parametrize(
+    "key", ["PYTHONPATH", "LD_PRELOAD", "PYTHONSTARTUP", "PYTHONHOME", "BASH_ENV", "ENV"]
+)
+def test_validate_refuses_a_code_loading_environment_key_unless_allowed(tmp_path, key, capsys):
+    from megatron_ext.cli import main as cli_main
+
+    code, _ = _code_dir(tmp_path)
+    args = ["validate", str(BASE), f"launch.env.{key}={code}", "--skip-megatron-checks"]
+    assert cli_main([*args, "--platform", "cpu"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and f"launch.env.{key}" in out[0] and f"--allow-env {key}" in out[0]
+    assert cli_main([*args, "--platform", "cpu", "--allow-env", key]) == 0
+    assert cli_main([*args, "--platform", "cpu", "--allow-env", "OTHER"]) == 2
+
+
+def test_run_with_pythonpath_sitecustomize_starts_no_rank(tmp_path, no_training):
+    code, marker = _code_dir(tmp_path)
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, f"launch.env.PYTHONPATH={code}"])
+    lines: list[str] = []
+    outcome = runner.run(loaded, run_dir=tmp_path / "R", megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID and not marker.exists()
+    assert any("launch.env.PYTHONPATH" in line and "--allow-env" in line for line in lines)
+    assert not (tmp_path / "R").exists()
+
+
+def test_an_imported_case_with_code_loading_env_vars_is_refused(tmp_path, capsys):
+    import yaml
+
+    from megatron_ext.cli import main as cli_main
+
+    code, _ = _code_dir(tmp_path)
+    case = tmp_path / "gpt" / "gpt3_case"
+    case.mkdir(parents=True)
+    source = REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu"
+    doc = yaml.safe_load((source / "model_config.yaml").read_text())
+    doc["ENV_VARS"] = {**(doc.get("ENV_VARS") or {}), "LD_PRELOAD": str(code / "x.so")}
+    (case / "model_config.yaml").write_text(yaml.safe_dump(doc))
+    out = tmp_path / "imported.yaml"
+    assert cli_main(["import", str(case), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "ENV_VARS.LD_PRELOAD" in err and "--allow-env LD_PRELOAD" in err and not out.exists()
+    # the test case run directly is a recipe like any other: refused the same way
+    lines = []
+    loaded = load(case / "model_config.yaml", "cpu")
+    assert runner.preflight(loaded, lines.append, megatron_checks=False) is not None
+    assert any("launch.env.LD_PRELOAD" in line for line in lines)
+
+
+@pytest.mark.parametrize("value", ['"a\\0b"', '"\\0"'])
+def test_a_nul_in_an_environment_value_is_refused_by_validate(tmp_path, value):
+    # item 11: it passed validate, then run crashed in subprocess.Popen
+    from megatron_ext.recipes.validate import validate
+
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, f"launch.env.SOME_FLAG={value}"])
+    assert "\x00" in loaded.recipe.launch.env["SOME_FLAG"]
+    problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
+    assert len(problems) == 1 and "NUL" in problems[0] and "SOME_FLAG" in problems[0]
