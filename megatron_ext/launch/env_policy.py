@@ -90,3 +90,26 @@ def env_problems(
                 )
             )
     return problems
+
+
+def restore_secrets(env: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, object]:
+    """``env`` of a run directory's recipe with each redacted secret taken from ``environ``
+    (the caller's environment), as the first start got it from its recipe or overrides.
+
+    A resolved recipe never holds a secret's value (:func:`~megatron_ext.launch.shell.redact_env`),
+    so a resume that passed it on would hand every rank the literal ``<redacted>``. A secret
+    missing from ``environ`` raises :class:`ValueError` (one line naming it and the fix)."""
+    from megatron_ext.launch.shell import REDACTED, is_secret
+
+    restored = dict(env)
+    missing = [k for k, v in env.items() if is_secret(k) and v == REDACTED and k not in environ]
+    if missing:
+        names = ", ".join(missing)
+        raise ValueError(
+            f"launch.env.{missing[0]} is a secret, not kept in the run directory; export "
+            f"{names} before megatron-ext run --resume"
+        )
+    for key, value in env.items():
+        if is_secret(key) and value == REDACTED:
+            restored[key] = environ[key]
+    return restored

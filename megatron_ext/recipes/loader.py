@@ -269,7 +269,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
             key_text, value_text = text, None
         elif "=" not in text:
             problems.append(
-                Problem(f"override {override!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY")
+                Problem(f"override {_shown(override)!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY")
             )
             continue
         else:
@@ -277,19 +277,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
         try:
             parts = schema.split_path(key_text)
         except KeyError as exc:
-            problems.append(Problem(f"override {override!r}", str(exc.args[0])))
+            problems.append(Problem(f"override {_shown(override)!r}", str(exc.args[0])))
             continue
         if parts[0] == "platforms":
             problems.append(
                 Problem(
-                    f"override {override!r}",
+                    f"override {_shown(override)!r}",
                     "platforms are chosen with --platform; override the fields directly",
                 )
             )
             continue
         why = _check_key(parts)
         if why:
-            problems.append(Problem(f"override {override!r}", why))
+            problems.append(Problem(f"override {_shown(override)!r}", why))
             continue
         node = data
         for part in parts[:-1]:
@@ -307,8 +307,23 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
                 value = deep_merge(node[parts[-1]], value)
             node[parts[-1]] = value
         except yaml.YAMLError as exc:
-            problems.append(Problem(f"override {override!r}", f"value is not YAML: {exc}"))
+            problems.append(Problem(f"override {_shown(override)!r}", _not_yaml(override, exc)))
     return data, problems
+
+
+def _shown(override: str) -> str:
+    """An override as an error line may show it: a secret's value never (issue 34, item 7)."""
+    from megatron_ext.launch.shell import redact_override
+
+    return redact_override(override)
+
+
+def _not_yaml(override: str, exc: yaml.YAMLError) -> str:
+    """YAML's own message quotes the text around the error; not for an override with a
+    secret in it."""
+    if _shown(override) != override:
+        return "value is not YAML"
+    return f"value is not YAML: {exc}"
 
 
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags

@@ -21,6 +21,7 @@ import re
 import string
 from typing import Any
 
+from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import Problem, Recipe
@@ -334,7 +335,8 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
         add("launch.nodes", f"{r.launch.nodes} nodes cannot split {r.world_size} ranks evenly")
     for name, value in r.launch.env.items():
         if isinstance(value, (dict, list)):
-            add(f"launch.env.{name}", f"must be a string or number, got {value!r}")
+            shown = shell.REDACTED if shell.is_secret(name) else repr(value)  # never echo a secret
+            add(f"launch.env.{name}", f"must be a string or number, got {shown}")
     for name in r.extra_args:
         if not str(name).startswith("--"):
             add(

@@ -611,7 +611,9 @@ def _run_phases(
         ):
             results[-1]["stopped_by"] = signal.Signals(result.stopped_by).name
             return _stopped(loaded, run_dir, results, started, result, echo)
-        if not result.ok:
+        if _stopped_after_the_end(result, rsm.latest_complete(ckpt), recipe.training.iterations):
+            echo("  the stop signal came after the final checkpoint: the run is complete")
+        elif not result.ok:
             named = local.failing_rank(job, result)
             rank = named if named is not None else recipe.world_size - 1
             reason = local.failure_summary(job, result)
@@ -663,6 +665,17 @@ def _run_phases(
         echo=echo,
         trace=trace,
     )
+
+
+def _stopped_after_the_end(result, latest: int | None, iterations: int) -> bool:
+    """A stop signal that came once training was over: the final checkpoint is complete and a
+    rank that did not exit 0 was ended by the save signal while tearing down (Megatron's
+    handler gone). The run finished; the stop must not make it a failure (issue 34, item 8)."""
+    from megatron_ext.launch import stop_signals
+
+    if result.stopped_by is None or result.ok or result.timed_out or latest != iterations:
+        return False
+    return all(code in (0, -stop_signals.SAVE_SIGNAL) for code in result.rank_codes.values())
 
 
 STOPPED_RESUMABLE = "stopped, resumable"
@@ -727,6 +740,7 @@ def _resume_in(
     allow_env: tuple[str, ...],
 ) -> Outcome:
     """:func:`resume_run` once the run directory is held."""
+    from megatron_ext.launch import env_policy
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
@@ -742,6 +756,11 @@ def _resume_in(
         if status in ("passed", "mismatch"):
             raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
         resolved = load(run_dir / "recipe.yaml", "cpu", [])
+        env = resolved.recipe.launch.env
+        try:  # secrets were never written there: the caller's environment has them
+            resolved.recipe.launch.env = env_policy.restore_secrets(env, os.environ)
+        except ValueError as exc:
+            raise rsm.ResumeError(str(exc)) from None
         ckpt = rsm.checkpoint_dir(run_dir)
         # Issue 34 item 1: the scan of every pickled file of the checkpoint a resume loads
         # (ckpt / iter_<latest>) belongs here, before anything is removed or any rank starts.

@@ -226,3 +226,132 @@ def test_a_nul_in_an_environment_value_is_refused_by_validate(tmp_path, value):
     assert "\x00" in loaded.recipe.launch.env["SOME_FLAG"]
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
     assert len(problems) == 1 and "NUL" in problems[0] and "SOME_FLAG" in problems[0]
+
+
+# ---- item 7: secrets ---------------------------------------------------------------------------
+ESCAPED_SECRETS = [
+    'launch.env={"HF_\\x54OKEN": hf_abc123}',
+    'launch.env={"WANDB_API_\\x4bEY": w_k9}',
+]
+
+
+def test_a_secret_name_written_with_yaml_escapes_is_redacted_everywhere(tmp_path):
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, *ESCAPED_SECRETS])
+    assert loaded.recipe.launch.env["HF_TOKEN"] == "hf_abc123"  # YAML unescaped the names
+    run_dir = tmp_path / "R"
+    runner.write_run_files(loaded, run_dir)
+    runner._write_summary(loaded, run_dir, "stopped", [], [], 1.0)
+    for name in ("command.sh", "recipe.yaml", "run.json", "summary.json"):
+        text = (run_dir / name).read_text()
+        assert "hf_abc123" not in text and "w_k9" not in text, name
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "launch.env={HF_TOKEN: [hf_abc]}",
+        "launch.env.HF_TOKEN={a: hf_abc}",
+        'launch.env={"HF_\\x54OKEN": [hf_abc]}',
+        "launch.env={HF_TOKEN: [hf_abc",  # not YAML: the parser's message quotes the text
+    ],
+)
+def test_an_error_line_never_echoes_a_secret_value(override):
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes.validate import validate
+
+    try:
+        lines = [str(p) for p in validate(load(BASE, "cpu", [override]), False).problems]
+    except RecipeError as exc:
+        lines = [str(p) for p in exc.problems]
+    assert lines and not any("hf_abc" in line for line in lines), lines
+
+
+def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_path, monkeypatch):
+    from megatron_ext.recipes import plan
+
+    run_dir = tmp_path / "R"
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
+    runner.write_run_files(loaded, run_dir)
+    (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
+    envs = []
+    monkeypatch.setattr(
+        runner, "_run_phases", lambda loaded, *a, **k: envs.append(plan.run_environment(loaded))
+    )
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    lines: list[str] = []
+    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    assert outcome.exit_code == runner.EXIT_INVALID and not envs
+    assert len(lines) == 1 and "export HF_TOKEN" in lines[0]
+    monkeypatch.setenv("HF_TOKEN", "hf_exported")
+    runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    assert envs and envs[0]["HF_TOKEN"] == "hf_exported"
+
+
+# ---- item 8: a stop signal after training ended does not fail a finished run --------------------
+FINISHED_RANK = """
+import os, sys, time
+from megatron_ext.launch import heartbeat
+heartbeat.start(int(os.environ["RANK"]))
+heartbeat.finished()  # training returned: Megatron's save handler is gone
+open(os.path.join(sys.argv[1], f"done-{os.environ['RANK']}"), "w").close()
+time.sleep(3)  # tearing down
+"""
+
+
+def test_sigterm_after_every_rank_finished_keeps_the_run_a_success(tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron_ext.launch import local, stop_signals
+
+    (tmp_path / "finished_rank.py").write_text(FINISHED_RANK)
+    job = local.LocalJob(
+        module="finished_rank",
+        args=[str(tmp_path)],
+        nproc=2,
+        log_dir=tmp_path / "logs",
+        env={"PYTHONPATH": f"{tmp_path}:{REPO_ROOT}"},
+        cwd=tmp_path,
+        timeout_s=60,
+        save_signal=stop_signals.SAVE_SIGNAL,
+    )
+
+    def stop_when_done():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(tmp_path.glob("done-*"))) < 2:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_when_done, daemon=True)
+    stopper.start()
+    result = local.launch(job)
+    stopper.join(timeout=30)
+    assert result.stopped_by == signal.SIGTERM
+    assert result.returncode == 0 and result.rank_codes == {0: 0, 1: 0}, result
+
+
+def test_a_rank_ended_by_the_save_signal_after_the_final_checkpoint_is_no_failure(
+    tmp_path, monkeypatch
+):
+    import signal
+
+    from megatron_ext.launch import local
+
+    loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "training.iterations=4"])
+    run_dir = tmp_path / "R"
+    runner.write_run_files(loaded, run_dir)
+    ckpt = rsm.checkpoint_dir(run_dir)
+    rsm.iteration_dir(ckpt, 4).mkdir(parents=True)
+    (ckpt / rsm.TRACKER).write_text("4")
+    killed = local.LaunchResult(
+        -signal.SIGUSR1, 1, 1.0, {0: 0, 1: -signal.SIGUSR1}, stopped_by=signal.SIGTERM
+    )
+    monkeypatch.setattr(local, "launch", lambda job, on_line=None: killed)
+    monkeypatch.setattr(runner, "finalize", lambda *a, **k: "finalized")
+    lines: list[str] = []
+    got = runner._run_phases(loaded, run_dir, [], 0.0, False, False, False, lines.append)
+    assert got == "finalized", lines
+    assert any("after the final checkpoint: the run is complete" in line for line in lines)
