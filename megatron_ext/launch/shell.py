@@ -119,6 +119,26 @@ def directive_problem(where: str, value: object) -> Problem | None:
     return None
 
 
+DIRECTIVE_WORD_BREAKING = re.compile(r"[\s\"'\\]")
+
+
+def directive_word_problem(where: str, value: object) -> Problem | None:
+    """A value that must stay one option on an ``#SBATCH`` line (a path after ``--output=``
+    or ``--chdir=``): sbatch splits the line at whitespace, so ``/shared/a --wrap=x`` would
+    add an option and a plain ``my runs`` breaks the header; quoting there is not read the
+    same by every Slurm version, so such values are refused (issue 34, item 10)."""
+    problem = directive_problem(where, value)
+    if problem is not None or value is None:
+        return problem
+    if DIRECTIVE_WORD_BREAKING.search(str(value)):
+        return Problem(
+            where,
+            f"{str(value)!r} holds whitespace, a quote or a backslash, which would split the "
+            "#SBATCH line into other options; use a path without them",
+        )
+    return None
+
+
 def check_directives(values: Iterable[tuple[str, object]]) -> None:
     """Raise :class:`UnsafeValueError` for the first value that would break an #SBATCH line."""
     for where, value in values:

@@ -324,6 +324,12 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 "a multimodule recipe states its number of ranks (the modules' "
                 "grids decide it, not tp * pp * cp * dp)",
             )
+        # the same field checks as every recipe kind (issue 34, item 9)
+        from megatron_ext.recipes.multimodule import extra_args_problems
+
+        _check_probabilities(r, add)
+        for problem in extra_args_problems(r):
+            add(problem.where, problem.what)
     else:
         _check_model(r, add)
         _check_parallel_plan(r, add)
@@ -347,6 +353,18 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
 
     problems += conflicts(r.extra_args)
     return problems
+
+
+def _check_probabilities(r: Recipe, add) -> None:
+    """Dropout probabilities, for every model type (a multi-module run with 1.5 deadlocked)."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(r.model, name)
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not 0.0 <= value < 1.0
+        ):
+            add(f"model.{name}", f"is a probability in [0, 1), got {value}")
 
 
 def _check_model(r: Recipe, add) -> None:
@@ -421,14 +439,7 @@ def _check_model(r: Recipe, add) -> None:
         add("parallelism.ep", f"ep={p.ep} needs model.num_experts")
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(m, name)
-        if (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and not 0.0 <= value < 1.0
-        ):
-            add(f"model.{name}", f"is a probability in [0, 1), got {value}")
+    _check_probabilities(r, add)
     mhc = m.mhc
     if mhc.enabled:
         _check_mhc_extra_args(r, add)

@@ -355,3 +355,54 @@ def test_a_rank_ended_by_the_save_signal_after_the_final_checkpoint_is_no_failur
     got = runner._run_phases(loaded, run_dir, [], 0.0, False, False, False, lines.append)
     assert got == "finalized", lines
     assert any("after the final checkpoint: the run is complete" in line for line in lines)
+
+
+# ---- item 9: multi-module recipes get the same field checks -------------------------------------
+MULTIMODULE = REPO_ROOT / "recipes" / "multimodule_encoder_llm_mhc_pp2.yaml"
+
+
+@pytest.mark.parametrize(
+    "override,where",
+    [
+        ("model.hidden_dropout=1.5", "model.hidden_dropout: is a probability"),
+        ("model.hidden_dropout=017", "model.hidden_dropout: is a probability"),  # YAML octal
+        ("model.attention_dropout=-0.1", "model.attention_dropout: is a probability"),
+        ("extra_args.--bogus-flag=1", "extra_args.--bogus-flag: the multi-module entry"),
+    ],
+)
+def test_multimodule_recipes_get_the_field_checks_of_every_recipe(override, where, capsys):
+    from megatron_ext.cli import main as cli_main
+
+    assert cli_main(["validate", str(MULTIMODULE), override, "--platform", "cpu"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and where in out[0], out
+
+
+def test_the_multimodule_recipe_itself_still_validates(capsys):
+    from megatron_ext.cli import main as cli_main
+
+    assert cli_main(["validate", str(MULTIMODULE), "--platform", "cpu"]) == 0
+
+
+# ---- item 10: whitespace in the run or working directory never becomes an #SBATCH option ------
+@pytest.mark.parametrize("name", ["a --wrap=x", "my runs", "q'uote", 'd"q'])
+def test_a_run_directory_with_whitespace_never_reaches_an_sbatch_header(
+    tmp_path, name, monkeypatch
+):
+    from megatron_ext.launch import shell, slurm
+    from megatron_ext.recipes.submit import SlurmOptions, build_job
+
+    loaded = load(BASE, "cpu", BASE_OVERRIDES)
+    run_dir = tmp_path / name / "R"
+    job, problems = build_job(loaded, run_dir, SlurmOptions(nodes=1))
+    assert job is None and len(problems) == 1 and "run directory" in problems[0]
+    assert "#SBATCH" in problems[0] and "\n" not in problems[0]
+    good, problems = build_job(loaded, tmp_path / "R", SlurmOptions(nodes=1))
+    assert problems == [] and "#SBATCH --output=" in slurm.sbatch_script(good)
+    good.run_dir = run_dir  # the script itself never holds a split header either
+    with pytest.raises(shell.UnsafeValueError, match="run directory"):
+        slurm.sbatch_script(good)
+    (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / name)  # the working directory becomes --chdir
+    _, problems = build_job(loaded, tmp_path / "R2", SlurmOptions(nodes=1))
+    assert len(problems) == 1 and "working directory" in problems[0]
