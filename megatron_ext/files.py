@@ -48,19 +48,21 @@ def output_problem(path: str | os.PathLike) -> str | None:
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it and rename it over ``path``
     (refused with :class:`OSError` when ``path`` is not a regular file; see
-    :func:`output_problem`). On failure ``path`` keeps its previous content."""
+    :func:`output_problem`). On failure ``path`` keeps its previous content: a full disk
+    leaves the old ``summary.json``, never a 0-byte one (issue 34, item 15)."""
     problem = output_problem(path)
     if problem is not None:
         raise OSError(errno.EEXIST, problem, str(path))
     target = Path(path)
-    handle, temporary = tempfile.mkstemp(
-        dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
-    )
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(handle)
     try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
+        Path(temporary).write_text(text)
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -68,10 +70,12 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def no_space_text(exc: OSError) -> str:
-    """The reason of a failed write in words a user acts on (ENOSPC: 'no space left')."""
-    if exc.errno == errno.ENOSPC:
-        return "no space left on the device"
-    if exc.errno == errno.EDQUOT:
-        return "disk quota exceeded"
-    return exc.strerror or str(exc)
+def failure_reason(exc: OSError) -> str:
+    """Why a write failed, in words: the system's text for its errno (ENOSPC: "No space left
+    on device"), never a bare "OSError" when the error carries no message of its own."""
+    if exc.strerror:
+        return exc.strerror
+    if exc.errno:
+        return os.strerror(exc.errno)
+    text = " ".join(str(exc).split())
+    return text or f"{type(exc).__name__} without a reason"

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext import files
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import (
@@ -403,7 +404,7 @@ def cannot_write(exc: OSError, run_dir: Path) -> str:
     """One line for a failed write under the run directory (disk full, read-only, not a dir)."""
     where = exc.filename or run_dir
     return (
-        f"cannot write {where}: {exc.strerror or exc}; free space there or choose another "
+        f"cannot write {where}: {files.failure_reason(exc)}; free space there or choose another "
         "directory with --run-dir / --runs-root"
     )
 
@@ -1126,6 +1127,6 @@ def _write_summary(
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline
     try:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        files.write_text_atomically(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     except OSError as exc:  # disk full: the verdict still reaches the console and exit status
         print(f"megatron-ext run: no summary.json: {cannot_write(exc, run_dir)}", file=sys.stderr)

@@ -406,3 +406,29 @@ def test_a_run_directory_with_whitespace_never_reaches_an_sbatch_header(
     monkeypatch.chdir(tmp_path / name)  # the working directory becomes --chdir
     _, problems = build_job(loaded, tmp_path / "R2", SlurmOptions(nodes=1))
     assert len(problems) == 1 and "working directory" in problems[0]
+
+
+# ---- item 15: a full disk keeps the previous summary and says so in words ---------------------
+def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
+    tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    loaded = load(BASE, "cpu", BASE_OVERRIDES)
+    run_dir = tmp_path / "R"
+    runner.write_run_files(loaded, run_dir)
+    runner._write_summary(loaded, run_dir, "stopped", [], [], 1.0)
+    before = (run_dir / "summary.json").read_text()
+    real_write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # opened (truncated), then ENOSPC on write
+        real_write_text(self, "")
+        raise OSError(errno.ENOSPC, "")  # the kernel's errno, no message of its own
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    runner._write_summary(loaded, run_dir, "passed", [], [], 2.0)
+    monkeypatch.undo()
+    assert (run_dir / "summary.json").read_text() == before
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".summary")) == []
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "No space left on device" in err, err
