@@ -432,3 +432,44 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".summary")) == []
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "No space left on device" in err, err
+
+
+# ---- item 13: one corrupt run directory never breaks `runs` / `runs show` ---------------------
+def _listed_run(root: Path, name: str, iterations="10", summary=None, metrics=None) -> None:
+    run_dir = root / name
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "recipe.yaml").write_text(f"training: {{iterations: {iterations}}}\n")
+    rsm.write_run_record(run_dir, {"recipe": "r.yaml", "platform": "cpu", "resumable": True})
+    if summary is not None:
+        (run_dir / "summary.json").write_text(summary)
+    if metrics is not None:
+        (run_dir / "metrics.json").write_text(metrics)
+    line = " iteration        1/      10 | lm loss: 4.000000E+00 |\n"
+    (run_dir / "logs" / "rank-0.log").write_text(line)
+
+
+def test_runs_lists_every_run_beside_corrupt_ones_and_prints_no_escapes(tmp_path, capsys):
+    from megatron_ext.cli import main as cli_main
+
+    huge = '{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": '
+    _listed_run(tmp_path, "good", summary=json.dumps({"status": "passed"}))
+    _listed_run(tmp_path, "inf-iterations", iterations=".inf")
+    _listed_run(tmp_path, "deep-json", summary="[" * 100_000 + "]" * 100_000)
+    _listed_run(
+        tmp_path, "huge-metric", summary='{"status": "passed"}', metrics=huge + "9" * 400 + "}}}"
+    )
+    _listed_run(
+        tmp_path,
+        "ansi",
+        summary=json.dumps(
+            {"status": "\x1b[31mpassed\x1b]0;x\x07", "phases": "no", "reports": [{"title": "\x1b"}]}
+        ),
+    )
+    assert cli_main(["runs", "--runs-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b[31mpassed" in out
+    listed = [line.split()[0] for line in out.splitlines()[1:]]
+    assert sorted(listed) == ["ansi", "deep-json", "good", "huge-metric", "inf-iterations"]
+    for name in listed:
+        assert cli_main(["runs", "show", str(tmp_path / name)]) == 0
+        assert "\x1b" not in capsys.readouterr().out
