@@ -473,3 +473,30 @@ def test_runs_lists_every_run_beside_corrupt_ones_and_prints_no_escapes(tmp_path
     for name in listed:
         assert cli_main(["runs", "show", str(tmp_path / name)]) == 0
         assert "\x1b" not in capsys.readouterr().out
+
+
+# ---- item 14: compare never passes on a missing metric or on inf --------------------------------
+def _golden(path: Path, values: dict, name: str = "lm loss") -> Path:
+    steps = sorted(int(s) for s in values)
+    block = {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1}
+    path.write_text(json.dumps({name: {**block, "values": values}}).replace('"inf"', "Infinity"))
+    return path
+
+
+def test_compare_fails_a_missing_metric_and_inf_and_reads_a_huge_golden_in_one_line(
+    tmp_path, capsys
+):
+    from megatron_ext.cli import main as cli_main
+
+    golden = _golden(tmp_path / "golden.json", {"1": 4.0, "2": 3.5})
+    no_loss = _golden(tmp_path / "run.json", {"1": 5, "2": 6}, name="num-zeros")
+    assert cli_main(["compare", str(no_loss), str(golden)]) == 1
+    assert "lm loss         missing" in capsys.readouterr().out
+    infinite = _golden(tmp_path / "inf.json", {"1": "inf", "2": "inf"})
+    assert cli_main(["compare", str(infinite), str(infinite)]) == 1
+    assert "PASSED" not in capsys.readouterr().out
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"lm loss": {"values": {"1": 1' + "0" * 400 + "}}}")
+    assert cli_main(["compare", str(golden), str(huge)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "huge.json is not golden-value JSON" in err
