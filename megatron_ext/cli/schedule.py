@@ -18,6 +18,19 @@ def _time(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+SIZE_FLAGS = ("mhc_streams", "hidden", "seq", "micro_batch_size", "dtype_bytes")
+
+
+def _size_flag_problem(args: argparse.Namespace) -> str | None:
+    """A size given on the command line (hidden, sequence, batch, bytes, streams) must be a
+    whole number from 1 to 2**31: -64 or 0 made negative byte counts (issue 34, item 17)."""
+    for name in SIZE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not 1 <= value <= 2**31:
+            return f"--{name.replace('_', '-')} {value}: give a whole number from 1 to 2**31"
+    return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_ext.schedules.schedule import SCHEDULES
 
@@ -144,6 +157,8 @@ def main(args: argparse.Namespace) -> int:
 
     overrides = list(getattr(args, "targets", None) or [])
     if args.plot and (problem := _plot_problem(args.plot)):
+        return _error(problem)
+    if problem := _size_flag_problem(args):
         return _error(problem)
     if args.schedule is not None and args.schedule not in SCHEDULES:
         return _error(f"--schedule {args.schedule}: use one of {', '.join(SCHEDULES)}")

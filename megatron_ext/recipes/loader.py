@@ -308,6 +308,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
             node[parts[-1]] = value
         except yaml.YAMLError as exc:
             problems.append(Problem(f"override {_shown(override)!r}", _not_yaml(override, exc)))
+        except (ValueError, RecursionError):  # a 5000-digit integer, a 100k-deep value
+            problems.append(
+                Problem(f"override {_shown(override)!r}", "value is too long or deep to read")
+            )
     return data, problems
 
 
@@ -460,6 +464,8 @@ def load(
         ) from None
     except RecursionError:
         raise RecipeError(str(path), [Problem("", "not valid YAML: nested too deeply")]) from None
+    except ValueError as exc:  # Python's 4300-digit limit on integers
+        raise RecipeError(str(path), [Problem("", f"not readable: {exc}"[:200])]) from None
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml

@@ -120,6 +120,7 @@ UPPER_BOUNDS = {
     "model.mtp_num_layers": 1_000,
     "model.mhc.num_residual_streams": 1_000,
     "model.mhc.sinkhorn_iterations": 100_000,
+    "model.mhc.recompute_layer_num": 10_000,  # a layer count (2**63 validated, issue 34)
     "parallelism.tp": 1 << 16,
     "parallelism.pp": 1 << 16,
     "parallelism.vpp": 1 << 16,

@@ -500,3 +500,48 @@ def test_compare_fails_a_missing_metric_and_inf_and_reads_a_huge_golden_in_one_l
     assert cli_main(["compare", str(golden), str(huge)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "huge.json is not golden-value JSON" in err
+
+
+# ---- item 17: nonsense refused in one line -----------------------------------------------------
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--hidden", "-64", "--seq", "4", "--micro-batch-size", "1"], "--hidden -64"),
+        (["--dtype-bytes", "-2"], "--dtype-bytes -2"),
+        (["--mhc-streams", "0"], "--mhc-streams 0"),
+        (["--mhc-streams", "-4"], "--mhc-streams -4"),
+        (["--schedule", "zb-h1", "--pp", "1"], "zb-h1 with --pp 1"),
+    ],
+)
+def test_schedule_refuses_nonsense_sizes_in_one_line(args, expected, capsys):
+    from megatron_ext.cli import main as cli_main
+
+    base = ["schedule", "--microbatches", "4"] + ([] if "--pp" in args else ["--pp", "2"])
+    assert cli_main([*base, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and expected in captured.err and not captured.out
+
+
+def test_validate_and_import_refuse_nonsense_numbers_in_one_line(tmp_path, capsys):
+    import yaml
+
+    from megatron_ext.cli import main as cli_main
+
+    huge = "model.hidden_size=" + "9" * 5000
+    assert cli_main(["validate", str(BASE), huge, "--platform", "cpu"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "model.hidden_size=999" in out and "Traceback" not in out
+    recompute = REPO_ROOT / "recipes" / "gpt_mhc_tp2_pp2_sp.yaml"
+    big = f"model.mhc.recompute_layer_num={2**63}"
+    assert cli_main(["validate", str(recompute), big, "--platform", "cpu"]) == 2
+    assert "model.mhc.recompute_layer_num" in capsys.readouterr().out
+    source = REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu"
+    doc = yaml.safe_load((source / "model_config.yaml").read_text())
+    doc["MODEL_ARGS"]["--pipeline-model-parallel-size"] = -2
+    case = tmp_path / "gpt" / "case"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(yaml.safe_dump(doc))
+    assert cli_main(["import", str(case)]) == 2
+    captured = capsys.readouterr()
+    assert "world size -4" not in captured.out + captured.err
+    assert "parallelism.pp: -2 is not a parallel size" in captured.err
