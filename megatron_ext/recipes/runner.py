@@ -463,8 +463,10 @@ def run(
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
     from megatron_ext.recipes import run_lock
 
-    try:
-        with run_lock.holding(run_dir):
+    from megatron_ext.launch.local import stop_signals_interrupt
+
+    try:  # a SIGTERM before the ranks start is reported and summarised too (issue 34, item 16)
+        with run_lock.holding(run_dir), stop_signals_interrupt():
             return _run_in(
                 loaded, run_dir, started, compare_golden, force_compare, write_golden, echo, trace
             )
@@ -487,14 +489,17 @@ def _run_in(
     if (why := rsm.existing_run_problem(run_dir)) is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    results: list[dict] = []
     try:
         write_run_files(loaded, run_dir)
     except OSError as exc:
         why = cannot_write(exc, run_dir)
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    except KeyboardInterrupt as exc:  # stopped while the run directory was being written
+        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        raise
     echo(f"  run directory {run_dir}")
-    results: list[dict] = []
     try:
         return _run_phases(
             loaded,
@@ -722,8 +727,10 @@ def resume_run(
     if not run_dir.is_dir():  # the lock would create it
         echo(f"cannot resume: {run_dir}: not a directory")
         return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
+    from megatron_ext.launch.local import stop_signals_interrupt
+
     try:
-        with run_lock.holding(run_dir):
+        with run_lock.holding(run_dir), stop_signals_interrupt():
             return _resume_in(
                 run_dir, compare_golden, force_compare, megatron_checks, echo, allow_env
             )

@@ -545,3 +545,33 @@ def test_validate_and_import_refuse_nonsense_numbers_in_one_line(tmp_path, capsy
     captured = capsys.readouterr()
     assert "world size -4" not in captured.out + captured.err
     assert "parallelism.pp: -2 is not a parallel size" in captured.err
+
+
+# ---- item 16: messages -----------------------------------------------------------------------
+def test_a_sigterm_before_the_ranks_start_is_reported_and_summarised(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from megatron_ext.launch import local
+    from megatron_ext.recipes import plan
+
+    def unhandled(signum, frame):  # main let SIGTERM kill the process: exit 143, no word
+        raise AssertionError("SIGTERM reached the default handler")
+
+    def stop_now(loaded):
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's stop, before any rank starts
+        return {}
+
+    monkeypatch.setattr(plan, "run_environment", stop_now)
+    monkeypatch.setattr(local, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    lines: list[str] = []
+    try:
+        loaded = load(BASE, "cpu", BASE_OVERRIDES)
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            runner.run(loaded, run_dir=tmp_path / "R", megatron_checks=False, echo=lines.append)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert getattr(stopped.value, "signum", None) == signal.SIGTERM
+    assert json.loads((tmp_path / "R" / "summary.json").read_text())["status"] == "interrupted"
+    assert any("stopped by SIGTERM" in line for line in lines)
