@@ -461,9 +461,8 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    from megatron_ext.recipes import run_lock
-
     from megatron_ext.launch.local import stop_signals_interrupt
+    from megatron_ext.recipes import run_lock
 
     try:  # a SIGTERM before the ranks start is reported and summarised too (issue 34, item 16)
         with run_lock.holding(run_dir), stop_signals_interrupt():
