@@ -5,11 +5,11 @@ and which golden values the loss curve must match.
 - :mod:`~megatron_ext.recipes.loader`: YAML, platform overlays, ``KEY=VALUE`` overrides;
 - :mod:`~megatron_ext.recipes.plan`: the Megatron command line and the plan checks;
 - :mod:`~megatron_ext.recipes.validate`: plan checks, then Megatron's own checks and the guards;
-- :mod:`~megatron_ext.recipes.runner`: ``megatron-ext run`` (local ranks, run directory);
-- :mod:`~megatron_ext.recipes.metrics`, :mod:`~megatron_ext.recipes.compare`,
-  :mod:`~megatron_ext.recipes.plot`: log lines to golden-value JSON, Megatron's comparison
+- :mod:`~megatron_ext.runs.runner`: ``megatron-ext run`` (local ranks, run directory);
+- :mod:`~megatron_ext.runs.metrics`, :mod:`~megatron_ext.runs.golden`,
+  :mod:`~megatron_ext.runs.plot`: log lines to golden-value JSON, Megatron's comparison
   rules, the loss-curve PNG;
-- :mod:`~megatron_ext.recipes.schedule`, :mod:`~megatron_ext.recipes.run_trace`: the pipeline
+- :mod:`~megatron_ext.recipes.schedule`, :mod:`~megatron_ext.runs.trace`: the pipeline
   schedule a recipe trains with, and a traced run's summary (through
   :mod:`megatron_ext.schedules`).
 

@@ -9,9 +9,10 @@ import pytest
 
 from megatron_ext import cli
 from megatron_ext.launch import slurm
-from megatron_ext.recipes import load, metrics as met, runner
+from megatron_ext.recipes import load
 from megatron_ext.recipes.loader import dump
 from megatron_ext.recipes.validate import validate
+from megatron_ext.runs import metrics as met, runner
 
 from conftest import MINIMAL, REPO_ROOT
 
@@ -93,7 +94,7 @@ def test_secrets_are_not_written_but_reach_the_ranks(write_recipe, tmp_path):
 
 
 def _slurm_job(loaded, tmp_path):
-    from megatron_ext.recipes.submit import SlurmOptions, build_job
+    from megatron_ext.runs.submit import SlurmOptions, build_job
 
     return build_job(loaded, tmp_path / "slurm-run", SlurmOptions(partition="p", time="00:10:00"))
 

@@ -47,17 +47,10 @@ from pathlib import Path
 
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
-from megatron_ext.recipes import (
-    compare as cmp,
-    golden_paths,
-    metrics as met,
-    mhc_report,
-    plan,
-    resume as rsm,
-    safety,
-)
+from megatron_ext.recipes import golden_paths, plan, safety
+from megatron_ext.runs import golden as cmp, metrics as met, mhc_report, resume as rsm
 from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.recipes.plot import write_run_plot
+from megatron_ext.runs.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
@@ -108,7 +101,7 @@ def phases(
     loaded: LoadedRecipe, run_dir: Path, segment: str = "", load: bool = False
 ) -> list[Phase]:
     """The training runs of a start of the recipe (``segment``: a resume's, see
-    :mod:`megatron_ext.recipes.resume`; ``load``: from the latest complete checkpoint)."""
+    :mod:`megatron_ext.runs.resume`; ``load``: from the latest complete checkpoint)."""
     args = [_placed(a, run_dir) for a in plan.megatron_args(loaded)]
     logs = run_dir / "logs"
     tensorboard = run_dir / met.TENSORBOARD_SUBDIR
@@ -460,7 +453,7 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    from megatron_ext.recipes import run_lock
+    from megatron_ext.runs import lock as run_lock
 
     try:
         with run_lock.holding(run_dir):
@@ -573,7 +566,7 @@ def _run_phases(
         )
         env = plan.run_environment(loaded)
         if trace:
-            from megatron_ext.recipes import run_trace
+            from megatron_ext.runs import trace as run_trace
 
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(
@@ -625,7 +618,7 @@ def _run_phases(
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
             if trace:
-                from megatron_ext.recipes import run_trace
+                from megatron_ext.runs import trace as run_trace
 
                 where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
                 if where:
@@ -865,7 +858,7 @@ def finalize(
         echo(f"  {line}")
     pipeline = None
     if trace:
-        from megatron_ext.recipes import run_trace
+        from megatron_ext.runs import trace as run_trace
 
         pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)

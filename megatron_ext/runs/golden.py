@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy
 
-from megatron_ext.recipes.metrics import Metrics
+from megatron_ext.runs.metrics import Metrics
 
 TOLERANCE_FIELDS = ("deterministic", "rtol", "atol", "max_failing_steps")
 
