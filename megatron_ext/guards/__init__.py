@@ -362,18 +362,18 @@ GUARDS: tuple[Guard, ...] = (
     ),
     # recipe: megatron-ext validate, before any process starts
     Guard(
-        "megatron_ext.recipes.plan:_check_context_parallel",
+        "megatron_ext.recipes.checks:_check_context_parallel",
         "recipe",
         "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag",
     ),
     Guard(
-        "megatron_ext.recipes.plan:_check_schedule",
+        "megatron_ext.recipes.checks:_check_schedule",
         "recipe",
         "parallelism.schedule: zb-h1 with pp=1, virtual stages, a multimodule recipe, the "
         "overlapped MoE schedule or CUDA graphs in extra_args",
     ),
     Guard(
-        "megatron_ext.recipes.plan:plan_problems",
+        "megatron_ext.recipes.checks:plan_problems",
         "recipe",
         "recipe fields that contradict each other or the parallel plan (ParallelPlan.problems)",
     ),

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_ext.pretrain_multimodule import HONOURED_FLAGS, _parse_args, load_recipe
 from megatron_ext.recipes import load
+from megatron_ext.recipes.command import RECIPE_PLACEHOLDER, megatron_args
 from megatron_ext.recipes.multimodule import num_microbatches, plan_of, validate_recipe
-from megatron_ext.recipes.plan import RECIPE_PLACEHOLDER, megatron_args
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "multimodule_encoder_llm_mhc_pp2.yaml"

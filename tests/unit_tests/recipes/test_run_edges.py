@@ -86,10 +86,10 @@ def test_secrets_are_not_written_but_reach_the_ranks(write_recipe, tmp_path):
     assert "PLAIN=visible" in script
     assert ': "${WANDB_API_KEY:?is a secret and not written here; export WANDB_API_KEY' in script
     assert "launch.env.HF_TOKEN=<redacted>" in script
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command
 
     assert {
-        k: plan.run_environment(loaded)[k] for k in SECRETS
+        k: command.run_environment(loaded)[k] for k in SECRETS
     } == SECRETS  # the launcher passes them
 
 
