@@ -527,7 +527,7 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
 
 
 def _check_test(r: Recipe, add) -> None:
-    from megatron_ext.runs.golden import TOLERANCE_FIELDS
+    from megatron_ext.recipes.schema import TOLERANCE_FIELDS
 
     for metric in r.test.metrics:
         if metric not in KNOWN_METRICS and not MTP_METRIC.match(metric):

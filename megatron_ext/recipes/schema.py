@@ -419,6 +419,10 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
+# The rule fields a test.tolerances entry may set (megatron_ext.runs.golden.Rule reads them).
+TOLERANCE_FIELDS = ("deterministic", "rtol", "atol", "max_failing_steps")
+
+
 # ---- layouts and patterns -------------------------------------------------------------------------
 HYBRID_SYMBOLS = {
     "M": "Mamba",

@@ -48,10 +48,10 @@ from pathlib import Path
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import command, golden_paths, safety
-from megatron_ext.runs import golden as cmp, metrics as met, mhc_report, resume as rsm
 from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.runs.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
+from megatron_ext.runs import golden as cmp, metrics as met, mhc_report, resume as rsm
+from megatron_ext.runs.plot import write_run_plot
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
 
@@ -114,7 +114,9 @@ def phases(
     ckpt = str(run_dir / "checkpoints")
     return [
         Phase(
-            "train", args + metrics_args(loaded, tensorboard) + command.save_args(loaded, ckpt), logs
+            "train",
+            args + metrics_args(loaded, tensorboard) + command.save_args(loaded, ckpt),
+            logs,
         ),
         Phase(
             "resume",

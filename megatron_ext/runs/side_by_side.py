@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.errors import MegatronExtError
-from megatron_ext.runs import metrics as met, resume as rsm, listing as runs
+from megatron_ext.runs import listing as runs, metrics as met, resume as rsm
 
 
 class CompareError(MegatronExtError, ValueError):
