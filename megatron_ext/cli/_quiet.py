@@ -28,6 +28,7 @@ UPSTREAM_NOISE = (
     r"Only transformer-engine>=\S+ supports MoE experts",
     r"MimoModelConfig is experimental",
     r"'pin_memory' argument is set as true but no accelerator is found",
+    r"Could not determine rank from torch\.distributed",  # megatron asked outside a run
 )
 """Messages (regular expressions matched at their start) of upstream UserWarnings that only say
 what this machine lacks."""

@@ -19,6 +19,12 @@ MISSING_TE = "Transformer Engine and Apex are not installed. Falling back to Tor
     [
         (MISSING_TE, UserWarning, f"{SITE}/megatron/core/optimizer/__init__.py", True),
         ("Apex is not installed. Falling back", UserWarning, f"{SITE}/megatron/core/b.py", True),
+        (
+            "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID.",
+            UserWarning,
+            f"{SITE}/megatron/core/_rank_utils.py",
+            True,
+        ),
         ("`all_gather_into_tensor` is deprecated", FutureWarning, f"{SITE}/torch/x.py", True),
         ("old API", DeprecationWarning, f"{SITE}/transformers/y.py", True),
         # An upstream warning about something else is the user's business.
