@@ -17,6 +17,8 @@ The rule for command lines (also in docs/development.md, "Writing the docs"):
   exist (a glob must match something); other paths are the reader's files;
 - the recipe of ``run``, ``validate``, ``submit`` and ``schedule --recipe`` is loaded with its
   ``KEY=VALUE`` overrides and ``--platform``, so a mistyped field fails too.
+
+The README's example on your own data is also followed end to end (its run as a validate).
 """
 
 from __future__ import annotations
@@ -267,3 +269,55 @@ def test_the_checks_fail_on_broken_links_and_commands(tmp_path):
         "megatron-ext prepare-data --input corpus.jsonl --output-prefix data/x "
         "--tokenizer-type NullTokenizer --vocab-size 128"
     )
+
+
+def test_the_readme_example_on_your_own_data_validates(tmp_path, monkeypatch):
+    """The README's "Train on your own data" as a user follows it: its commands (prepare-data
+    on a small corpus with a tokenizer trained here, recipes --copy), its YAML edit, then its
+    validate, and its run as a validate (same recipe and overrides; nothing is trained)."""
+    import shutil
+
+    import yaml
+
+    from megatron_ext import cli
+    from megatron_ext.data import corpus, tokenizer_training
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Train on your own data", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section, re.S)
+    commands = [command_lines(f"```\n{body}```") for lang, body in blocks if lang == "bash"]
+    edit = next(yaml.safe_load(body) for lang, body in blocks if lang == "yaml")
+    assert [len(c) for c in commands] == [2, 2], commands
+
+    monkeypatch.chdir(tmp_path)
+    records = corpus.build(max_chars=4000)
+    corpus.write_jsonl(records, tmp_path / "corpus.jsonl")
+    trained = tokenizer_training.train_byte_level_bpe(
+        [r["text"] for r in records], 320, tmp_path / "trained"
+    )
+    shutil.copytree(trained["hf_dir"], tmp_path / "path" / "to" / "tokenizer_dir")
+
+    def follow(line: str) -> None:
+        words = words_of(line)[1:]
+        if "--workers" in words:  # one process is enough for a few kB
+            words[words.index("--workers") + 1] = "1"
+        if words[0] == "run":
+            words[0] = "validate"
+        assert cli.main(words) == 0, line
+
+    for line in commands[0]:
+        follow(line)
+    recipe = tmp_path / edit_target(section)
+    document = yaml.safe_load(recipe.read_text())
+    document["data"] = edit["data"]
+    document["test"] = {**document["test"], **edit["test"]}
+    recipe.write_text(yaml.safe_dump(document))
+    for line in commands[1]:
+        follow(line)
+
+
+def edit_target(section: str) -> str:
+    """The recipe file the README says to edit (``Edit `my_run/....yaml```)."""
+    match = re.search(r"Edit `([^`]+\.yaml)`", section)
+    assert match, "the README names the file to edit"
+    return match.group(1)
