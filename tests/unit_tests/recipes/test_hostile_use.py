@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.recipes import load, resume as rsm, run_lock, runner
+from megatron_ext.recipes import load
+from megatron_ext.runs import lock as run_lock, resume as rsm, runner
 
 from conftest import REPO_ROOT
 
@@ -267,7 +268,7 @@ def test_an_error_line_never_echoes_a_secret_value(override):
 
 
 def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_path, monkeypatch):
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command as plan
 
     run_dir = tmp_path / "R"
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
@@ -390,7 +391,7 @@ def test_a_run_directory_with_whitespace_never_reaches_an_sbatch_header(
     tmp_path, name, monkeypatch
 ):
     from megatron_ext.launch import shell, slurm
-    from megatron_ext.recipes.submit import SlurmOptions, build_job
+    from megatron_ext.runs.submit import SlurmOptions, build_job
 
     loaded = load(BASE, "cpu", BASE_OVERRIDES)
     run_dir = tmp_path / name / "R"
@@ -553,7 +554,7 @@ def test_a_sigterm_before_the_ranks_start_is_reported_and_summarised(tmp_path, m
     import signal
 
     from megatron_ext.launch import local
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command as plan
 
     def unhandled(signum, frame):  # main let SIGTERM kill the process: exit 143, no word
         raise AssertionError("SIGTERM reached the default handler")
