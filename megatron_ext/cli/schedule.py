@@ -198,6 +198,12 @@ def main(args: argparse.Namespace) -> int:
                 return _error("--mhc-streams needs --hidden, --seq and --micro-batch-size")
         if plan_problems := plan.problems():
             return _error(str(plan_problems[0]))
+        if plan.schedule == "zb-h1" and plan.pp == 1 and not args.recipe:
+            # the library draws it (one stage, nothing to fill); asked for here it is a slip
+            return _error(
+                "--schedule zb-h1 --pp 1: one stage has no pipeline to fill; give --pp 2 or "
+                "more, or --schedule 1f1b"
+            )
         if problem := _size_problem(plan, costs):
             return _error(problem)
         lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs)

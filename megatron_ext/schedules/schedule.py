@@ -151,13 +151,6 @@ class SchedulePlan:
             )
         if problems or self.multimodule is not None:
             return problems
-        if self.schedule == ZB_H1 and self.pp == 1:
-            problems.append(
-                Problem(
-                    "schedule zb-h1 with --pp 1",
-                    "one stage has no pipeline to fill; give --pp 2 or more, or schedule 1f1b",
-                )
-            )
         if self.pp < 1:
             problems.append(Problem(f"--pp {self.pp}", "the pipeline needs at least one stage"))
         if self.microbatches < 1:

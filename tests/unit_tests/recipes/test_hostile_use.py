@@ -511,7 +511,7 @@ def test_compare_fails_a_missing_metric_and_inf_and_reads_a_huge_golden_in_one_l
         (["--dtype-bytes", "-2"], "--dtype-bytes -2"),
         (["--mhc-streams", "0"], "--mhc-streams 0"),
         (["--mhc-streams", "-4"], "--mhc-streams -4"),
-        (["--schedule", "zb-h1", "--pp", "1"], "zb-h1 with --pp 1"),
+        (["--schedule", "zb-h1", "--pp", "1"], "--schedule zb-h1 --pp 1"),
     ],
 )
 def test_schedule_refuses_nonsense_sizes_in_one_line(args, expected, capsys):
