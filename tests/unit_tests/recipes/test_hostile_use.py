@@ -576,3 +576,56 @@ def test_a_sigterm_before_the_ranks_start_is_reported_and_summarised(tmp_path, m
     assert getattr(stopped.value, "signum", None) == signal.SIGTERM
     assert json.loads((tmp_path / "R" / "summary.json").read_text())["status"] == "interrupted"
     assert any("stopped by SIGTERM" in line for line in lines)
+
+
+# ---- item 12: prepare-data ends in one line on hostile input ------------------------------------
+def _prepare_data(tmp_path: Path, lines: list[str], *extra, vocab: str = "128", workers="1"):
+    from megatron_ext.cli import main as cli_main
+
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    args = ["prepare-data", "--input", str(jsonl), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", vocab, "--workers", workers]
+    if "--output-prefix" not in extra:
+        args += ["--output-prefix", str(tmp_path / "out" / "data")]
+    return cli_main([*args, *map(str, extra)])
+
+
+@pytest.mark.parametrize(
+    "lines,extra,expected",
+    [
+        (['{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"], {}, "nested too deeply"),
+        (['{"text": "1", "n": ' + "7" * 100_000 + "}"], {}, "not readable JSON"),
+        (['{"text": "5 70000"}'], {"vocab": "128"}, "token id 70000 is outside"),
+        (['{"text": "1"}'], {"vocab": "0"}, "--vocab-size 0"),
+        (['{"text": "1"}'], {"vocab": "-5"}, "--vocab-size -5"),
+        (['{"text": "1"}'], {"workers": "1000"}, "--workers 1000"),
+        (['{"../../x": "1"}'], {"extra": ["--json-keys", "../../x"]}, "--json-keys '../../x'"),
+    ],
+)
+def test_prepare_data_refuses_hostile_input_in_one_line(tmp_path, capsys, lines, extra, expected):
+    options = {k: v for k, v in extra.items() if k != "extra"}
+    rc = _prepare_data(tmp_path, lines, *extra.get("extra", []), **options)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err and expected in err[-1], err[-3:]
+    assert "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "x").exists() and not (tmp_path.parent / "x").exists()
+
+
+def test_prepare_data_refuses_a_file_as_output_directory_or_example(tmp_path, capsys):
+    from megatron_ext.cli import main as cli_main
+
+    (tmp_path / "FILE").write_text("not a directory")
+    rc = _prepare_data(tmp_path, ['{"text": "1"}'], "--output-prefix", tmp_path / "FILE" / "x")
+    assert rc == 2 and "is a file, not a directory" in capsys.readouterr().err
+    assert cli_main(["prepare-data", "--example", str(tmp_path / "FILE")]) == 2
+    assert "--example" in capsys.readouterr().err
+
+
+def test_prepare_data_bounds_the_line_size(tmp_path, capsys, monkeypatch):
+    from megatron_ext.data import input_limits
+
+    monkeypatch.setattr(input_limits, "MAX_LINE_BYTES", 1024)  # stands in for 16 MiB
+    rc = _prepare_data(tmp_path, ['{"text": "' + "1 " * 2000 + '"}'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "in.jsonl:1: a line of more than" in err[-1], err[-2:]
