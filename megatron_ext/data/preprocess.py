@@ -234,8 +234,9 @@ def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 class _Progress:
-    def __init__(self, interval: int, stream=sys.stderr):
-        self.interval, self.stream = interval, stream
+    def __init__(self, interval: int, stream=None):
+        # sys.stderr as it is now, not as it was at import (a test's capture may be closed)
+        self.interval, self.stream = interval, stream or sys.stderr
         self.start = time.time()
 
     def update(self, count: int, nbytes: int) -> None:
