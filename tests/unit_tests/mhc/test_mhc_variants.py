@@ -289,3 +289,22 @@ def test_h_pre_carries_hc_eps():
     torch.testing.assert_close(
         h_res.sum(-2), torch.ones(2, 1, 4, dtype=torch.float64), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(mhc_variant="deepseek-v3"), "mhc_variant must be one of megatron, deepseek-v4, glm5"),
+        (dict(mhc_variant="glm5", use_fused_mhc=True), "'glm5' has no fused kernel"),
+        (dict(mhc_variant="glm5", mhc_learned_output_contract=True), "GLM-5-Next has no hc_head"),
+    ],
+)
+def test_guard_refuses_what_the_variant_cannot_do(fields, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=1,
+            enable_mhc_connections=True,
+            **fields,
+        )
