@@ -265,12 +265,24 @@ def convert_file(
     to: str,
     source: str,
     trust_pickle: bool = False,
+    mhc_names: str | None = None,
 ) -> list[str]:
     """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
     checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
     Returns the notes a user should read (see :func:`notes_for`). The input is read with
-    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`)."""
+    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`).
+    ``mhc_names`` ("transformers" / "deepseek"): rename the mHC parameters to (``to="upstream"``)
+    or from (``to="megatron-ext"``) those names instead
+    (:func:`megatron_ext.checkpoint.hc_names.convert_mhc_names`)."""
     import os
+
+    convert = convert_state_dict
+    if mhc_names is not None:
+        from functools import partial
+
+        from megatron_ext.checkpoint.hc_names import convert_mhc_names
+
+        convert = partial(convert_mhc_names, names=mhc_names)
 
     if (
         os.path.exists(source_path)
@@ -290,10 +302,10 @@ def convert_file(
         for entry in entries:
             _check_keys(checkpoint[entry], f"{source_path}'s {entry!r}")
             notes += notes_for(source, model, checkpoint[entry])
-            converted[entry] = convert_state_dict(checkpoint[entry], model, to)
+            converted[entry] = convert(checkpoint[entry], model, to)
     else:
         _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
-        converted = convert_state_dict(checkpoint, model, to)
+        converted = convert(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
