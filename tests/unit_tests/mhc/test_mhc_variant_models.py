@@ -4,6 +4,8 @@ the lean path equals the reference path (loss and every gradient), the maps' par
 fp32 under a bf16 cast, selective 'mhc' recompute is bit-identical, and the mHC statistics
 match a direct computation from the variant's reference maps."""
 
+import os
+
 import pytest
 import torch
 
@@ -83,8 +85,15 @@ def _loss_and_grads(model, reference_path=False):
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+SOAK = pytest.mark.skipif(
+    os.environ.get("MEGATRON_EXT_SOAK") != "1",
+    reason="soak only (~20 s): CI runs deepseek-v4 + MoE + MLA against the reference at PP2",
+)
+
+
 @pytest.mark.parametrize(
-    "variant, moe_mla", [("deepseek-v4", False), ("glm5", False), ("deepseek-v4", True)]
+    "variant, moe_mla",
+    [("deepseek-v4", False), ("glm5", False), pytest.param("deepseek-v4", True, marks=SOAK)],
 )
 def test_gpt_variant_head_and_lean_path_equal_the_reference(variant, moe_mla):
     with model_parallel(seed=2):

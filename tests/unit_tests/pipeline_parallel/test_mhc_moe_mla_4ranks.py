@@ -2,6 +2,8 @@
 alltoall dispatcher, aux loss on) matches the single-rank reference, and every P2P edge
 carries the n streams, [s, b, n*h]."""
 
+import os
+
 import pytest
 from mhc_moe_mla_cases import MLA, check, moe_plan
 from mhc_pipeline_cases import (
@@ -16,7 +18,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["megatron", "deepseek-v4"])
+SOAK = pytest.mark.skipif(
+    os.environ.get("MEGATRON_EXT_SOAK") != "1",
+    reason="soak only (~35 s on 4 ranks): CI covers deepseek-v4 + MoE + MLA at PP2 (2 ranks)",
+)
+
+
+@pytest.mark.parametrize("variant", ["megatron", pytest.param("deepseek-v4", marks=SOAK)])
 def test_moe_mhc_ep2_pp2_matches_reference_with_n_stream_p2p(monkeypatch, variant):
     """deepseek-v4: DeepSeek-V4's maps and learned head, on MoE + MLA."""
     overrides = dict(MLA, mhc_variant=variant) if variant != "megatron" else {}
