@@ -265,24 +265,17 @@ def convert_file(
     to: str,
     source: str,
     trust_pickle: bool = False,
-    mhc_names: str | None = None,
+    convert: Any = None,
 ) -> list[str]:
     """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
     checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
     Returns the notes a user should read (see :func:`notes_for`). The input is read with
     ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`).
-    ``mhc_names`` ("transformers" / "deepseek"): rename the mHC parameters to (``to="upstream"``)
-    or from (``to="megatron-ext"``) those names instead
-    (:func:`megatron_ext.checkpoint.hc_names.convert_mhc_names`)."""
+    ``convert(state_dict, model, to)`` replaces :func:`convert_state_dict` (the CLI's
+    ``--mhc-names``: :func:`megatron_ext.checkpoint.hc_names.convert_mhc_names`)."""
     import os
 
-    convert = convert_state_dict
-    if mhc_names is not None:
-        from functools import partial
-
-        from megatron_ext.checkpoint.hc_names import convert_mhc_names
-
-        convert = partial(convert_mhc_names, names=mhc_names)
+    convert = convert or convert_state_dict
 
     if (
         os.path.exists(source_path)

@@ -48,8 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from functools import partial
 
+    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from megatron_ext.checkpoint.hc_names import convert_mhc_names
+
+    names = args.mhc_names
     try:
         notes = convert_file(
             args.input,
@@ -58,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
             args.to,
             args.source,
             args.trust_pickle,
-            mhc_names=args.mhc_names,
+            convert=partial(convert_mhc_names, names=names) if names else None,
         )
     except (ConversionError, OSError) as exc:
         print(f"megatron-ext convert-checkpoint: {exc}", file=sys.stderr)
