@@ -51,6 +51,9 @@ from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
 from megatron_ext.pipeline.payload import HIDDEN_STATES, PRE_MIX, stage_payload
 from megatron_ext.pipeline.payload_wire import pack, unpack
 
+# TransformerBlock.forward reads a receiving stage's input from input_tensor (declared seam).
+INPUT_TENSOR_SEAM = "megatron.core.transformer.transformer_block:TransformerBlock.set_input_tensor"
+
 
 def _layer_class(layer: Any) -> type:
     """The class behind a built layer, a ModuleSpec or a class."""
@@ -160,7 +163,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
             pre_mix = initial_pre_mix(hidden_states, self.num_residual_streams)
         else:
             fields = unpack(self.payload, self.input_tensor)
-            self.input_tensor = fields[HIDDEN_STATES]
+            registry.assign(self, "input_tensor", fields[HIDDEN_STATES], INPUT_TENSOR_SEAM)
             pre_mix = fields[PRE_MIX]
         self._single_pass_state = SinglePassState(pre_mix)
         for layer in self.layers:

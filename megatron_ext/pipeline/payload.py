@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.errors import MegatronExtError
+
 # Bytes per element of the dtypes a field may have (names as recipes spell precisions).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -36,7 +38,7 @@ HIDDEN_STATES = "hidden_states"
 PRE_MIX = "pre_mix"
 
 
-class PayloadError(ValueError):
+class PayloadError(MegatronExtError, ValueError):
     """A payload cannot be laid out on the wire (a field is not a whole number of elements)."""
 
 
@@ -117,7 +119,9 @@ def stage_payload(config: Any, pipeline_parallel_size: int | None = None) -> Sta
     """The payload of every communicating edge of a model built from ``config`` (a
     TransformerConfig, megatron's arguments or anything with the same field names)."""
     pp = pipeline_parallel_size or getattr(config, "pipeline_model_parallel_size", 1) or 1
-    wire = dtype_name(getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None))
+    wire = dtype_name(
+        getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
+    )
     hidden = config.hidden_size
     mhc = bool(getattr(config, "enable_mhc_connections", False)) and pp > 1
     streams = getattr(config, "mhc_num_residual_streams", 1) if mhc else 1

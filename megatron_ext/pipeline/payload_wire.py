@@ -35,7 +35,9 @@ class _Pack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         pieces = _as_bytes(grad).split([size for _, size in ctx.layout], dim=-1)
-        grads = [p.contiguous().view(dtype) for p, (dtype, _) in zip(pieces, ctx.layout, strict=True)]
+        grads = [
+            p.contiguous().view(dtype) for p, (dtype, _) in zip(pieces, ctx.layout, strict=True)
+        ]
         return (None, *grads)
 
 
@@ -44,7 +46,9 @@ class _Unpack(torch.autograd.Function):
     def forward(ctx, wire: torch.Tensor, layout: list[tuple[torch.dtype, int]]):
         ctx.wire_dtype = wire.dtype
         pieces = _as_bytes(wire).split([size for _, size in layout], dim=-1)
-        return tuple(p.contiguous().view(dtype) for p, (dtype, _) in zip(pieces, layout, strict=True))
+        return tuple(
+            p.contiguous().view(dtype) for p, (dtype, _) in zip(pieces, layout, strict=True)
+        )
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):

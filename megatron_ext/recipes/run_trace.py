@@ -67,7 +67,9 @@ def failing_step(trace_dir: Path) -> str | None:
 def message_sizes(events: list[list[Event]], size: Any) -> dict:
     """The bytes of every message the ranks sent (as recorded) beside the stage payload's:
     per field (pipeline.payload) and in total."""
-    sent = [m.nbytes for ev in events for e in ev for m in e.messages if m.direction.startswith("send")]
+    sent = [
+        m.nbytes for ev in events for e in ev for m in e.messages if m.direction.startswith("send")
+    ]
     measured = sorted(set(sent))
     return {
         "sent": len(sent),

@@ -48,6 +48,6 @@ def assert_cut_differs_from_reference(plan: TrainPlan, monkeypatch) -> None:
     with coefficient_gradient_cut(monkeypatch), pytest.raises(EquivalenceError) as raised:
         check_mhc(plan)
     differences = str(raised.value).splitlines()[1:]
-    assert differences and all("mlp_hyper_connection" in d for d in differences), str(
-        raised.value
-    )[:3000]
+    assert differences and all("mlp_hyper_connection" in d for d in differences), str(raised.value)[
+        :3000
+    ]

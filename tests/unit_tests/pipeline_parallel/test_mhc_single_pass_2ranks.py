@@ -42,4 +42,3 @@ def test_pp2_zero_bubble_matches_reference():
 def test_pp2_cutting_the_coefficient_gradient_differs_from_reference(monkeypatch):
     """Negative control: the same run with the received pre_mix detached fails."""
     assert_cut_differs_from_reference(single_pass_plan(pp=2, steps=1), monkeypatch)
-

@@ -13,7 +13,7 @@ pytestmark = [
 
 
 def test_pp4_matches_reference(monkeypatch):
-    plan = single_pass_plan(pp=4)
+    plan = single_pass_plan(pp=4, steps=1)
     with recorded_p2p_shapes(monkeypatch) as seen:
         check_mhc(plan)
     shapes = {shape for records in all_ranks(seen) for _, shape in records}
