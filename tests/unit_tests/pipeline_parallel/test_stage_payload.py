@@ -273,3 +273,17 @@ def test_single_pass_needs_mhc_and_gpt():
         guards.check_mhc_single_pass(types.SimpleNamespace(mhc_single_pass=True))
     with pytest.raises(guards.UnsupportedCombinationError, match="GPT's transformer layers"):
         guards.check_hybrid_single_pass(types.SimpleNamespace(mhc_single_pass=True))
+
+
+def test_stages_disagreeing_on_single_pass_are_named():
+    """pipeline.consistency names the field before the shape it changes."""
+    from megatron_ext.pipeline import consistency
+
+    records = []
+    for rank, single_pass in enumerate((False, True)):
+        config = _settings(mhc_single_pass=single_pass, pipeline_dtype=torch.float32)
+        width = stage_payload(config, 2).wire_width
+        records.append({**consistency.stage_fields(config, [S, B, width]), "rank": rank})
+    assert consistency.first_difference(records).startswith(
+        "pipeline stages disagree on mhc_single_pass"
+    )
