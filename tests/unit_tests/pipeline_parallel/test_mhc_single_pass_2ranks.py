@@ -42,3 +42,12 @@ def test_pp2_zero_bubble_matches_reference():
 def test_pp2_cutting_the_coefficient_gradient_differs_from_reference(monkeypatch):
     """Negative control: the same run with the received pre_mix detached fails."""
     assert_cut_differs_from_reference(single_pass_plan(pp=2, steps=1), monkeypatch)
+
+
+def test_pp2_standalone_embedding_and_loss_stages_match_reference():
+    """Layout E|tt|tt|L: the embedding-only chunk sends e_0 as the coefficients, the loss-only
+    chunk contracts with the coefficients it received."""
+    plan = single_pass_plan(
+        pp=2, vpp=2, steps=1, parallel_overrides=dict(pipeline_model_parallel_layout="E|tt|tt|L")
+    )
+    check_mhc(plan)
