@@ -11,7 +11,7 @@ metrics read from TensorBoard (as Megatron-LM's CI reads them) equal Megatron's 
 Each recipe runs as a user runs it (`megatron-ext run recipes/NAME.yaml`): validation, the
 ranks on gloo with the CPU runtime, the run directory, and the comparison with the recipe's
 committed CPU golden values (lm loss within rtol 1e-4 on every step, num-zeros within 5 % + 4;
-see megatron_ext/recipes/compare.py). ckpt-resume recipes also train twice and the resumed
+see megatron_ext/runs/golden.py). ckpt-resume recipes also train twice and the resumed
 half must equal the uninterrupted run exactly. A recipe without golden values fails: the
 golden values are what makes a change of numerics visible.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext.recipes import metrics as met
+from megatron_ext.runs import metrics as met
 from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,8 @@ def _finish_run_with(metrics: met.Metrics, run_dir: Path):
     TensorBoard event files hold ``metrics``, written as Megatron writes them."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from megatron_ext.recipes import load, runner
+    from megatron_ext.recipes import load
+    from megatron_ext.runs import runner
 
     writer = SummaryWriter(str(run_dir / met.TENSORBOARD_SUBDIR))
     for name, series in metrics.items():
