@@ -48,6 +48,7 @@ RECIPES = [
 ]
 RECIPES.append(UPSTREAM_FORMAT_CASE)
 TIMEOUT_S = 600
+HIDDEN_LINE = r"megatron-ext: \d+ upstream warnings? hidden; --verbose shows them"
 # Run directories of the recipe runs above that passed, by case id: later tests compare with
 # them instead of training the same recipe again (pytest runs this file's tests in order).
 TRAINED_RUNS: dict[str, Path] = {}
@@ -180,8 +181,15 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
     assert len(performance["peak_rss_mib_per_rank"]) == summary["world_size"]
     assert summary["versions"]["megatron-core"] == "0.19.2"
     assert summary["plan"]["world_size"] == summary["world_size"]
-    # ... and the progress it saw on the way.
+    # ... and the progress it saw on the way, with no upstream warning before it (issue 35):
+    # at most the one line that counts them, at the end.
     assert "  iteration    1/" in result.stdout and f"PASSED: {summary['name']}" in result.stdout
+    before_progress = result.stdout.split("  iteration    1/", 1)[0]
+    assert not re.search(r"Warning\b|No CUDA runtime", before_progress), before_progress
+    unexpected = [
+        line for line in result.stderr.splitlines() if not re.fullmatch(HIDDEN_LINE, line)
+    ]
+    assert not unexpected, result.stderr[-4000:]
     TRAINED_RUNS[_case_id(recipe)] = run_dir
 
 
