@@ -124,6 +124,15 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(
         parser,
         group,
+        "--mhc-variant",
+        choices=("megatron", "deepseek-v4", "glm5"),
+        default=defaults["mhc_variant"].default,
+        help="the maps' formulas: megatron (upstream main), deepseek-v4 (DeepSeek-V4's maps, "
+        "learned hc_head) or glm5 (DeepSeek-V4's maps, mean head); no fused kernel",
+    )
+    _add_flag(
+        parser,
+        group,
         "--mhc-init-gating-factor",
         type=float,
         default=defaults["mhc_init_gating_factor"].default,
@@ -136,6 +145,14 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         action="store_true",
         help="GPT: contract the streams with upstream dev's learned contraction "
         "(decoder.hc_head_*) instead of the mean; loads dev GPT checkpoints",
+    )
+    _add_flag(
+        parser,
+        group,
+        "--mhc-single-pass",
+        action="store_true",
+        help="DeepSeek-V4.1 single-pass mHC: each sub-layer aggregates with the previous "
+        "sub-layer's coefficients (under PP they travel with the streams)",
     )
     _add_flag(
         parser,

@@ -58,10 +58,18 @@ class MHCTransformerConfig(TransformerConfig):
     switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
     the learned contraction, as upstream does."""
 
+    mhc_single_pass: bool = MHC_DEFAULTS["mhc_single_pass"]  # type: ignore[assignment]
+    """DeepSeek-V4.1's single-pass mHC (upstream's name, Megatron-LM #7500): each sub-layer
+    aggregates with the previous sub-layer's coefficients (megatron_ext.mhc.single_pass)."""
+
     use_fused_mhc: bool = MHC_DEFAULTS["use_fused_mhc"]  # type: ignore[assignment]
     """Run the mHC sub-layer maths through the fused Triton kernels of
     :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
     triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
+
+    mhc_variant: str = MHC_DEFAULTS["mhc_variant"]  # type: ignore[assignment]
+    """The maps' formulas (megatron_ext.mhc.variants): "megatron" (upstream main's), "deepseek-v4"
+    (DeepSeek-V4's exact maps and learned hc_head) or "glm5" (the same maps, mean head)."""
 
     pipeline_schedule: str = "1f1b"
     """The pipeline schedule: "1f1b" (megatron's) or "zb-h1" (zero bubble: the local specs'
@@ -97,12 +105,14 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             # Before the fused check, so birkhoff + fused names birkhoff's reason.
             guards.check_mhc_h_res_method(self)
+            guards.check_mhc_variant(self)
         guards.check_fused_mhc(self)
         if self.enable_mhc_connections:
             guards.check_mhc_values(self)
             guards.check_mhc_features(self)
             guards.check_mhc_layer_features(self)
             guards.check_mhc_pipeline(self)
+        guards.check_mhc_single_pass(self)
 
 
 @dataclass

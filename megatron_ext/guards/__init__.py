@@ -143,6 +143,30 @@ def check_mhc_h_res_method(config: Any) -> None:
         )
 
 
+def check_mhc_variant(config: Any) -> None:
+    """``mhc_variant``: a known variant; the fused kernels compute the megatron maps only; glm5's
+    head is the mean, so it takes no learned contraction."""
+    from megatron_ext.mhc.variants import VARIANTS
+
+    variant = getattr(config, "mhc_variant", "megatron")
+    if variant not in VARIANTS:
+        raise ValueError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "megatron":
+        return
+    if getattr(config, "use_fused_mhc", False):
+        raise ValueError(
+            f"mhc_variant={variant!r} has no fused kernel (the Triton kernels compute megatron's "
+            "RMS factor, exp/clamp Sinkhorn and H_pre without eps); set use_fused_mhc=False or "
+            "mhc_variant='megatron'"
+        )
+    if variant == "glm5" and getattr(config, "mhc_learned_output_contract", False):
+        raise ValueError(
+            "mhc_variant='glm5' contracts the streams by their mean (GLM-5-Next has no hc_head); "
+            "set mhc_learned_output_contract=False, or mhc_variant='deepseek-v4' for the "
+            "learned head"
+        )
+
+
 def check_mhc_features(config: Any) -> None:
     """Megatron features that assume a single-stream residual."""
     if config.recompute_granularity == "full":
@@ -253,6 +277,58 @@ def check_gpt_mhc_mtp(config: Any) -> None:
         )
 
 
+def check_mhc_single_pass(config: Any) -> None:
+    """``mhc_single_pass`` (megatron_ext.mhc.single_pass): what the single-pass form does not
+    do yet, each with its reason."""
+    if not getattr(config, "mhc_single_pass", False):
+        return
+    if not getattr(config, "enable_mhc_connections", False):
+        raise ValueError(
+            "mhc_single_pass=True needs enable_mhc_connections=True (--enable-mhc-connections)"
+        )
+    refusals = (
+        (
+            getattr(config, "use_fused_mhc", False),
+            "use_fused_mhc=True: the fused kernels aggregate with the site's own coefficients; "
+            "set use_fused_mhc=False",
+        ),
+        (
+            getattr(config, "mhc_recompute_enabled", False),
+            "'mhc' in recompute_modules: the recompute rebuilds a site from its streams alone, "
+            "not from the previous site's coefficients; remove 'mhc' from recompute_modules",
+        ),
+        (
+            getattr(config, "mhc_learned_output_contract", False),
+            "mhc_learned_output_contract=True: single-pass mHC contracts with the last site's "
+            "coefficients and has no hc_head; set mhc_learned_output_contract=False",
+        ),
+        (
+            bool(config.mtp_num_layers),
+            f"mtp_num_layers={config.mtp_num_layers}: the MTP block would need the running "
+            "coefficients; set mtp_num_layers=None",
+        ),
+        (
+            getattr(config, "mhc_variant", "megatron") != "megatron",
+            f"mhc_variant={getattr(config, 'mhc_variant', None)!r}: single-pass is built on the "
+            "megatron maps only (the DeepSeek maps under single pass are not implemented); "
+            "set mhc_variant='megatron' (--mhc-variant megatron)",
+        ),
+    )
+    for refused, reason in refusals:
+        if refused:
+            raise UnsupportedCombinationError(f"mhc_single_pass=True does not support {reason}")
+
+
+def check_hybrid_single_pass(config: Any) -> None:
+    """The Hybrid stack's mHC layers (HyperConnectionHybridLayer) are two-pass only."""
+    if getattr(config, "mhc_single_pass", False):
+        raise UnsupportedCombinationError(
+            "mhc_single_pass=True is implemented for GPT's transformer layers only; the Hybrid "
+            "stack's mHC layers aggregate with their own coefficients. Use a GPT model or set "
+            "mhc_single_pass=False"
+        )
+
+
 def check_hybrid_mhc_mtp(config: Any) -> None:
     """Hybrid MTP with mHC must run on the final post-process chunk."""
     if (
@@ -318,6 +394,11 @@ GUARDS: tuple[Guard, ...] = (
         "an unknown mhc_h_res_method; birkhoff with n > 6 streams (n! logits) or fused kernels",
     ),
     Guard(
+        "megatron_ext.guards:check_mhc_variant",
+        "config",
+        "an unknown mhc_variant; a DeepSeek variant with fused kernels; glm5 with a learned head",
+    ),
+    Guard(
         "megatron_ext.guards:check_mhc_features",
         "config",
         "mHC with full recompute, fused inference TP communication, fp32 residual connection",
@@ -339,6 +420,17 @@ GUARDS: tuple[Guard, ...] = (
         "lists: one stage, virtual stages, overlap_p2p_comm, the overlapped MoE schedule, "
         "CUDA graphs, paged stash, activation offloading (validate; the entries before the "
         "model is built)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_single_pass",
+        "config",
+        "mhc_single_pass without mHC, or with fused kernels, 'mhc' recompute, the learned "
+        "contraction or MTP",
+    ),
+    Guard(
+        "megatron_ext.guards:check_hybrid_single_pass",
+        "config",
+        "mhc_single_pass with a HybridModel (validate; HybridModel at construction)",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",

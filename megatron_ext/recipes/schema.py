@@ -64,6 +64,10 @@ class MHC:
         "--mhc-h-res-method (birkhoff: mHC-lite, exact doubly-stochastic H_res, n <= 6)",
         default=MHC_DEFAULTS["mhc_h_res_method"],
     )
+    variant: Literal["megatron", "deepseek-v4", "glm5"] = _doc(
+        "--mhc-variant (deepseek-v4 / glm5: DeepSeek-V4's maps; learned / mean head)",
+        default=MHC_DEFAULTS["mhc_variant"],
+    )
     init_gating_factor: float = _doc(
         "--mhc-init-gating-factor", default=MHC_DEFAULTS["mhc_init_gating_factor"]
     )
@@ -76,6 +80,10 @@ class MHC:
     )
     fused: bool = _doc(
         "--use-fused-mhc (Triton kernels; CUDA only)", default=MHC_DEFAULTS["use_fused_mhc"]
+    )
+    single_pass: bool = _doc(
+        "--mhc-single-pass (DeepSeek-V4.1: each sub-layer uses the previous one's coefficients)",
+        default=MHC_DEFAULTS["mhc_single_pass"],
     )
     log_stats: bool = _doc(
         "--log-mhc-stats (mhc/... scalars: H_res residuals, H_pre/H_post ranges, gains)",
