@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_ext.checkpoint.safe_pickle import TRUST_FLAG
 from megatron_ext.errors import MegatronExtError
 
 # Where each source's checkpoints come from (the CLI's --source).
@@ -176,9 +177,6 @@ def _model_entries(checkpoint: Mapping[str, Any]) -> list[str]:
     )
 
 
-TRUST_FLAG = "--trust-pickle"
-
-
 def _unsafe_global(exc: Exception) -> str:
     """The global torch's weights-only unpickler refused, out of its multi-line message."""
     found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -197,9 +195,9 @@ def load_checkpoint(path: str, trust_pickle: bool = False) -> Any:
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False)
-        from megatron.core.safe_globals import SAFE_GLOBALS
+        from megatron_ext.checkpoint.safe_pickle import allowed_globals
 
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):

@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="record every rank's pipeline schedule: trace.json, timeline.png and the "
         "measured vs theoretical bubble in the summary",
     )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load the checkpoints the run reads (run --resume, checkpoint.load, "
+        "--pretrained-checkpoint) without checking their pickles; unpickling can run any code "
+        "in them, so only for checkpoints you made or trust (default: checked, refused)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
             compare_golden=not args.no_compare,
             force_compare=args.compare,
             megatron_checks=not args.skip_megatron_checks,
+            trust_pickle=args.trust_pickle,
         ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:
@@ -116,4 +124,5 @@ def _run(args: argparse.Namespace, loaded):
         write_golden=args.write_golden,
         megatron_checks=not args.skip_megatron_checks,
         trace=args.trace,
+        trust_pickle=args.trust_pickle,
     )

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.checkpoint import preload
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import (
@@ -429,16 +430,21 @@ def run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trace: bool = False,
+    trust_pickle: bool = False,
 ) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
-    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
+    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble).
+    ``trust_pickle``: skip the check of the checkpoints the run loads (``--trust-pickle``)."""
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
     echo(f"  {plan.describe(loaded)}")
     for note in loaded.notes:
         echo(f"  note: {note}")
-    why = preflight(loaded, echo, megatron_checks)
+    # first: nothing else (megatron's argument checks included) may read a hostile checkpoint
+    why = preload.pickle_problem(recipe, trust_pickle=trust_pickle)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is None and recipe.launch.device == "gpu":
         import torch
 
@@ -692,6 +698,7 @@ def resume_run(
     force_compare: bool = False,
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
+    trust_pickle: bool = False,
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
     overrides applied) from its latest complete checkpoint, in a new segment of the run."""
@@ -733,7 +740,9 @@ def resume_run(
         if latest is not None
         else "  no complete checkpoint: training starts over"
     )
-    why = preflight(loaded, echo, megatron_checks)
+    why = preload.pickle_problem(loaded.recipe, ckpt if latest is not None else None, trust_pickle)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
