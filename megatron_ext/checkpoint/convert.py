@@ -295,3 +295,69 @@ def convert_file(
         converted = convert_state_dict(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
+
+
+FORMATS = ("torch_dist", "torch")
+
+
+def convert_path(
+    source_path: str,
+    target_path: str,
+    model: str,
+    to: str,
+    source: str,
+    output_format: str | None = None,
+    trust_pickle: bool = False,
+) -> list[str]:
+    """``convert-checkpoint``: a torch_dist checkpoint (an iteration directory, a checkpoint
+    root with its tracker, or a run directory) or a ``torch.save`` file, renamed to ``to``
+    and written as ``output_format`` (default: the input's). Returns the notes to show."""
+    from megatron_ext.checkpoint import torch_dist
+
+    if output_format not in (None, *FORMATS):
+        raise ConversionError(
+            f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}"
+        )
+    if not torch_dist.is_torch_dist(source_path):
+        if output_format == "torch_dist":
+            raise ConversionError(
+                f"{source_path} is a single-file torch checkpoint: writing torch_dist from it is "
+                "not supported (it lacks megatron's common state and sharded objects); convert "
+                "with --format torch, or start a run from it with checkpoint.finetune"
+            )
+        return convert_file(source_path, target_path, model, to, source, trust_pickle)
+    try:
+        state, _ = _read_torch_dist(source_path, trust_pickle)
+        weights = torch_dist.model_weights(state)
+        notes = notes_for(source, model, weights)
+        if (output_format or "torch_dist") == "torch":
+            _check_output_file(target_path)
+            _save_atomically(convert_state_dict(weights, model, to), target_path)
+            return [*notes, _WEIGHTS_ONLY_NOTE]
+        renamed = torch_dist.rename_keys(state, lambda sd: convert_state_dict(sd, model, to))
+        torch_dist.write(renamed, target_path, torch_dist.tracker_iteration(source_path))
+    except torch_dist.TorchDistError as exc:
+        raise ConversionError(str(exc)) from None
+    return notes
+
+
+_WEIGHTS_ONLY_NOTE = (
+    "--format torch writes the model weights only (a plain state dict, stacked layers split "
+    "per layer); the optimizer state, RNG state and args stay in the torch_dist checkpoint"
+)
+
+
+def _read_torch_dist(path: str, trust_pickle: bool) -> tuple[dict[str, Any], Any]:
+    from megatron_ext.checkpoint import safe_pickle, torch_dist
+
+    try:
+        return torch_dist.read(path, trust_pickle)
+    except safe_pickle.UnsafeCheckpoint as exc:
+        raise ConversionError(str(exc)) from None
+
+
+def _check_output_file(target_path: str) -> None:
+    import os
+
+    if os.path.exists(target_path) and not os.path.isfile(target_path):
+        raise ConversionError(f"output {target_path} exists and is not a regular file")

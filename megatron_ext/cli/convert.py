@@ -11,8 +11,12 @@ HELP = "rename mHC checkpoint keys between upstream Megatron-LM (PR #6401/dev) a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", help="a torch.save'd model state dict or model_optim_rng.pt")
-    parser.add_argument("output", help="where to write the converted file")
+    parser.add_argument(
+        "input",
+        help="a torch_dist checkpoint (iteration directory, checkpoint root or run directory), "
+        "a torch.save'd model state dict or model_optim_rng.pt",
+    )
+    parser.add_argument("output", help="where to write (a new directory for torch_dist)")
     parser.add_argument(
         "--model", choices=("gpt", "hybrid"), required=True, help="the model the checkpoint holds"
     )
@@ -30,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "says so); default: %(default)s",
     )
     parser.add_argument(
+        "--format",
+        dest="output_format",
+        choices=("torch_dist", "torch"),
+        default=None,
+        help="what to write: a torch_dist directory, or torch (a plain model state dict any "
+        "torch.load reads); default: the input's format",
+    )
+    parser.add_argument(
         "--trust-pickle",
         action="store_true",
         help="load a legacy file whose pickle names classes beyond tensors, containers and "
@@ -39,11 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from megatron_ext.checkpoint.convert import ConversionError, convert_path
 
     try:
-        notes = convert_file(
-            args.input, args.output, args.model, args.to, args.source, args.trust_pickle
+        notes = convert_path(
+            args.input,
+            args.output,
+            args.model,
+            args.to,
+            args.source,
+            args.output_format,
+            args.trust_pickle,
         )
     except (ConversionError, OSError) as exc:
         print(f"megatron-ext convert-checkpoint: {exc}", file=sys.stderr)

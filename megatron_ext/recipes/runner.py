@@ -444,6 +444,8 @@ def run(
     # first: nothing else (megatron's argument checks included) may read a hostile checkpoint
     why = preload.pickle_problem(recipe, trust_pickle=trust_pickle)
     if why is None:
+        why = preload.start_problem(recipe, echo)
+    if why is None:
         why = preflight(loaded, echo, megatron_checks)
     if why is None and recipe.launch.device == "gpu":
         import torch
