@@ -69,10 +69,12 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.recipes import RecipeError, runner
 
     if args.resume:
-        if args.targets or args.run_dir or args.dry_run or args.write_golden or args.trace:
+        recipes, overrides = split_targets(args.targets or [])
+        if recipes or args.run_dir or args.dry_run or args.write_golden or args.trace:
             print(
-                "megatron-ext run --resume RUN_DIR: takes no recipe, overrides, --run-dir, "
-                "--dry-run, --write-golden or --trace (the run's own are used)",
+                "megatron-ext run --resume RUN_DIR [parallelism.*=V training.iterations=N]: "
+                "takes no recipe, --run-dir, --dry-run, --write-golden or --trace (the run's "
+                "own are used)",
                 file=sys.stderr,
             )
             return runner.EXIT_INVALID
@@ -82,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
             force_compare=args.compare,
             megatron_checks=not args.skip_megatron_checks,
             trust_pickle=args.trust_pickle,
+            overrides=overrides,
         ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:

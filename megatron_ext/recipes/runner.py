@@ -701,15 +701,22 @@ def resume_run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trust_pickle: bool = False,
+    overrides: list[str] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
-    overrides applied) from its latest complete checkpoint, in a new segment of the run."""
+    overrides applied) from its latest complete checkpoint, in a new segment of the run.
+    ``overrides``: parallelism.* and training.iterations only (another layout, a longer run:
+    :mod:`megatron_ext.checkpoint.layout`)."""
+    from megatron_ext.checkpoint import layout
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
     run_dir = Path(run_dir)
+    overrides = list(overrides)
     try:
+        if why := layout.override_problem(overrides):
+            raise rsm.ResumeError(why)
         record = rsm.read_run_record(run_dir)
         if not record.get("resumable"):
             raise rsm.ResumeError(
@@ -717,9 +724,15 @@ def resume_run(
                 "multi-module entry); start it again with megatron-ext run"
             )
         status = _summary_status(run_dir)
-        if status in ("passed", "mismatch"):
-            raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
-        resolved = load(run_dir / "recipe.yaml", "cpu", [])
+        resolved = load(run_dir / "recipe.yaml", "cpu", overrides)
+        if status in ("passed", "mismatch") and not (
+            overrides and layout.finished_run_continues(run_dir, resolved.recipe)
+        ):
+            raise rsm.ResumeError(
+                f"{run_dir}: the run already finished (status {status}); to train it further, "
+                "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
+            )
+        before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
@@ -727,7 +740,7 @@ def resume_run(
         resolved.recipe,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
-        list(record.get("overrides", [])),
+        list(record.get("overrides", [])) + overrides,
     )
     ckpt = rsm.checkpoint_dir(run_dir)
     cut = rsm.discard_incomplete(ckpt)
@@ -748,6 +761,9 @@ def resume_run(
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    run_phases = phases(loaded, run_dir, segment, load=latest is not None)
+    if before is not None:
+        run_phases[0].args.extend(layout.apply(run_dir, before, loaded, latest, echo))
     results: list[dict] = []
     try:
         return _run_phases(
@@ -759,7 +775,7 @@ def resume_run(
             force_compare,
             False,
             echo,
-            run_phases=phases(loaded, run_dir, segment, load=latest is not None),
+            run_phases=run_phases,
         )
     except KeyboardInterrupt as exc:
         _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
