@@ -100,9 +100,7 @@ def finished_run_continues(run_dir: Path, recipe: Any) -> bool:
     return recipe.training.iterations > latest
 
 
-def apply(
-    run_dir: Path, before: Any, loaded: Any, latest: int | None, echo: Any
-) -> list[str]:
+def apply(run_dir: Path, before: Any, loaded: Any, latest: int | None, echo: Any) -> list[str]:
     """Once a resume with overrides may start: the new recipe becomes the run's (recipe.yaml,
     run.json's overrides and layout_changes) and the Megatron flags it needs are returned."""
     from megatron_ext.recipes.loader import dump

@@ -112,7 +112,9 @@ def test_a_converted_torch_dist_checkpoint_round_trips_exactly_and_continues_the
 def test_finetune_starts_at_iteration_zero_from_the_loaded_weights(source, tmp_path):
     run_dir, losses = source
     tuned = _train(
-        tmp_path / "C", "training.iterations=1", f"checkpoint.load={run_dir}",
+        tmp_path / "C",
+        "training.iterations=1",
+        f"checkpoint.load={run_dir}",
         "checkpoint.finetune=true",
     )
     assert list(tuned) == ["1"], tuned
