@@ -724,10 +724,11 @@ def resume_run(
                 "multi-module entry); start it again with megatron-ext run"
             )
         status = _summary_status(run_dir)
-        resolved = load(run_dir / "recipe.yaml", "cpu", overrides)
-        if status in ("passed", "mismatch") and not (
-            overrides and layout.finished_run_continues(run_dir, resolved.recipe)
-        ):
+        finished = status in ("passed", "mismatch")
+        resolved = (
+            None if finished and not overrides else load(run_dir / "recipe.yaml", "cpu", overrides)
+        )
+        if finished and not (resolved and layout.finished_run_continues(run_dir, resolved.recipe)):
             raise rsm.ResumeError(
                 f"{run_dir}: the run already finished (status {status}); to train it further, "
                 "raise training.iterations (run --resume RUN_DIR training.iterations=N)"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -82,9 +81,22 @@ def source(tmp_path_factory) -> tuple[Path, dict[str, float]]:
 
 
 def _same(a, b) -> bool:
+    """Equal value and type, all the way down (tensors and arrays by dtype and content)."""
+    import numpy as np
+
+    if type(a) is not type(b):
+        return False
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return pickle.dumps(a) == pickle.dumps(b)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _same(vars(a), vars(b))
+    return bool(a == b)
 
 
 def test_a_converted_torch_dist_checkpoint_round_trips_exactly_and_continues_the_run(
