@@ -139,8 +139,10 @@ def mismatches(recipe: Any, args: Any, where: str) -> list[str]:
         theirs = getattr(args, name)
         if name == "mhc_h_res_method" and theirs is None:
             theirs = "sinkhorn"  # saved before the method existed
-        if name == "hybrid_layer_pattern":
+        if name == "hybrid_layer_pattern":  # '|' only splits the layers over PP stages
             theirs = theirs or getattr(args, "hybrid_override_pattern", None)
+            if str(theirs).replace("|", "") == str(ours).replace("|", ""):
+                continue
         if theirs != ours and not (theirs is None and name.startswith("mhc_")):
             problems.append(
                 f"{where}: {field_name} is {ours!r} here but {theirs!r} in the checkpoint "
