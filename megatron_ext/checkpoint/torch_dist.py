@@ -139,11 +139,15 @@ def write(state: Mapping[str, Any], directory: str | Path, tracker_iteration: st
 
 
 def tracker_iteration(path: str | Path) -> str | None:
-    """What a checkpoint root's tracker says (None: PATH is an iteration directory)."""
+    """The iteration PATH's checkpoint was saved at, as a tracker writes it (``release`` or
+    the number), so a converted copy is a checkpoint root Megatron's ``--load`` reads; None for
+    a DCP directory with no iteration in its name."""
     directory = iteration_dir(path)
-    if directory == Path(path) or not (directory.parent / safe_pickle.TRACKER).is_file():
-        return None
-    return "release" if directory.name == "release" else str(int(directory.name[len("iter_") :]))
+    if directory.name == "release":
+        return "release"
+    if safe_pickle.ITERATION_DIR.match(directory.name):
+        return str(int(directory.name[len("iter_") :]))
+    return None
 
 
 def _split(key: str) -> tuple[str, str, str]:
