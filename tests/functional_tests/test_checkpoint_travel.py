@@ -132,7 +132,7 @@ def test_finetune_starts_at_iteration_zero_from_the_loaded_weights(source, tmp_p
     assert list(tuned) == ["1"], tuned
     # the same first batch as the source run's step 1, through weights trained 4 steps
     assert tuned["1"] < losses["1"] - 0.1, (tuned, losses)
-    log = (tmp_path / "C" / "logs" / "rank-1.log").read_text(errors="replace")
+    log = (tmp_path / "C" / "logs" / "rank-0.log").read_text(errors="replace")
     assert "successfully loaded checkpoint" in log
 
 
