@@ -221,7 +221,7 @@ def _byte_items(iteration_dir: Path, metadata: Any) -> Iterator[tuple[str, Path,
 
     kinds = metadata.state_dict_metadata
     for index, info in (metadata.storage_data or {}).items():
-        fqn = getattr(index, "fqn", None)
+        fqn = str(getattr(index, "fqn", ""))
         if not isinstance(kinds.get(fqn), BytesStorageMetadata):
             continue
         relative = str(getattr(info, "relative_path", ""))
