@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import RecipeError, runner
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.runs import runner
 
     if args.resume:
         recipes, overrides = split_targets(args.targets or [])
@@ -116,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, loaded):
     from pathlib import Path
 
-    from megatron_ext.recipes import runner
+    from megatron_ext.runs import runner
 
     return runner.run(
         loaded,
