@@ -263,12 +263,17 @@ def convert_file(
     to: str,
     source: str,
     trust_pickle: bool = False,
+    convert: Any = None,
 ) -> list[str]:
     """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
     checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
     Returns the notes a user should read (see :func:`notes_for`). The input is read with
-    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`)."""
+    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`).
+    ``convert(state_dict, model, to)`` replaces :func:`convert_state_dict` (the CLI's
+    ``--mhc-names``: :func:`megatron_ext.checkpoint.hc_names.convert_mhc_names`)."""
     import os
+
+    convert = convert or convert_state_dict
 
     if (
         os.path.exists(source_path)
@@ -288,11 +293,11 @@ def convert_file(
         for entry in entries:
             _check_keys(checkpoint[entry], f"{source_path}'s {entry!r}")
             notes += notes_for(source, model, checkpoint[entry])
-            converted[entry] = convert_state_dict(checkpoint[entry], model, to)
+            converted[entry] = convert(checkpoint[entry], model, to)
     else:
         _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
-        converted = convert_state_dict(checkpoint, model, to)
+        converted = convert(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
 
@@ -308,10 +313,12 @@ def convert_path(
     source: str,
     output_format: str | None = None,
     trust_pickle: bool = False,
+    convert: Any = None,
 ) -> list[str]:
     """``convert-checkpoint``: a torch_dist checkpoint (an iteration directory, a checkpoint
     root with its tracker, or a run directory) or a ``torch.save`` file, renamed to ``to``
-    and written as ``output_format`` (default: the input's). Returns the notes to show."""
+    and written as ``output_format`` (default: the input's). Returns the notes to show.
+    ``convert``: as for :func:`convert_file` (the CLI's ``--mhc-names``)."""
     from megatron_ext.checkpoint import torch_dist
 
     if output_format not in (None, *FORMATS):
@@ -325,16 +332,17 @@ def convert_path(
                 "not supported (it lacks megatron's common state and sharded objects); convert "
                 "with --format torch, or start a run from it with checkpoint.finetune"
             )
-        return convert_file(source_path, target_path, model, to, source, trust_pickle)
+        return convert_file(source_path, target_path, model, to, source, trust_pickle, convert)
+    convert = convert or convert_state_dict
     try:
         state, _ = _read_torch_dist(source_path, trust_pickle)
         weights = torch_dist.model_weights(state)
         notes = notes_for(source, model, weights)
         if (output_format or "torch_dist") == "torch":
             _check_output_file(target_path)
-            _save_atomically(convert_state_dict(weights, model, to), target_path)
+            _save_atomically(convert(weights, model, to), target_path)
             return [*notes, _WEIGHTS_ONLY_NOTE]
-        renamed = torch_dist.rename_keys(state, lambda sd: convert_state_dict(sd, model, to))
+        renamed = torch_dist.rename_keys(state, lambda sd: convert(sd, model, to))
         torch_dist.write(renamed, target_path, torch_dist.tracker_iteration(source_path))
     except torch_dist.TorchDistError as exc:
         raise ConversionError(str(exc)) from None
