@@ -194,7 +194,13 @@ def long_run_args(loaded: LoadedRecipe, checkpoint_dir: str, load: bool) -> list
         r.test.ckpt_format,
         *stop_signals.megatron_args(),
     ]
-    return args + (["--load", checkpoint_dir] if load else [])
+    if load:
+        return args + ["--load", checkpoint_dir]
+    if r.checkpoint.load:  # the first start of a run from another checkpoint
+        from megatron_ext.checkpoint import start_from
+
+        return args + start_from.megatron_args(r)
+    return args
 
 
 def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:

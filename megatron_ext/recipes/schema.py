@@ -287,6 +287,19 @@ class Checkpoint:
         "keep the checkpoint of the last iteration (false: removed once the run finished)",
         default=True,
     )
+    load: str | None = _doc(
+        "start from this checkpoint: a run directory, its checkpoints/, or any Megatron "
+        "torch_dist checkpoint directory (megatron_ext.checkpoint.start_from)",
+        default=None,
+    )
+    finetune: bool = _doc(
+        "--finetune: load the weights only; iteration 0, fresh optimizer and scheduler",
+        default=False,
+    )
+    load_optim: bool = _doc(
+        "load the checkpoint's optimizer state (false: --no-load-optim, a fresh optimizer)",
+        default=True,
+    )
 
 
 @dataclass

@@ -173,6 +173,9 @@ def details(run_dir: Path) -> list[str]:
         f"last loss  {r.last_loss:.6f}" if r.last_loss is not None else "last loss  -",
         f"when       {_when(r.when)}",
     ]
+    from megatron_ext.checkpoint import layout
+
+    lines += layout.shown(_json(r.path / rsm.RUN_FILE))
     segments = rsm.segments(r.path)
     if len(segments) > 1:
         metrics_by_segment = []

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.checkpoint import preload
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import command, golden_paths, safety
@@ -424,16 +425,23 @@ def run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trace: bool = False,
+    trust_pickle: bool = False,
 ) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
-    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
+    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble).
+    ``trust_pickle``: skip the check of the checkpoints the run loads (``--trust-pickle``)."""
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
     echo(f"  {command.describe(loaded)}")
     for note in loaded.notes:
         echo(f"  note: {note}")
-    why = preflight(loaded, echo, megatron_checks)
+    # first: nothing else (megatron's argument checks included) may read a hostile checkpoint
+    why = preload.pickle_problem(recipe, trust_pickle=trust_pickle)
+    if why is None:
+        why = preload.start_problem(recipe, echo)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is None and recipe.launch.device == "gpu":
         import torch
 
@@ -687,15 +695,23 @@ def resume_run(
     force_compare: bool = False,
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
+    trust_pickle: bool = False,
+    overrides: list[str] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
-    overrides applied) from its latest complete checkpoint, in a new segment of the run."""
+    overrides applied) from its latest complete checkpoint, in a new segment of the run.
+    ``overrides``: parallelism.* and training.iterations only (another layout, a longer run:
+    :mod:`megatron_ext.checkpoint.layout`)."""
+    from megatron_ext.checkpoint import layout
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
     run_dir = Path(run_dir)
+    overrides = list(overrides)
     try:
+        if why := layout.override_problem(overrides):
+            raise rsm.ResumeError(why)
         record = rsm.read_run_record(run_dir)
         if not record.get("resumable"):
             raise rsm.ResumeError(
@@ -703,9 +719,16 @@ def resume_run(
                 "multi-module entry); start it again with megatron-ext run"
             )
         status = _summary_status(run_dir)
-        if status in ("passed", "mismatch"):
-            raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
-        resolved = load(run_dir / "recipe.yaml", "cpu", [])
+        finished = status in ("passed", "mismatch")
+        resolved = (
+            None if finished and not overrides else load(run_dir / "recipe.yaml", "cpu", overrides)
+        )
+        if finished and not (resolved and layout.finished_run_continues(run_dir, resolved.recipe)):
+            raise rsm.ResumeError(
+                f"{run_dir}: the run already finished (status {status}); to train it further, "
+                "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
+            )
+        before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
@@ -713,7 +736,7 @@ def resume_run(
         resolved.recipe,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
-        list(record.get("overrides", [])),
+        list(record.get("overrides", [])) + overrides,
     )
     ckpt = rsm.checkpoint_dir(run_dir)
     cut = rsm.discard_incomplete(ckpt)
@@ -728,10 +751,15 @@ def resume_run(
         if latest is not None
         else "  no complete checkpoint: training starts over"
     )
-    why = preflight(loaded, echo, megatron_checks)
+    why = preload.pickle_problem(loaded.recipe, ckpt if latest is not None else None, trust_pickle)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    run_phases = phases(loaded, run_dir, segment, load=latest is not None)
+    if before is not None:
+        run_phases[0].args.extend(layout.apply(run_dir, before, loaded, latest, echo))
     results: list[dict] = []
     try:
         return _run_phases(
@@ -743,7 +771,7 @@ def resume_run(
             force_compare,
             False,
             echo,
-            run_phases=phases(loaded, run_dir, segment, load=latest is not None),
+            run_phases=run_phases,
         )
     except KeyboardInterrupt as exc:
         _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
