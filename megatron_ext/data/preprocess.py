@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-prefix", type=str, help="output path without the _{key}_document.bin suffix"
     )
     group = parser.add_argument_group(title="runtime")
-    group.add_argument("--workers", type=int, help="tokenizer processes (1: in this process)")
+    group.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (default 1: in this process)"
+    )
     group.add_argument(
         "--log-interval", type=int, default=1000, help="documents between progress lines"
     )
@@ -105,7 +107,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in required:
         if not value:
             raise PrepareDataError(f"{flag} is required")
-    if args.workers is None or args.workers < 1:
+    if args.workers < 1:
         raise PrepareDataError(f"--workers must be a positive number, got {args.workers}")
     if not Path(args.input).is_file():
         raise PrepareDataError(f"--input {args.input}: no such file")

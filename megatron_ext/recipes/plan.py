@@ -209,10 +209,12 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     if d.type == "mock":
         _flag(args, "--mock-data", True)
     else:
-        words = [entry.split() for entry in d.paths]
-        data_path = [w for ws in words for w in ws[:-1] + [_data_path(loaded, ws[-1])] if ws]
-        _flag(args, "--data-path", data_path)
-        _flag(args, "--split", d.split)
+        blends = {flag: _blend_words(loaded, paths) for flag, paths in data_path_flags(d)}
+        for flag, words in blends.items():
+            if words:  # an empty per-split flag would be an empty blend, not no blend
+                _flag(args, flag, words)
+        if "--data-path" in blends:  # a per-split blend has no split (megatron refuses both)
+            _flag(args, "--split", d.split)
         # Megatron caches its sample indices next to the data by default; a run keeps its own.
         if "--data-cache-path" not in r.extra_args:
             _flag(args, "--data-cache-path", "@RUN_DIR@/data_cache")
@@ -709,6 +711,20 @@ def _check_training(r: Recipe, add) -> None:
         )
 
 
+def data_path_flags(d: Any) -> list[tuple[str, list[str]]]:
+    """(flag, entries): ``--data-path`` split by data.split, or Megatron's per-split flags when
+    data.valid_paths or data.test_paths is set (data.paths is then the training blend)."""
+    if not (d.valid_paths or d.test_paths):
+        return [("--data-path", d.paths)]
+    flags = [("--train-data-path", d.paths), ("--valid-data-path", d.valid_paths)]
+    return [*flags, ("--test-data-path", d.test_paths)]
+
+
+def _blend_words(loaded: LoadedRecipe, entries: list[str]) -> list[str]:
+    words = [entry.split() for entry in entries]
+    return [w for ws in words for w in ws[:-1] + [_data_path(loaded, ws[-1])] if ws]
+
+
 def _data_path(loaded: LoadedRecipe, text: str | None) -> str | None:
     """A data or tokenizer path as the ranks get it: ``${VAR}``/``${VAR:-default}`` filled,
     relative to the recipe's directory (left as written when a variable is unset: the
@@ -748,9 +764,11 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
     note = checks.hub_note(d.tokenizer.type)
     if note and not tokenizer_problems and note not in loaded.notes:
         loaded.notes.append(note)
+    fields = ("paths", "valid_paths", "test_paths")
     if d.type == "mock":
-        if d.paths:
-            add("data.paths", "set with data.type: mock; use data.type: indexed to read them")
+        for name in fields:
+            if getattr(d, name):
+                add(f"data.{name}", "set with data.type: mock; use data.type: indexed to read them")
         return
     if not d.paths:
         add("data.paths", "indexed data needs at least one PREFIX (PREFIX.bin and PREFIX.idx)")
@@ -759,30 +777,74 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
         vocab = checks.tokenizer_vocab_size(
             d.tokenizer.type, resolved["model"], resolved["vocab_file"], d.tokenizer.vocab_size
         )
-    for i, entry in enumerate(d.paths):
-        _check_data_path(loaded, f"data.paths[{i}]", entry, vocab, add)
+    blends = {
+        name: [
+            _check_data_path(loaded, f"data.{name}[{i}]", entry, vocab, add)
+            for i, entry in enumerate(getattr(d, name))
+        ]
+        for name in fields
+    }
+    _check_blends(loaded, blends, add)
 
 
-def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -> None:
-    from megatron_ext.data import checks
+def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
+    """Weights on all entries of a blend or on none (Megatron's rule), then whether each split
+    can give the run its samples (:mod:`megatron_ext.data.splits`), when every path is readable."""
+    from megatron_ext.data import splits
+
+    r = loaded.recipe
+    for name, sources in blends.items():
+        weighted = {s.weight is not None for s in sources if s is not None}
+        if len(weighted) > 1:
+            add(f"data.{name}", "give every entry a weight ('WEIGHT PREFIX') or none")
+            return
+    if any(s is None for sources in blends.values() for s in sources) or not blends["paths"]:
+        return
+    t = r.training
+    needed = splits.samples_needed(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
+    per_split = bool(blends["valid_paths"] or blends["test_paths"])
+    for name, split_name in zip(blends, splits.SPLITS):
+        if not blends[name] or (name != "paths" and not per_split):
+            continue
+        try:
+            found = splits.split_problems(
+                blends[name],
+                None if per_split else r.data.split,
+                needed,
+                r.model.seq_length,
+                split_name if per_split else None,
+            )
+        except ValueError as e:  # a split string Megatron cannot read
+            add("data.split", str(e))
+            return
+        for where, what in found:
+            add(where, what)
+
+
+def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -> Any:
+    """Problems of one 'PREFIX' / 'WEIGHT PREFIX' entry; its :class:`~megatron_ext.data.splits.
+    Source` when it has none."""
+    from megatron_ext.data import checks, splits
 
     words = entry.split()
     if len(words) not in (1, 2):
         add(where, f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
-        return
+        return None
+    weight = None
     if len(words) == 2:
         try:
             weight = float(words[0])
         except ValueError:
             add(where, f"{entry!r}: the weight {words[0]!r} is not a number ('WEIGHT PREFIX')")
-            return
+            return None
         if not weight > 0:
             add(where, f"{entry!r}: the weight must be positive, got {words[0]}")
+            return None
     try:
         prefix = checks.resolve_path(words[-1], loaded.base_dir)
     except checks.UnsetVariable as e:
         add(where, f"{words[-1]!r}: {e}")
-        return
+        return None
     missing = checks.missing_files(prefix)
     if missing:
         add(
@@ -790,18 +852,21 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
             f"{' and '.join(missing)} not found (relative paths are relative to the recipe's "
             "directory; `megatron-ext prepare-data` makes them)",
         )
-        return
+        return None
     try:
         largest = checks.max_token_id(prefix)
+        lengths = splits.read_lengths(prefix)
     except Exception as e:  # a corrupt index: megatron's reader asserts
         add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
-        return
+        return None
     if vocab is not None and largest is not None and largest >= vocab:
         add(
             where,
             f"{prefix}.bin holds token id {largest} but the tokenizer has {vocab} tokens; "
             "prepare the data with the recipe's tokenizer",
         )
+        return None
+    return splits.Source(where, prefix, weight, lengths)
 
 
 def _check_test(r: Recipe, add) -> None:

@@ -234,7 +234,15 @@ class Data:
         "relative to the recipe, ${VAR} / ${VAR:-default} from the environment",
         default_factory=list,
     )
-    split: str = _doc("--split", default="949,50,1")
+    valid_paths: list[str] = _doc(
+        "indexed: --valid-data-path entries (as paths); with it or test_paths, paths is "
+        "--train-data-path and split is not used",
+        default_factory=list,
+    )
+    test_paths: list[str] = _doc(
+        "indexed: --test-data-path entries (as paths)", default_factory=list
+    )
+    split: str = _doc("--split (data.paths shared by train, valid and test)", default="949,50,1")
     tokenizer: Tokenizer = field(default_factory=Tokenizer, metadata={"doc": "the tokenizer"})
 
 
