@@ -102,8 +102,11 @@ def tokenizer_problems(
     vocab_file: str | None,
     merge_file: str | None,
     where: str = "",
+    need_eos: bool = True,
 ) -> list[str]:
-    """Missing tokenizer files, and a hub download that cannot happen offline."""
+    """Missing tokenizer files, a local tokenizer directory that does not read or (``need_eos``:
+    training, ``--append-eod``) names no end-of-document token, and a hub download that cannot
+    happen offline."""
     values = {"model": model, "vocab_file": vocab_file, "merge_file": merge_file}
     problems = []
     for field, flag in FILE_FIELDS.get(tokenizer_type, ()):
@@ -114,9 +117,13 @@ def tokenizer_problems(
         elif not Path(value).exists():
             problems.append(f"{label}: {value} does not exist")
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
+        label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            label = f"{where}model" if where else "--tokenizer-model"
             problems.append(f"{label}: {model} has no tokenizer.json or tokenizer_config.json")
+        else:
+            from megatron_ext.data.tokenizer_files import directory_problems
+
+            problems += [f"{label}: {line}" for line in directory_problems(model, need_eos)]
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")

@@ -25,7 +25,6 @@ is our own):
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -126,7 +125,7 @@ def split_problems(
         shares = split_shares(split or "")
         bounds = split_bounds(shares)
     problems = []
-    for i, name in enumerate(SPLITS):
+    for i in range(len(SPLITS)):
         if bounds[i] is not None:
             problem = _one_split(blend, i, bounds[i], shares, needed[i], seq_length, split)
             if problem:

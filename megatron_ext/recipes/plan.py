@@ -289,6 +289,10 @@ def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
     else:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    from megatron_ext.data import tokenizer_files
+
+    tokenizer = loaded.recipe.data.tokenizer
+    env.update(tokenizer_files.run_environment(tokenizer.type, _data_path(loaded, tokenizer.model)))
     env.update({k: env_value(v) for k, v in loaded.recipe.launch.env.items()})
     return env
 
@@ -803,7 +807,7 @@ def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
     t = r.training
     needed = splits.samples_needed(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
     per_split = bool(blends["valid_paths"] or blends["test_paths"])
-    for name, split_name in zip(blends, splits.SPLITS):
+    for name, split_name in zip(blends, splits.SPLITS, strict=True):
         if not blends[name] or (name != "paths" and not per_split):
             continue
         try:

@@ -70,7 +70,7 @@ def test_megatron_split_arithmetic_matches_its_builder():
         ours = splits.split_bounds(splits.split_shares(text))
         theirs = convert_split_vector_to_split_matrix(parse_and_normalize_split(text))
         for n in (1, 2, 12, 74, 1000):
-            for a, b in zip(ours, theirs):
+            for a, b in zip(ours, theirs, strict=True):
                 assert (a is None) == (b is None), text
                 if a is not None:
                     begin, end = (int(round(x * float(n))) for x in b)
