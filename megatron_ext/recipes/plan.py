@@ -694,8 +694,11 @@ def _check_training(r: Recipe, add) -> None:
                 f"and lr_warmup_iters ({t.lr_warmup_iters}) are both "
                 "set; Megatron takes one of them",
             )
-    if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:
-        add("training.lr_decay_iters", f"{t.lr_decay_iters} < lr_warmup_iters {t.lr_warmup_iters}")
+    from megatron_ext.recipes.lr_schedule import lr_schedule_problems
+
+    extra_args = r.extra_args if isinstance(r.extra_args, dict) else {}
+    for problem in lr_schedule_problems(t, extra_args):
+        add(problem.where, problem.what)
     if r.test.type == "ckpt-resume" and (t.iterations < 2 or t.iterations % 2):
         add(
             "training.iterations",
