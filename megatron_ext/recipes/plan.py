@@ -499,8 +499,21 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
 def parallel_plan(r: Recipe) -> ParallelPlan:
     """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
     p = r.parallelism
+    etp = (
+        r.extra_args.get("--expert-tensor-parallel-size")
+        if isinstance(r.extra_args, dict)
+        else None
+    )
     return ParallelPlan(
-        tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, sp=p.sp, dp_size=p.dp, world=r.launch.nproc
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        ep=p.ep,
+        sp=p.sp,
+        dp_size=p.dp,
+        world=r.launch.nproc,
+        etp=etp if isinstance(etp, int) and not isinstance(etp, bool) else None,
     )
 
 

@@ -706,10 +706,9 @@ def convert(
         )
 
     _drop_non_numbers(full, conversion)
-    ep = _get(full, "parallelism.ep", 1)
-    model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
-    if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs
-        _set(full, "parallelism.dp", ep // math.gcd(model_parallel, ep))
+    expert_dp = _expert_dp(full)
+    if expert_dp > 1:  # both grids divide the world only with these replicas
+        _set(full, "parallelism.dp", expert_dp)
     cpu, changes = cpu_overlay(full)
     goldens = golden_files(case_dir)
     conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [
@@ -734,12 +733,28 @@ def convert(
     mapping = conversion.notes.setdefault("mapping", [])
     tp, pp, cp = (_get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp"))
     dp = _get(full, "parallelism.dp", 1)
-    mapping.append(
-        f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
-        "expert parallelism admits; upstream takes the GPU count from its job)"
-    )
+    world = f"world size {tp * pp * cp * dp} = tp * pp * cp * dp"
+    if _get(full, "parallelism.ep", 1) > 1:
+        world += (
+            f" (dp {dp}: the smallest whose world the expert grid etp * ep * pp divides; "
+            "upstream takes the GPU count from its job)"
+        )
+    mapping.append(world)
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
+
+
+def _expert_dp(full: dict) -> int:
+    """The data-parallel size the imported case needs: the smallest whose world the expert
+    grid divides (expert TP defaults to TP, as megatron's does), 1 without experts."""
+    from megatron_ext.parallel_plan import ParallelPlan
+
+    sizes = {k: _get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp", "ep")}
+    etp = _get(full, "extra_args.--expert-tensor-parallel-size", None)
+    if sizes["ep"] <= 1 or not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
+        return 1
+    etp = etp if isinstance(etp, int) and not isinstance(etp, bool) and etp >= 1 else None
+    return ParallelPlan(**sizes, etp=etp).smallest_expert_dp
 
 
 def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:
