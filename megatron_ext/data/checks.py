@@ -12,6 +12,7 @@ the recipe's directory (:func:`resolve_path`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,7 +116,8 @@ def tokenizer_problems(
         if not value:
             problems.append(f"{label}: {tokenizer_type} needs {flag}")
         elif not Path(value).exists():
-            problems.append(f"{label}: {value} does not exist")
+            fix = example_fix(value)
+            problems.append(f"{label}: {value} does not exist" + (f"; {fix}" if fix else ""))
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
         label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -153,6 +155,36 @@ def tokenizer_vocab_size(
         import sentencepiece
 
         return sentencepiece.SentencePieceProcessor(model_file=str(model)).vocab_size()
+    return None
+
+
+# Paths under an example directory (``prepare-data --example DIR``), as parts below DIR.
+EXAMPLE_LAYOUT = (
+    ("tokenizers", "huggingface"),
+    ("tokenizers", "sentencepiece", "tokenizer.model"),
+    ("tokenizers", "gpt2", "vocab.json"),
+    ("tokenizers", "gpt2", "merges.txt"),
+    *(
+        ("data", tokenizer, f"{source}_text_document")
+        for tokenizer in ("huggingface", "sentencepiece")
+        for source in ("stdlib_a_m", "stdlib_n_z")
+    ),
+)
+
+
+def example_fix(path: str) -> str | None:
+    """For a missing path of the example data: the one command that makes it (None for any
+    other path)."""
+    parts = Path(os.path.normpath(path)).parts
+    for tail in EXAMPLE_LAYOUT:
+        if len(parts) > len(tail) and parts[-len(tail) :] == tail:
+            root = Path(*parts[: -len(tail)])
+            with contextlib.suppress(ValueError):
+                root = root.relative_to(Path.cwd())
+            return (
+                f"the example data is not made yet: run `megatron-ext prepare-data --example "
+                f"{root}` (or set MEGATRON_EXT_EXAMPLE_DATA to where it is)"
+            )
     return None
 
 

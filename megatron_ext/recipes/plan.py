@@ -867,11 +867,16 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
         return None
     missing = checks.missing_files(prefix)
     if missing:
-        add(
-            where,
-            f"{' and '.join(missing)} not found (relative paths are relative to the recipe's "
-            "directory; `megatron-ext prepare-data` makes them)",
+        fix = checks.example_fix(prefix)
+        fix = (
+            f"; {fix}"
+            if fix
+            else (
+                " (relative paths are relative to the recipe's directory; `megatron-ext "
+                "prepare-data` makes them)"
+            )
         )
+        add(where, f"{' and '.join(missing)} not found{fix}")
         return None
     try:
         largest = checks.max_token_id(prefix)
