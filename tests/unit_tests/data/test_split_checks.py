@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_ext.cli import main as cli_main
 from megatron_ext.data import splits
 from megatron_ext.recipes import load
 from megatron_ext.recipes.plan import megatron_args, plan_problems
@@ -26,26 +25,19 @@ data:
 
 @pytest.fixture(scope="module")
 def dozen(tmp_path_factory):
-    """data/dozen_text_document: 12 documents of 5 token ids each; data/one_text_document: 1."""
+    """data/dozen_text_document: 12 documents of 5 token ids each; data/one_text_document: 1
+    (written by megatron-core's IndexedDatasetBuilder, as prepare-data writes them)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     root = tmp_path_factory.mktemp("dozen")
-    for name, count in (("dozen", 12), ("one", 1)):
-        lines = [f'{{"text": "{" ".join(str(i + k) for k in range(5))}"}}' for i in range(count)]
-        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-        rc = cli_main(
-            [
-                "prepare-data",
-                "--input",
-                str(root / f"{name}.jsonl"),
-                "--output-prefix",
-                str(root / "data" / name),
-                "--tokenizer-type",
-                "NullTokenizer",
-                "--vocab-size",
-                "64",
-            ]
-        )
-        assert rc == 0
+    (root / "data").mkdir()
     (root / "recipes").mkdir()
+    for name, count in (("dozen", 12), ("one", 1)):
+        prefix = root / "data" / f"{name}_text_document"
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+        for i in range(count):
+            builder.add_document(np.arange(i, i + 5, dtype=np.int64), [5])
+        builder.finalize(f"{prefix}.idx")
     return root
 
 
@@ -170,3 +162,56 @@ def test_empty_lengths_are_refused_without_reading_files():
     source = splits.Source("data.paths[0]", "p", None, np.zeros(4, dtype=np.int64))
     ((where, what),) = splits.split_problems([source], "1,0,0", (8, 0, 0), 16)
     assert where == "data.split" and "0 tokens" in what
+
+
+def _megatron_builds(blend, split, sizes, tmp_path, blend_per_split=None) -> list:
+    """megatron-core's BlendedMegatronDatasetBuilder, in this process, as the ranks run it."""
+    import argparse
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from megatron_ext.data.preprocess import build_tokenizer
+
+    tokenizer = build_tokenizer(
+        argparse.Namespace(
+            tokenizer_type="NullTokenizer",
+            tokenizer_model=None,
+            vocab_file=None,
+            merge_file=None,
+            vocab_size=64,
+        )
+    )
+    config = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=16,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        path_to_cache=str(tmp_path / "cache"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def test_what_the_check_accepts_megatron_builds_with_the_samples(dozen, tmp_path):
+    """The accepted small-corpus plans build in megatron-core with every sample the run asks
+    for (the refused ones would not return: an empty split's epoch loop never ends)."""
+    data = str(dozen / "data")
+    loaded = _recipe(dozen, split="10,1,1", training=", eval_interval: 2, eval_iters: 3")
+    assert _data_problems(loaded) == []
+    sizes = list(splits.samples_needed(4, 4, 2, 3))
+    built = _megatron_builds(([f"{data}/dozen_text_document"], None), "10,1,1", sizes, tmp_path)
+    assert [len(d) >= n for d, n in zip(built, sizes, strict=True)] == [True] * 3
+    per_split = [
+        ([f"{data}/dozen_text_document"], None),
+        ([f"{data}/one_text_document", f"{data}/dozen_text_document"], [0.5, 0.5]),
+        ([f"{data}/one_text_document"], None),
+    ]
+    built = _megatron_builds(None, None, sizes, tmp_path, blend_per_split=per_split)
+    assert [len(d) >= n for d, n in zip(built, sizes, strict=True)] == [True] * 3
