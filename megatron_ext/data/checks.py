@@ -118,6 +118,12 @@ def tokenizer_problems(
         elif not Path(value).exists():
             fix = example_fix(value)
             problems.append(f"{label}: {value} does not exist" + (f"; {fix}" if fix else ""))
+    if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
+        problem = _vocab_json_problem(vocab_file)
+        if problem:
+            problems.append(
+                f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
+            )
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
         label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -130,6 +136,21 @@ def tokenizer_problems(
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
     return problems
+
+
+def _vocab_json_problem(vocab_file: str) -> str | None:
+    """A GPT-2 vocab.json that is not a JSON mapping of tokens to ids (megatron reads it with
+    json.load)."""
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return (
+            f"{vocab_file} is not JSON ({' '.join(str(e).split())}); GPT2BPETokenizer's vocab "
+            "file is vocab.json, a mapping of tokens to ids"
+        )
+    if not isinstance(vocab, dict):
+        return f"{vocab_file} is JSON but not a mapping of tokens to ids"
+    return None
 
 
 def tokenizer_vocab_size(

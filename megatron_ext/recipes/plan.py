@@ -281,14 +281,21 @@ def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
     return ["--load", checkpoint_dir, "--ckpt-format", loaded.recipe.test.ckpt_format]
 
 
+FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
+"""Megatron's FSDP flags: both assert CUDA_DEVICE_MAX_CONNECTIONS is not 1."""
+
+
 def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
     """Variables every rank gets on top of the launcher's own (torchrun-style rank variables)."""
     env: dict[str, str] = {}
+    fsdp = any(loaded.recipe.extra_args.get(f) for f in FSDP_FLAGS)
     if loaded.recipe.launch.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU runtime, even where a GPU exists
         env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
-    else:
+    elif not fsdp:  # FSDP refuses 1 (megatron's validate_args), and wants it unset on GPU
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if fsdp and loaded.recipe.launch.device == "cpu":
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"  # not 1 (the CPU runtime's default); inert
     from megatron_ext.data import tokenizer_files
 
     tokenizer = loaded.recipe.data.tokenizer

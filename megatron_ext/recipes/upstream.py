@@ -54,6 +54,14 @@ REFUSED_KEYS = {
     "AFTER_SCRIPT": "shell that upstream's CI runs after the job; megatron-ext never runs a "
     "recipe's shell: remove the key",
 }
+# Keys upstream's CI reads that megatron-ext does not use (notes, not problems):
+# MODEL_ARGS_N is the configuration of run N of a multi-run test (tests/functional_tests/
+# shell_test_utils/run_ci_test.sh: run 2 of ckpt-resume uses MODEL_ARGS_2 when present).
+RUN_ARGS_KEY = re.compile(r"MODEL_ARGS_([2-5])")
+IGNORED_KEYS = {
+    "TEST_EVALUATION": "read by Megatron-LM's CI around the job; megatron-ext evaluates with "
+    "training.eval_interval and compares test.metrics: the key is not used",
+}
 SUPPORTED_MODES = ("pretraining",)
 REFUSED_MODES = {
     "inference": "upstream runs it with its inference scripts (examples/inference/), not a "
@@ -648,6 +656,10 @@ def convert(
     for key in raw:
         if key in REFUSED_KEYS:
             conversion.problems.append(Problem(str(key), f"not supported: {REFUSED_KEYS[key]}"))
+        elif key in IGNORED_KEYS:
+            conversion.notes.setdefault("mapping", []).append(f"{key}: {IGNORED_KEYS[key]}")
+        elif isinstance(key, str) and RUN_ARGS_KEY.fullmatch(key):
+            _run_args_key(raw, key, conversion)
         elif key not in UPSTREAM_KEYS:
             from megatron_ext.recipes.schema import suggestion
 
@@ -742,6 +754,25 @@ def convert(
     mapping.append(world)
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
+
+
+def _run_args_key(raw: dict, key: str, conversion: Conversion) -> None:
+    """MODEL_ARGS_N: the same flags as MODEL_ARGS are a note; others a problem (megatron-ext
+    runs every phase of a test with one command line)."""
+    run = key.rsplit("_", 1)[1]
+    if raw.get(key) == raw.get("MODEL_ARGS"):
+        conversion.notes.setdefault("mapping", []).append(
+            f"{key}: Megatron-LM's CI runs run {run} with it; it equals MODEL_ARGS"
+        )
+        return
+    conversion.problems.append(
+        Problem(
+            key,
+            f"Megatron-LM's CI runs run {run} of the test with these flags instead of MODEL_ARGS; "
+            "megatron-ext runs every phase with MODEL_ARGS: not supported (make it equal "
+            "MODEL_ARGS or remove it)",
+        )
+    )
 
 
 def _expert_dp(full: dict) -> int:

@@ -331,9 +331,11 @@ def _as_rank_zero_of(world_size: int, argv: list[str]) -> Iterator[None]:
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")
     }
     saved_argv = sys.argv
-    os.environ.update(
-        WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1"
-    )
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+    if any(flag in argv for flag in plan.FSDP_FLAGS):  # as the run's environment has it
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     sys.argv = ["megatron-ext-validate", *argv]
     try:
         yield
