@@ -257,6 +257,6 @@ def test_compare_runs_with_different_metric_sets_compares_the_common_ones(tmp_pa
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.startswith("lm loss"))
     assert row[2:4] == ["2", "0.5"], row
-    assert "present in mhc only (not compared): grad norm" in out
+    assert "present in mhc only (not compared): grad-norm" in out
     assert cli_main(["compare", str(mhc), str(plain), "--metrics", "lm loss"]) == 0
     assert "lm loss" in capsys.readouterr().out
