@@ -146,7 +146,10 @@ def test_resumed_segments_join_from_their_first_step(tmp_path):
 def test_runs_lists_and_compare_plots_two_runs(tmp_path, capsys):
     a = _run_dir(tmp_path / "a", {1: 4.0, 2: 3.5, 3: 3.0})
     _run_dir(tmp_path / "b", {1: 4.0, 2: 3.0}, {3: 2.0})
-    (a / "summary.json").write_text(json.dumps({"status": "passed", "phases": [], "reports": []}))
+    compared = [{"title": "golden values", "passed": True}]
+    (a / "summary.json").write_text(
+        json.dumps({"status": "passed", "phases": [], "reports": compared})
+    )
     assert cli_main(["runs", "--runs-root", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["NAME", "RECIPE", "STATUS", "STEPS", "LAST", "LOSS", "WHEN"]
