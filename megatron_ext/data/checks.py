@@ -118,12 +118,6 @@ def tokenizer_problems(
         elif not Path(value).exists():
             fix = example_fix(value)
             problems.append(f"{label}: {value} does not exist" + (f"; {fix}" if fix else ""))
-    if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
-        problem = _vocab_json_problem(vocab_file)
-        if problem:
-            problems.append(
-                f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
-            )
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
         label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -135,6 +129,12 @@ def tokenizer_problems(
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
+    if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
+        problem = _vocab_json_problem(vocab_file)
+        if problem:
+            problems.append(
+                f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
+            )
     return problems
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.recipes import load
-from megatron_ext.recipes.plan import plan_problems
+from megatron_ext.recipes.checks import plan_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 COMMAND = "run `megatron-ext prepare-data --example example_data`"

@@ -12,7 +12,8 @@ import pytest
 from megatron_ext.cli import main as cli_main
 from megatron_ext.data import preprocess, tokenizer_files
 from megatron_ext.recipes import load
-from megatron_ext.recipes.plan import plan_problems, run_environment
+from megatron_ext.recipes.checks import plan_problems
+from megatron_ext.recipes.command import run_environment
 
 TEXTS = [f"plain tokenizer document number {i} about hyper connections" for i in range(12)]
 

@@ -8,7 +8,7 @@ from test_upstream_cases import write_case
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes import load
-from megatron_ext.recipes.plan import plan_problems
+from megatron_ext.recipes.checks import plan_problems
 
 MOE = {"--num-experts": 4, "--expert-model-parallel-size": 2}
 

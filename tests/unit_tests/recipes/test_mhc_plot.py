@@ -4,7 +4,7 @@ the identity and from uniform mixing, and the gains on a fixed axis, where a pro
 
 from __future__ import annotations
 
-from megatron_ext.recipes import mhc_report
+from megatron_ext.runs import mhc_report
 
 STEPS = (1, 2, 3)
 

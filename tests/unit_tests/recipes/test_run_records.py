@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 from megatron_ext.cli import main as cli_main
-from megatron_ext.recipes import load, plot, runner
+from megatron_ext.recipes import load
+from megatron_ext.runs import plot, runner
 
 RECIPE = """
 version: 1

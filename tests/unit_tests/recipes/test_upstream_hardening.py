@@ -7,7 +7,8 @@ import yaml
 from test_upstream_cases import write_case
 
 from megatron_ext.recipes import load, upstream
-from megatron_ext.recipes.plan import plan_problems, run_environment
+from megatron_ext.recipes.checks import plan_problems
+from megatron_ext.recipes.command import run_environment
 from megatron_ext.recipes.validate import argv_problems
 
 

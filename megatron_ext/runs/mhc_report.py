@@ -94,7 +94,7 @@ def figure(run_metrics: dict, title: str):
     uniform mixing, and the gains on :data:`GAIN_AXIS` (None when the run logged no gain)."""
     if not any(run_metrics.get(name) for name in GAIN_NAMES):
         return None
-    from megatron_ext.recipes.plot import _pyplot
+    from megatron_ext.runs.plot import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
@@ -109,7 +109,7 @@ def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
     fig = figure(run_metrics, title)
     if fig is None:
         return None
-    from megatron_ext.recipes.plot import _pyplot
+    from megatron_ext.runs.plot import _pyplot
 
     path = Path(run_dir) / PLOT_NAME
     fig.savefig(path, dpi=90)
