@@ -101,3 +101,27 @@ def test_validate_checks_fsdp_with_the_runs_environment():
     ]
     problems = argv_problems(argv, "megatron_ext.pretrain_gpt", 2)
     assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in p.what for p in problems), problems
+
+
+def test_muon_without_emerging_optimizers_is_refused_by_validate(write_recipe, monkeypatch):
+    from megatron_ext.recipes import validate as validation
+
+    path = write_recipe(
+        "version: 1\n"
+        "model: {type: gpt, num_layers: 2, hidden_size: 32, num_attention_heads: 4, "
+        "seq_length: 16}\n"
+        "extra_args: {--optimizer: muon}\n"
+    )
+    monkeypatch.setattr(
+        validation,
+        "_module_importable",
+        lambda name: name != validation.EMERGING_OPTIMIZERS_PACKAGE,
+    )
+    result = validation.validate(load(path), megatron_checks=False)
+    assert [str(p) for p in result.problems] == [
+        "extra_args.--optimizer: muon is built by the emerging-optimizers package, which is not "
+        "importable here (every rank would fail building the optimizer); pip install "
+        "emerging-optimizers, or use adam"
+    ]
+    monkeypatch.setattr(validation, "_module_importable", lambda name: True)
+    assert validation.validate(load(path), megatron_checks=False).problems == []
