@@ -130,6 +130,7 @@ GPU_ONLY_FLAGS = (
     "--cuda-graph-",
     "--te-rng-tracker",
     "--moe-grouped-gemm",
+    "--moe-permute-fusion",  # Transformer Engine's fused permutation
     "--attention-backend",
     "--log-memory-to-tensorboard",
     "--data-cache-path",
@@ -570,7 +571,25 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
         del cpu["extra_args"][flag]
     if dropped:
         changes.append(f"extra_args: left out {', '.join(dropped)} (GPU only)")
+    if "--moe-grouped-gemm" in dropped:
+        changes += _without_moe_act_recompute(cpu.get("extra_args", {}))
     return cpu, changes
+
+
+def _without_moe_act_recompute(extra: dict) -> list[str]:
+    """The ``moe_act`` recompute module runs on grouped GEMM's experts (megatron's
+    TEGroupedMLP/GroupedMLP); with grouped GEMM left out it goes too."""
+    modules = extra.get("--recompute-modules")
+    listed = modules if isinstance(modules, list) else str(modules or "").split()
+    if "moe_act" not in listed:
+        return []
+    kept = [m for m in listed if m != "moe_act"]
+    if kept:
+        extra["--recompute-modules"] = kept
+    else:
+        extra.pop("--recompute-modules", None)
+        extra.pop("--recompute-granularity", None)
+    return ["extra_args: left out moe_act from --recompute-modules (it needs grouped GEMM)"]
 
 
 def _schema_default(path: str) -> Any:

@@ -125,3 +125,22 @@ def test_muon_without_emerging_optimizers_is_refused_by_validate(write_recipe, m
     ]
     monkeypatch.setattr(validation, "_module_importable", lambda name: True)
     assert validation.validate(load(path), megatron_checks=False).problems == []
+
+
+def test_the_cpu_overlay_drops_what_only_dropped_flags_needed(tmp_path):
+    """Grouped GEMM left out takes the moe_act recompute with it; TE's fused permutation is a
+    GPU flag too (issue 33, item 6)."""
+    args = {
+        "--num-experts": 4,
+        "--moe-grouped-gemm": True,
+        "--moe-permute-fusion": True,
+        "--recompute-granularity": "selective",
+        "--recompute-modules": "moe_act layernorm",
+    }
+    loaded = load(write_case(tmp_path, args))
+    extra = loaded.recipe.extra_args
+    assert extra.get("--recompute-modules") == ["layernorm"], extra
+    assert "--moe-grouped-gemm" not in extra and "--moe-permute-fusion" not in extra
+    assert any("left out moe_act" in n for n in loaded.notes)
+    gpu = load(write_case(tmp_path, args), "dgx_h100").recipe.extra_args
+    assert "moe_act" in gpu["--recompute-modules"] and gpu["--moe-grouped-gemm"] is True
