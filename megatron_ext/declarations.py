@@ -90,10 +90,13 @@ register(
         target="megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
         replacement="megatron_ext.pipeline.shapes:communicate_with_pipeline_width",
         why=(
-            "With mHC and PP > 1 every inter-stage tensor is the n-stream residual [s, b, n*h], "
-            "but both schedules size fixed receive buffers from hidden_size (1F1B through "
-            "get_tensor_shapes, the interleaved schedule inline, with no hook). Every exchange "
-            "passes through _communicate, the one place both can be widened. The same seam "
+            "Every inter-stage message is the edge's typed stage payload packed into one tensor "
+            "(pipeline.payload: with mHC and PP > 1 the n-stream residual [s, b, n*h], with "
+            "single-pass mHC also the fp32 coefficients), but the schedules size fixed receive "
+            "buffers from hidden_size (1F1B through get_tensor_shapes, the interleaved schedule "
+            "inline, with no hook; megatron-ext's ZB-H1 through the same communicator). Every "
+            "exchange passes through _communicate, the one place all can take the payload's "
+            "width. The same seam "
             "checks, at a communicator's first exchange, that all stages agree on the fields "
             "that shape these tensors (pipeline.consistency; only the shape, once per shape, "
             "where the entry's model provider agreed on the fields before build), and every "
@@ -795,6 +798,16 @@ declare(
         "linear whose expert-TP group has one rank (megatron sets it only above one), so the "
         "forward skips the identity output reduce whose view output megatron's expert MLP "
         "adds its bias to in place (an autograd error at EP=1 with add_bias_linear=True).",
+    )
+)
+declare(
+    Seam(
+        f"{_MCORE}.transformer.transformer_block:TransformerBlock.set_input_tensor",
+        "object_attribute",
+        "Single-pass mHC: a receiving stage's HyperConnectionTransformerBlock unpacks the stage "
+        "payload that set_input_tensor stored as input_tensor and stores its hidden_states "
+        "field back there, where TransformerBlock.forward reads its input when not "
+        "pre_process (the coefficients field stays with the block).",
     )
 )
 declare(

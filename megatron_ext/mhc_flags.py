@@ -24,6 +24,7 @@ MHC_DEFAULTS: dict[str, object] = {
     "mhc_init_gating_factor": 0.01,
     "mhc_recompute_layer_num": None,
     "mhc_learned_output_contract": False,
+    "mhc_single_pass": False,
     "use_fused_mhc": False,
     "mhc_variant": "megatron",  # ours: "deepseek-v4" / "glm5" maps (megatron_ext.mhc.variants)
 }

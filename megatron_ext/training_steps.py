@@ -149,6 +149,14 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(
         parser,
         group,
+        "--mhc-single-pass",
+        action="store_true",
+        help="DeepSeek-V4.1 single-pass mHC: each sub-layer aggregates with the previous "
+        "sub-layer's coefficients (under PP they travel with the streams)",
+    )
+    _add_flag(
+        parser,
+        group,
         "--use-fused-mhc",
         action="store_true",
         help="run the mHC maths through the fused Triton kernels (CUDA; needs triton, "

@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--microbatch-group-size-per-virtual-pipeline-stage (default: pp)",
     )
     parser.add_argument("--mhc-streams", type=int, help="mHC residual streams n (edges carry n*h)")
+    parser.add_argument(
+        "--mhc-single-pass",
+        action="store_true",
+        help="single-pass mHC: edges also carry the next sub-layer's coefficients [s, b, n] fp32",
+    )
     parser.add_argument("--hidden", type=int, help="hidden size h (for bytes per edge)")
     parser.add_argument("--seq", type=int, help="sequence length (for bytes per edge)")
     parser.add_argument(
@@ -178,8 +183,11 @@ def main(args: argparse.Namespace) -> int:
                     args.micro_batch_size,
                     args.mhc_streams or 1,
                     args.dtype_bytes,
+                    single_pass=args.mhc_single_pass,
                 )
-            elif args.mhc_streams:
+                if args.mhc_single_pass and not args.mhc_streams:
+                    return _error("--mhc-single-pass needs --mhc-streams")
+            elif args.mhc_streams or args.mhc_single_pass:
                 return _error("--mhc-streams needs --hidden, --seq and --micro-batch-size")
         if plan_problems := plan.problems():
             return _error(str(plan_problems[0]))

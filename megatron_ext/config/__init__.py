@@ -58,6 +58,10 @@ class MHCTransformerConfig(TransformerConfig):
     switch (its GPT always does this); the name is its function's. The Hybrid stack always uses
     the learned contraction, as upstream does."""
 
+    mhc_single_pass: bool = MHC_DEFAULTS["mhc_single_pass"]  # type: ignore[assignment]
+    """DeepSeek-V4.1's single-pass mHC (upstream's name, Megatron-LM #7500): each sub-layer
+    aggregates with the previous sub-layer's coefficients (megatron_ext.mhc.single_pass)."""
+
     use_fused_mhc: bool = MHC_DEFAULTS["use_fused_mhc"]  # type: ignore[assignment]
     """Run the mHC sub-layer maths through the fused Triton kernels of
     :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
@@ -108,6 +112,7 @@ class MHCTransformerConfig(TransformerConfig):
             guards.check_mhc_features(self)
             guards.check_mhc_layer_features(self)
             guards.check_mhc_pipeline(self)
+        guards.check_mhc_single_pass(self)
 
 
 @dataclass

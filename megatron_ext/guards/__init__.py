@@ -277,6 +277,58 @@ def check_gpt_mhc_mtp(config: Any) -> None:
         )
 
 
+def check_mhc_single_pass(config: Any) -> None:
+    """``mhc_single_pass`` (megatron_ext.mhc.single_pass): what the single-pass form does not
+    do yet, each with its reason."""
+    if not getattr(config, "mhc_single_pass", False):
+        return
+    if not getattr(config, "enable_mhc_connections", False):
+        raise ValueError(
+            "mhc_single_pass=True needs enable_mhc_connections=True (--enable-mhc-connections)"
+        )
+    refusals = (
+        (
+            getattr(config, "use_fused_mhc", False),
+            "use_fused_mhc=True: the fused kernels aggregate with the site's own coefficients; "
+            "set use_fused_mhc=False",
+        ),
+        (
+            getattr(config, "mhc_recompute_enabled", False),
+            "'mhc' in recompute_modules: the recompute rebuilds a site from its streams alone, "
+            "not from the previous site's coefficients; remove 'mhc' from recompute_modules",
+        ),
+        (
+            getattr(config, "mhc_learned_output_contract", False),
+            "mhc_learned_output_contract=True: single-pass mHC contracts with the last site's "
+            "coefficients and has no hc_head; set mhc_learned_output_contract=False",
+        ),
+        (
+            bool(config.mtp_num_layers),
+            f"mtp_num_layers={config.mtp_num_layers}: the MTP block would need the running "
+            "coefficients; set mtp_num_layers=None",
+        ),
+        (
+            getattr(config, "mhc_variant", "megatron") != "megatron",
+            f"mhc_variant={getattr(config, 'mhc_variant', None)!r}: single-pass is built on the "
+            "megatron maps only (the DeepSeek maps under single pass are not implemented); "
+            "set mhc_variant='megatron' (--mhc-variant megatron)",
+        ),
+    )
+    for refused, reason in refusals:
+        if refused:
+            raise UnsupportedCombinationError(f"mhc_single_pass=True does not support {reason}")
+
+
+def check_hybrid_single_pass(config: Any) -> None:
+    """The Hybrid stack's mHC layers (HyperConnectionHybridLayer) are two-pass only."""
+    if getattr(config, "mhc_single_pass", False):
+        raise UnsupportedCombinationError(
+            "mhc_single_pass=True is implemented for GPT's transformer layers only; the Hybrid "
+            "stack's mHC layers aggregate with their own coefficients. Use a GPT model or set "
+            "mhc_single_pass=False"
+        )
+
+
 def check_hybrid_mhc_mtp(config: Any) -> None:
     """Hybrid MTP with mHC must run on the final post-process chunk."""
     if (
@@ -368,6 +420,17 @@ GUARDS: tuple[Guard, ...] = (
         "lists: one stage, virtual stages, overlap_p2p_comm, the overlapped MoE schedule, "
         "CUDA graphs, paged stash, activation offloading (validate; the entries before the "
         "model is built)",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_single_pass",
+        "config",
+        "mhc_single_pass without mHC, or with fused kernels, 'mhc' recompute, the learned "
+        "contraction or MTP",
+    ),
+    Guard(
+        "megatron_ext.guards:check_hybrid_single_pass",
+        "config",
+        "mhc_single_pass with a HybridModel (validate; HybridModel at construction)",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",

@@ -13,6 +13,12 @@ block-level mHC steps, placed so that pipeline stages compose:
   :class:`~megatron_ext.mhc.learned_contraction.LearnedContraction` mixin, shared with the
   HybridStack). Other stages return the n-stream tensor, which travels to the next stage.
 
+With ``mhc_single_pass=True`` (:mod:`megatron_ext.mhc.single_pass`) the block runs the
+coefficients from site to site (its layers' ``single_pass_state``), starts them at e_0 where it
+expands, contracts with the last site's, and exchanges them with the neighbouring stages as the
+payload's ``pre_mix`` field (:mod:`megatron_ext.pipeline.payload`): a stage that receives
+unpacks ``[hidden_states | pre_mix]``, a stage that sends packs them.
+
 It also plans the "mhc" selective recompute (:mod:`megatron_ext.mhc.recompute`): before each
 training forward, consecutive local layers are put into groups of ``mhc_recompute_layer_num``
 (the block's last layer always ends a group, so no group crosses a stage or virtual chunk).
@@ -40,7 +46,13 @@ from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
+from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix, initial_pre_mix
 from megatron_ext.mhc.transformer_layer import MHC_SPEC_HINT, layer_supports_mhc
+from megatron_ext.pipeline.payload import HIDDEN_STATES, PRE_MIX, stage_payload
+from megatron_ext.pipeline.payload_wire import pack, unpack
+
+# TransformerBlock.forward reads a receiving stage's input from input_tensor (declared seam).
+INPUT_TENSOR_SEAM = "megatron.core.transformer.transformer_block:TransformerBlock.set_input_tensor"
 
 
 def _layer_class(layer: Any) -> type:
@@ -109,7 +121,12 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
         # A DeepSeek variant brings its own head (deepseek-v4 learned, glm5 the mean).
         variant_head = getattr(config, "mhc_variant", "megatron") != "megatron"
         learned = getattr(config, "mhc_learned_output_contract", False)
-        if self.contracts_streams and (learned or variant_head):
+        self.single_pass = bool(getattr(config, "mhc_single_pass", False))
+        self._single_pass_state: SinglePassState | None = None
+        self.payload = stage_payload(config)
+        if self.contracts_streams and self.single_pass:
+            self.final_layernorm.register_forward_pre_hook(self._contract_single_pass_before_norm)
+        elif self.contracts_streams and (learned or variant_head):
             self._use_learned_contraction()
         elif self.contracts_streams:
             self.final_layernorm.register_forward_pre_hook(
@@ -133,6 +150,38 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
         """megatron-core's entries plus the block's own ``hc_head_*`` parameters."""
         sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         return self._with_own_parameters(sharded_state_dict, prefix, sharded_offsets, metadata)
+
+    # ------------------------------------------------------------------ single pass
+
+    def _contract_single_pass_before_norm(self, _norm: torch.nn.Module, args: tuple) -> tuple:
+        hidden_states, *rest = args
+        assert self._single_pass_state is not None, "contracting outside the block's forward"
+        return (contract_with_pre_mix(hidden_states, self._single_pass_state), *rest)
+
+    def _start_single_pass(self, hidden_states: Tensor | None) -> None:
+        """The coefficients this stage starts with: e_0 where the streams are expanded, the
+        payload's ``pre_mix`` where they are received (the received wire is unpacked)."""
+        if self.pre_process:
+            assert hidden_states is not None
+            pre_mix = initial_pre_mix(hidden_states, self.num_residual_streams)
+        else:
+            fields = unpack(self.payload, self.input_tensor)
+            registry.assign(self, "input_tensor", fields[HIDDEN_STATES], INPUT_TENSOR_SEAM)
+            pre_mix = fields[PRE_MIX]
+        self._single_pass_state = SinglePassState(pre_mix)
+        for layer in self.layers:
+            layer.single_pass_state = self._single_pass_state
+
+    def _finish_single_pass(self, output: Any) -> Any:
+        """A stage whose output travels on sends ``[hidden_states | pre_mix]``."""
+        state, self._single_pass_state = self._single_pass_state, None
+        for layer in self.layers:
+            layer.single_pass_state = None
+        if self.contracts_streams or not isinstance(output, Tensor) or state is None:
+            return output
+        if self.payload.is_plain:  # one stage (the reference): nothing travels
+            return output
+        return pack(self.payload, {HIDDEN_STATES: output, PRE_MIX: state.pre_mix})
 
     # ------------------------------------------------------------------ expand
 
@@ -171,12 +220,19 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
         final layernorm (where present) contracts before normalising."""
         if self.pre_process:
             hidden_states = self.expand_streams(hidden_states)
+        if self.single_pass:
+            self._start_single_pass(hidden_states)
         self._assign_recompute_groups(kwargs.get("extract_layer_indices"))
         try:
-            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            output = super().forward(hidden_states, attention_mask, *args, **kwargs)
+        except BaseException:
+            if self.single_pass:
+                self._finish_single_pass(None)  # no coefficients left behind on the layers
+            raise
         finally:
             for layer in self.layers:
                 layer.mhc_recompute = None
+        return self._finish_single_pass(output) if self.single_pass else output
 
 
 __all__ = ["HyperConnectionTransformerBlock", "check_layers_support_mhc"]

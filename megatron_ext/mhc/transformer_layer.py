@@ -46,6 +46,7 @@ from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 from megatron_ext.errors import UnsupportedCombinationError
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 from megatron_ext.mhc.reference import reference_aggregate
+from megatron_ext.mhc.single_pass import SinglePassState, single_pass_site
 
 # Where the error messages send people who built a non-mHC layer spec.
 MHC_SPEC_HINT = (
@@ -180,6 +181,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         # Set by HyperConnectionTransformerBlock before each training forward when the "mhc"
         # selective recompute is on; taken (and cleared) by this layer's forward.
         self.mhc_recompute: LayerRecompute | None = None
+        # Set by HyperConnectionTransformerBlock for each forward with mhc_single_pass=True:
+        # the coefficients running from site to site (megatron_ext.mhc.single_pass).
+        self.single_pass_state: SinglePassState | None = None
         self._active_recompute: tuple[MHCRecomputeGroup | None, bool] = (None, False)
 
     def _build_connection(self, sublayer, submodules, name: str):
@@ -246,8 +250,16 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         return run_maybe_checkpointed(recompute, connection.streams_in, (hidden_states,))
 
     def _connection_in(self, connection, norm, norm_name, hidden_states, recompute, norm_recompute):
-        """Maps, aggregate and norm: everything before the sub-layer itself."""
-        layer_input, h_post, h_res = self._maps_and_aggregate(connection, hidden_states, recompute)
+        """Maps, aggregate and norm: everything before the sub-layer itself (single-pass mHC:
+        aggregated with the previous site's coefficients, :mod:`megatron_ext.mhc.single_pass`)."""
+        if self.single_pass_state is not None:
+            layer_input, h_post, h_res = single_pass_site(
+                connection, hidden_states, self.single_pass_state
+            )
+        else:
+            layer_input, h_post, h_res = self._maps_and_aggregate(
+                connection, hidden_states, recompute
+            )
         normed = self._normalise(norm, norm_name, layer_input, norm_recompute)
         return normed, h_res, h_post
 

@@ -67,6 +67,8 @@ def stage_fields(config: Any, exchanged_shape: Sequence[int] | None) -> dict[str
         "mhc_num_residual_streams": getattr(config, "mhc_num_residual_streams", None)
         if mhc
         else None,
+        # adds the payload's pre_mix field (pipeline.payload)
+        "mhc_single_pass": bool(getattr(config, "mhc_single_pass", False)) if mhc else None,
         "pipeline_dtype": _dtype_name(getattr(config, "pipeline_dtype", None)),
         "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
         "tensor_model_parallel_size": getattr(config, "tensor_model_parallel_size", None),

@@ -1,8 +1,9 @@
 """How wide the tensors exchanged between pipeline stages are.
 
-With mHC the residual that crosses every stage boundary is the flattened n-stream tensor
-``[s, b, n*h]``; megatron-core 0.19.2 sizes its fixed P2P receive buffers from
-``config.hidden_size``. Every schedule (1F1B's ``get_tensor_shapes`` and the interleaved
+What crosses a stage boundary is the edge's typed payload (:mod:`megatron_ext.pipeline.payload`),
+packed into one tensor ``[s, b, wire_width]``: with mHC the flattened n-stream residual
+``[s, b, n*h]``, with single-pass mHC that and the next sub-layer's fp32 coefficients.
+megatron-core 0.19.2 sizes its fixed P2P receive buffers from ``config.hidden_size``. Every schedule (1F1B's ``get_tensor_shapes`` and the interleaved
 schedule's inline shape) ends up in ``P2PCommunicator._communicate``, so that is where the
 width is corrected, once, for every communicating edge, the interleaved wrap-around from the
 last physical rank to the first rank's next virtual chunk included. Sends and receives that
@@ -18,12 +19,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_ext.pipeline.payload import stage_payload
+
 
 def pipeline_hidden_size(config: Any, pipeline_parallel_size: int) -> int:
-    """The last dimension of every tensor exchanged between pipeline stages."""
-    if getattr(config, "enable_mhc_connections", False) and pipeline_parallel_size > 1:
-        return config.hidden_size * config.mhc_num_residual_streams
-    return config.hidden_size
+    """The last dimension of every tensor exchanged between pipeline stages: the wire width of
+    the stage payload (``hidden_size``, ``n * hidden_size`` with mHC, plus the packed fp32
+    coefficients with single-pass mHC)."""
+    return stage_payload(config, pipeline_parallel_size).wire_width
 
 
 def pipeline_tensor_shape(

@@ -178,6 +178,8 @@ def _check_model(r: Recipe, add) -> None:
         add("model.mhc.recompute_layer_num", "is only read with model.mhc.recompute: true")
     if mhc.recompute and not mhc.enabled:
         add("model.mhc.recompute", "mHC recompute needs model.mhc.enabled: true")
+    if mhc.single_pass and not mhc.enabled:
+        add("model.mhc.single_pass", "single-pass mHC needs model.mhc.enabled: true")
 
 
 def _check_hybrid_pattern(r: Recipe, add) -> None:

@@ -119,6 +119,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
             _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
             if m.mhc.fused:
                 _flag(args, "--use-fused-mhc", True)
+            if m.mhc.single_pass:
+                _flag(args, "--mhc-single-pass", True)
             if m.mhc.log_stats:
                 _flag(args, "--log-mhc-stats", True)
             if m.mhc.recompute:

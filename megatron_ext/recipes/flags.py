@@ -38,6 +38,7 @@ FIELD_FLAGS: dict[str, str] = {
     "--mhc-sinkhorn-iterations": "model.mhc.sinkhorn_iterations",
     "--mhc-h-res-method": "model.mhc.h_res_method",
     "--mhc-variant": "model.mhc.variant",
+    "--mhc-single-pass": "model.mhc.single_pass",
     "--log-mhc-stats": "model.mhc.log_stats",
     "--mhc-init-gating-factor": "model.mhc.init_gating_factor",
     "--mhc-recompute-layer-num": "model.mhc.recompute_layer_num",

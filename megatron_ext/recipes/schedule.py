@@ -41,6 +41,7 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
         tp=p.tp,
         cp=p.cp,
         sequence_parallel=p.sp,
+        single_pass=r.model.mhc.enabled and p.pp > 1 and r.model.mhc.single_pass,
     )
     # parallelism.schedule (1f1b | zb-h1); a schema without the field trains with 1F1B.
     schedule = getattr(p, "schedule", None) or ONE_F_ONE_B

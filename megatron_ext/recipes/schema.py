@@ -81,6 +81,10 @@ class MHC:
     fused: bool = _doc(
         "--use-fused-mhc (Triton kernels; CUDA only)", default=MHC_DEFAULTS["use_fused_mhc"]
     )
+    single_pass: bool = _doc(
+        "--mhc-single-pass (DeepSeek-V4.1: each sub-layer uses the previous one's coefficients)",
+        default=MHC_DEFAULTS["mhc_single_pass"],
+    )
     log_stats: bool = _doc(
         "--log-mhc-stats (mhc/... scalars: H_res residuals, H_pre/H_post ranges, gains)",
         default=False,

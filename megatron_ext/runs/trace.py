@@ -64,6 +64,21 @@ def failing_step(trace_dir: Path) -> str | None:
     return None
 
 
+def message_sizes(events: list[list[Event]], size: Any) -> dict:
+    """The bytes of every message the ranks sent (as recorded) beside the stage payload's:
+    per field (pipeline.payload) and in total."""
+    sent = [
+        m.nbytes for ev in events for e in ev for m in e.messages if m.direction.startswith("send")
+    ]
+    measured = sorted(set(sent))
+    return {
+        "sent": len(sent),
+        "bytes_measured": measured[0] if len(measured) == 1 else measured,
+        "bytes_expected": size.bytes,
+        "fields": size.payload.field_bytes(size.local_seq, size.micro_batch_size),
+    }
+
+
 def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict | None:
     """Write trace.json and timeline.png; return the run summary's "pipeline" entry."""
     from megatron_ext.recipes.schedule import plan_from_loaded
@@ -76,7 +91,7 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
     if not any(events):
         echo("  trace: the ranks recorded no pipelined schedule (PP=1 runs have none)")
         return None
-    plan, _ = plan_from_loaded(loaded)
+    plan, size = plan_from_loaded(loaded)
     schedule = build_schedule(plan)
     (Path(run_dir) / "trace.json").write_text(
         json.dumps(chrome_trace(events, schedule.chunks, [r.get("module") for r in ranks]))
@@ -120,6 +135,8 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
                 break
     entry["order_matches_theory"] = not mismatches
     entry["order_mismatches"] = mismatches
+    if size is not None:
+        entry["messages"] = message_sizes(events, size)
     if steady:
         shown = min(steady, key=lambda i: abs(measured[i] - entry["bubble_measured"]))
         timeline = measured_timeline(events, shown)
@@ -158,6 +175,13 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
             else f"{len(mismatches)} rank(s) differ: {mismatches[0]}"
         )
     )
+    if "messages" in entry:
+        m = entry["messages"]
+        fields = ", ".join(f"{name} {n} B" for name, n in m["fields"].items())
+        echo(
+            f"  messages: {m['sent']} sent, {m['bytes_measured']} B each (payload: {fields}; "
+            f"{m['bytes_expected']} B expected)"
+        )
     echo(
         f"  trace {Path(run_dir) / 'trace.json'} (Perfetto / chrome://tracing), timeline "
         f"{Path(run_dir) / 'timeline.png'}"

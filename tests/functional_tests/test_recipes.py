@@ -106,15 +106,31 @@ def assert_mhc_stats_recorded(run_dir: Path, metrics: dict, stdout: str) -> None
     assert "mhc/forward_gain " in stdout
 
 
+# Recipes trained with --trace: every message a rank sent is the stage payload's size.
+TRACED = {"gpt_mhc_single_pass_pp2_vpp2"}
+
+
+def assert_messages_are_the_payload(pipeline: dict) -> None:
+    """The traced run sent exactly the payload's bytes in every message, two fields (the
+    n-stream residual and the single-pass coefficients)."""
+    messages = pipeline["messages"]
+    assert messages["sent"] > 0 and messages["bytes_measured"] == messages["bytes_expected"]
+    assert list(messages["fields"]) == ["hidden_states", "pre_mix"], messages
+    assert sum(messages["fields"].values()) == messages["bytes_expected"]
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=_case_id)
 def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, request):
     real_data = "real_data" in recipe.stem
     if real_data:  # the example corpus the real-data recipes read (prepare-data --example)
         request.getfixturevalue("example_data")
     run_dir = tmp_path / "run"
-    result = megatron_ext("run", recipe.relative_to(REPO_ROOT), "--run-dir", run_dir)
+    traced = ("--trace",) if recipe.stem in TRACED else ()
+    result = megatron_ext("run", recipe.relative_to(REPO_ROOT), *traced, "--run-dir", run_dir)
     out = result.stdout + result.stderr
     assert result.returncode == 0, f"megatron-ext run exited {result.returncode}:\n{out[-8000:]}"
+    if traced:
+        assert_messages_are_the_payload(_summary(run_dir)["pipeline"])
 
     summary = _summary(run_dir)
     assert summary["status"] == "passed", out[-4000:]
@@ -303,6 +319,10 @@ def test_zb_h1_and_1f1b_train_a_pp2_mhc_gpt_identically(tmp_path):
         assert trained_with(run_dir) == schedule
         runs[schedule] = run_dir
     assert "schedule order: every rank ran megatron-ext's ZB-H1 order exactly" in result.stdout
+    # Today's mHC model: the payload is the one n*h field, and every message had its bytes.
+    messages = _summary(runs["zb-h1"])["pipeline"]["messages"]
+    assert messages["bytes_measured"] == messages["bytes_expected"], messages
+    assert list(messages["fields"]) == ["hidden_states"], messages
     assert_same_training(runs["1f1b"], runs["zb-h1"], world_size=2)
     a, _ = met.read_run_metrics(runs["1f1b"])
     b, _ = met.read_run_metrics(runs["zb-h1"])

@@ -109,6 +109,7 @@ def test_disabled_mhc_is_exactly_transformer_config():
         "mhc_init_gating_factor",
         "mhc_recompute_layer_num",
         "mhc_learned_output_contract",
+        "mhc_single_pass",
         "use_fused_mhc",
         "mhc_variant",
     }
