@@ -243,7 +243,15 @@ class Data:
         "relative to the recipe, ${VAR} / ${VAR:-default} from the environment",
         default_factory=list,
     )
-    split: str = _doc("--split", default="949,50,1")
+    valid_paths: list[str] = _doc(
+        "indexed: --valid-data-path entries (as paths); with it or test_paths, paths is "
+        "--train-data-path and split is not used",
+        default_factory=list,
+    )
+    test_paths: list[str] = _doc(
+        "indexed: --test-data-path entries (as paths)", default_factory=list
+    )
+    split: str = _doc("--split (data.paths shared by train, valid and test)", default="949,50,1")
     tokenizer: Tokenizer = field(default_factory=Tokenizer, metadata={"doc": "the tokenizer"})
 
 
@@ -419,6 +427,7 @@ class Recipe:
     def parallel_plan(self) -> ParallelPlan:
         """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
         p = self.parallelism
+        etp = self.extra_args.get("--expert-tensor-parallel-size")  # megatron's default: tp
         return ParallelPlan(
             tp=p.tp,
             pp=p.pp,
@@ -428,6 +437,7 @@ class Recipe:
             sp=p.sp,
             dp_size=p.dp,
             world=self.launch.nproc,
+            etp=etp if isinstance(etp, int) and not isinstance(etp, bool) else None,
         )
 
     @property

@@ -816,9 +816,8 @@ def finalize(
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
     )
-    met.write_golden(
-        run_dir / "metrics.json", run_metrics, mhc_report.recorded_names(recipe, names)
-    )
+    recorded = met.with_validation(mhc_report.recorded_names(recipe, names), run_metrics)
+    met.write_golden(run_dir / "metrics.json", run_metrics, recorded)
     resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":
