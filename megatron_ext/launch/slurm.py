@@ -178,6 +178,7 @@ def sbatch_script(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         *_requeue_preamble(job),
+        *_layout_lines(job),
     ]
     from megatron_ext.launch.shell import is_secret, secret_check_line
 
@@ -263,9 +264,23 @@ _SEGMENT_SHELL = "'\"${SEGMENT}\"'"
 """What replaces it inside that single-quoted word: close the quote, expand, reopen."""
 
 
+def _layout_lines(job: SlurmJob) -> list[str]:
+    """Print which ranks each node of this allocation holds (srun's block distribution): the
+    submitting side names a lost node's ranks from this line."""
+    from megatron_ext.launch.nodes import LAYOUT_PREFIX
+
+    per = int(job.tasks_per_node)
+    return [
+        'K=0; LAYOUT=""; for NODE in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do '
+        f'LAYOUT="$LAYOUT $NODE=$((K * {per}))-$((K * {per} + {per - 1}))"; K=$((K + 1)); done',
+        f'echo "{LAYOUT_PREFIX}$LAYOUT (batch script on $(hostname), MASTER_ADDR $MASTER_ADDR)"',
+    ]
+
+
 def _requeue_directives(job: SlurmJob) -> list[str]:
     if job.requeue is None:
-        return []
+        # a lost node ends the job (NODE_FAIL) instead of Slurm running it again from scratch
+        return ["#SBATCH --no-requeue"]
     return [
         # USR1 to the ranks (not the batch shell) N s before the time limit: they save and stop
         f"#SBATCH --signal=USR1@{int(job.requeue.signal_warning_s)}",
@@ -277,7 +292,7 @@ def _requeue_directives(job: SlurmJob) -> list[str]:
 def _requeue_preamble(job: SlurmJob) -> list[str]:
     if job.requeue is None:
         return []
-    from megatron_ext.launch.stop_signals import ROUTE_ENV
+    from megatron_ext.launch.stop_signals import EXIT_STOPPED, ROUTE_ENV
 
     return [
         "RESTART=${SLURM_RESTART_COUNT:-0}",
@@ -290,6 +305,10 @@ def _requeue_preamble(job: SlurmJob) -> list[str]:
         '[ -z "$INTERRUPTED" ] && return "$rc"; done; }',
         'echo "[megatron-ext] start $((RESTART + 1)) (restart count $RESTART) on '
         '$SLURM_JOB_NODELIST"',
+        # Slurm requeues a job that lost a node by itself: keep to the bound there too
+        f'if [ "$RESTART" -gt {int(job.requeue.max_requeues)} ]; then echo "[megatron-ext] '
+        f'restart count $RESTART is past the requeue limit {int(job.requeue.max_requeues)}: '
+        f'stopped, resumable"; exit {EXIT_STOPPED}; fi',
     ]
 
 

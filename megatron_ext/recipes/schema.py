@@ -300,6 +300,9 @@ class Slurm:
     max_requeues: int = _doc(
         "a job stopped by the warning signal requeues itself at most this often", default=3
     )
+    tp_within_node: bool = _doc(
+        "refuse a node layout in which a tensor-parallel group spans nodes", default=False
+    )
 
 
 @dataclass
