@@ -212,9 +212,10 @@ def _node_state(env: dict, node: str) -> str:
     return proc.stdout.strip()
 
 
-def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool) -> None:
+def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool) -> str:
     """SIGKILL node2's slurmd and everything on it (its ranks) once rank 3 reached the
-    iteration; with ``bring_back``, start its slurmd again once Slurm declared it down."""
+    iteration; with ``bring_back``, start its slurmd again once Slurm declared it down.
+    Returns the latest complete checkpoint's iteration when the node was lost."""
     env, state = cluster["env"], cluster["state"]
     reached = _wait_for_text(
         lambda: (run_dir / "logs").glob("rank-3.log"),
@@ -224,6 +225,8 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool) -> 
     assert reached is not None, f"the job did not reach iteration {at_iteration}"
     killed = _cluster("kill-node", state, env, "node2")
     assert killed.returncode == 0, killed.stderr
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    latest = tracker.read_text().strip() if tracker.exists() else ""
     deadline = time.monotonic() + timing.bound(180)
     while "down" not in _node_state(env, "node2") and time.monotonic() < deadline:
         time.sleep(1)
@@ -231,6 +234,7 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool) -> 
     if bring_back:
         back = _cluster("start-node", state, env, "node2")
         assert back.returncode == 0, back.stderr
+    return latest
 
 
 @soak
@@ -252,7 +256,7 @@ def test_a_lost_node_requeues_and_the_job_finishes_with_the_uninterrupted_losses
         text=True,
     )
     try:
-        _lose_node2(cluster, run_dir, at_iteration=5, bring_back=True)
+        latest = _lose_node2(cluster, run_dir, at_iteration=3, bring_back=True)
         out, _ = submit.communicate(timeout=timing.bound(1200))
     finally:
         if submit.poll() is None:
@@ -262,7 +266,8 @@ def test_a_lost_node_requeues_and_the_job_finishes_with_the_uninterrupted_losses
     slurm_out = next(run_dir.glob("slurm-*.out")).read_text()
     assert "start 2 (restart count 1)" in slurm_out, slurm_out[-3000:]
     resumed = (run_dir / "logs/resumed-1/rank-0.log").read_text()
-    assert "at iteration 4" in resumed, resumed[-2000:]  # the last complete checkpoint
+    assert latest in {"2", "4", "6"}, latest  # saved every 2 iterations, lost before the end
+    assert f"at iteration {latest}" in resumed, resumed[-2000:]  # the last complete one
     losses = json.loads((run_dir / "metrics.json").read_text())["lm loss"]["values"]
     golden = json.loads(GOLDEN.read_text())["lm loss"]["values"]
     assert sorted(map(int, losses)) == list(range(1, 9))
@@ -339,7 +344,10 @@ def test_a_stop_signal_to_a_two_node_job_saves_once_and_requeues(cluster, run_di
     # one checkpoint from the stop (and the final one): not one per node
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
     assert saved == [f"iter_{stopped_at:07d}", "iter_0000008"], saved
-    assert f"at iteration {stopped_at}" in (run_dir / "logs/resumed-1/rank-2.log").read_text()
+    assert f"at iteration {stopped_at}" in (run_dir / "logs/resumed-1/rank-0.log").read_text()
+    last_stage = (run_dir / "logs/resumed-1/rank-3.log").read_text()  # on node2
+    assert f"iteration {stopped_at + 1:8d}/" in last_stage
+    assert f"iteration {stopped_at:8d}/" not in last_stage
     losses = json.loads((run_dir / "metrics.json").read_text())["lm loss"]["values"]
     golden = json.loads(GOLDEN.read_text())["lm loss"]["values"]
     assert sorted(map(int, losses)) == list(range(1, 9))
