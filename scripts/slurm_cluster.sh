@@ -128,6 +128,8 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+# the nodes' CPUs are the config's (SLURM_CI_CPUS_PER_NODE), not what slurmd finds
+SlurmdParameters=config_overrides
 MinJobAge=600
 # a lost node is declared DOWN after SlurmdTimeout (default 300 s)
 SlurmdTimeout=${SLURM_CI_SLURMD_TIMEOUT:-30}
