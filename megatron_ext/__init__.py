@@ -5,7 +5,7 @@
 reasons and verified versions, in :mod:`megatron_ext.declarations` (applied by the machinery
 of :mod:`megatron_ext.registry`). :class:`MegatronExtError` is the root of every error
 megatron-ext raises on purpose; :class:`Problem` is one finding of a check (where, what). The
-stable API is ``__all__`` here and in the subpackages the README's "Stable API" section lists.
+stable API is ``__all__`` here and in the subpackages docs/registry.md ("Stable API") lists.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron_ext import registry
 from megatron_ext.errors import MegatronExtError, Problem
 from megatron_ext.installer import install as install, installed as installed
 
-# The stable API (README, "Stable API"): these names, and the ``__all__`` of the public
+# The stable API (docs/registry.md, "Stable API"): these names, and the ``__all__`` of the public
 # subpackages listed there. Everything else is internal and may change between releases.
 __all__ = [
     "MegatronExtError",

@@ -22,6 +22,11 @@ class MegatronExtError(Exception):
     """Base class of every error megatron-ext raises on purpose."""
 
 
+class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
+    """A combination of settings that megatron-ext rejects (a NotImplementedError); the guards
+    (:mod:`megatron_ext.guards`) and the layers that refuse a combination raise it."""
+
+
 MAX_PROBLEM_CHARS = 400
 
 
@@ -42,4 +47,4 @@ class Problem:
         )
 
 
-__all__ = ["MegatronExtError", "Problem"]
+__all__ = ["MegatronExtError", "Problem", "UnsupportedCombinationError"]

@@ -68,7 +68,7 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """The typed recipe through the one recipe loader (schema, overrides); ValueError lists
     every problem. A pipeline schedule other than megatron's 1F1B is refused here too: started
     without ``megatron-ext run`` (which validates), this entry would otherwise ignore it."""
-    from megatron_ext.recipes.plan import schedule_problems
+    from megatron_ext.recipes.checks import schedule_problems
 
     try:
         recipe = load(path, overrides=list(overrides)).recipe

@@ -13,6 +13,7 @@ import sys
 
 from megatron_ext import registry
 from megatron_ext.cli import (
+    _quiet,
     compare,
     convert,
     doctor,
@@ -25,7 +26,6 @@ from megatron_ext.cli import (
     submit,
     validate,
 )
-from megatron_ext.cli._quiet import silence_upstream_noise
 from megatron_ext.launch.startup import torch_compile_deferred
 
 COMMANDS = (
@@ -63,8 +63,13 @@ DESCRIPTION = """\
   JSONL into Megatron's indexed format (Megatron-LM's tools/preprocess_data.py's flags and
   files); ``--example DIR``: a corpus, tokenizers and datasets to train on, made offline.
 
-Recipes and their schema: recipes/README.md (``megatron-ext recipes`` lists those shipped).
+Recipes and their schema: recipes/README.md (``megatron-ext recipes`` lists those shipped);
+the guide: docs/. Upstream start-up warnings that say nothing about your command (no
+Transformer Engine or Apex here, deprecations inside pinned packages) are counted into one line
+at the end of a successful command; ``--verbose`` (before or after the sub-command) shows them.
 """
+
+VERBOSE_HELP = "show upstream warnings (missing TE/Apex, deprecations) instead of counting them"
 
 
 _ROLE = re.compile(r":(?:func|class|mod|meth|data|attr):`~?([^`]+)`")
@@ -86,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"megatron-ext {megatron_ext.__version__}"
     )
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     commands = parser.add_subparsers(dest="command")
     for command in COMMANDS:
         sub = commands.add_parser(
@@ -95,12 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_arguments(sub)
+        # SUPPRESS: a sub-command's own default must not undo `megatron-ext --verbose CMD`.
+        sub.add_argument(
+            "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+        )
         sub.set_defaults(handler=command.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    silence_upstream_noise()
+    words = sys.argv[1:] if argv is None else argv
+    # Before anything imports megatron or torch; the parsed --verbose agrees with this look.
+    _quiet.silence_upstream_noise(verbose="--verbose" in words)
+    status = _run_command(argv)
+    if status == 0:  # a failure's own message stays the last line
+        _quiet.report_hidden()
+    return status
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     # Overrides may follow options (`run R --platform cpu parallelism.pp=4`): argparse leaves
     # such late positionals unparsed, so they join the targets here.

@@ -1,7 +1,7 @@
 """``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
 comparison failed, 2: an input cannot be read). ``compare RUN_A RUN_B [--plot FILE.png]``: two
 run directories, their difference table and overlaid curves
-(:mod:`megatron_ext.recipes.run_compare`; exit 2: an input is not a run or they differ in kind)."""
+(:mod:`megatron_ext.runs.side_by_side`; exit 2: an input is not a run or they differ in kind)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_metrics_file(path, what: str):
     import json
 
-    from megatron_ext.recipes import metrics as met
+    from megatron_ext.runs import metrics as met
 
     try:
         return met.read_golden(path)
@@ -75,7 +75,7 @@ def _read_metrics_file(path, what: str):
 
 
 def _run_metrics(source):
-    from megatron_ext.recipes import metrics as met
+    from megatron_ext.runs import metrics as met
 
     if not source.exists():
         raise _BadInput(f"{source} does not exist (give a run directory or a metrics JSON file)")
@@ -94,10 +94,10 @@ def main(args: argparse.Namespace) -> int:
     """Exit 0: every check passed; 1: a comparison failed; 2: an input cannot be read."""
     from pathlib import Path
 
-    from megatron_ext.recipes import run_compare
+    from megatron_ext.runs import side_by_side as run_compare
 
     try:
-        from megatron_ext.recipes.runs import is_run_dir
+        from megatron_ext.runs.listing import is_run_dir
 
         if is_run_dir(
             Path(args.golden)
@@ -118,7 +118,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
     """Two runs: the difference table (and the plot); exit 0 (it judges nothing)."""
     from pathlib import Path
 
-    from megatron_ext.recipes import run_compare
+    from megatron_ext.runs import side_by_side as run_compare
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise _BadInput(f"--plot {args.plot}: give a .png file name")
@@ -138,7 +138,8 @@ def _compare_runs(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import RecipeError, compare as cmp
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.runs import golden as cmp
 
     source = Path(args.run)
     actual = _run_metrics(source)

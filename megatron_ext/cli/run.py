@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import RecipeError, runner
+    from megatron_ext.recipes import RecipeError
+    from megatron_ext.runs import runner
 
     if args.resume:
         if args.targets or args.run_dir or args.dry_run or args.write_golden or args.trace:
@@ -105,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, loaded):
     from pathlib import Path
 
-    from megatron_ext.recipes import runner
+    from megatron_ext.runs import runner
 
     return runner.run(
         loaded,

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_ext.recipes import runs
+    from megatron_ext.runs import listing as runs
 
     try:
         if not args.words:

@@ -59,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
 
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import parse_yaml
-    from megatron_ext.recipes.runner import EXIT_INVALID
-    from megatron_ext.recipes.submit import SlurmOptions, submit
+    from megatron_ext.runs.runner import EXIT_INVALID
+    from megatron_ext.runs.submit import SlurmOptions, submit
 
     if not args.slurm:
         print("megatron-ext submit: only --slurm is supported; pass it explicitly", file=sys.stderr)

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_ext.recipes import RecipeError, plan
+    from megatron_ext.recipes import RecipeError, command
     from megatron_ext.recipes.loader import platforms_of
     from megatron_ext.recipes.validate import validate
 
@@ -52,6 +52,6 @@ def main(args: argparse.Namespace) -> int:
             for note in [*loaded.notes, *result.notes]:
                 print(f"{label}: note: {note}")
             if result.ok:
-                print(f"{label}: OK ({plan.describe(loaded)})")
+                print(f"{label}: OK ({command.describe(loaded)})")
             failed = failed or not result.ok
     return 2 if failed else 0

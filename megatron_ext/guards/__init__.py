@@ -11,12 +11,11 @@ checkpoint or a recipe and so live beside that code; each rule is checked in one
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.errors import MegatronExtError
+from megatron_ext.errors import MegatronExtError, UnsupportedCombinationError
 from megatron_ext.schedules.schedule import SCHEDULES
 
 __all__ = [
@@ -37,10 +36,6 @@ class Guard:
     check: str
     stage: str  # config | recipe | spec | build | forward | load | inference
     rejects: str
-
-
-class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
-    """A combination of settings that megatron-ext rejects (a NotImplementedError)."""
 
 
 class PipelineScheduleError(MegatronExtError, ValueError):
@@ -107,19 +102,9 @@ def check_fused_mhc(config: Any) -> None:
             "use_fused_mhc=True requires enable_mhc_connections=True; set "
             "enable_mhc_connections=True or use_fused_mhc=False"
         )
-    from megatron_ext.mhc.fused import MAX_FUSED_STREAMS, fused_unavailable_reason
+    from megatron_ext.mhc.fused import check_fused_available
 
-    if config.mhc_num_residual_streams > MAX_FUSED_STREAMS:
-        raise ValueError(
-            f"use_fused_mhc=True supports mhc_num_residual_streams <= {MAX_FUSED_STREAMS} "
-            f"(got {config.mhc_num_residual_streams}); set use_fused_mhc=False"
-        )
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reason = fused_unavailable_reason(device)
-    if reason is not None:
-        raise ValueError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
+    check_fused_available(config.mhc_num_residual_streams)
 
 
 def check_mhc_values(config: Any) -> None:
@@ -141,7 +126,7 @@ def check_mhc_values(config: Any) -> None:
 def check_mhc_h_res_method(config: Any) -> None:
     """``mhc_h_res_method``: a known method; birkhoff only for small n and without the fused
     kernels (which implement Sinkhorn only)."""
-    from megatron_ext.mhc.birkhoff import H_RES_METHODS, MAX_BIRKHOFF_STREAMS
+    from megatron_ext.mhc.birkhoff import H_RES_METHODS, check_birkhoff_streams
 
     method = getattr(config, "mhc_h_res_method", "sinkhorn")
     if method not in H_RES_METHODS:
@@ -150,13 +135,7 @@ def check_mhc_h_res_method(config: Any) -> None:
         )
     if method != "birkhoff":
         return
-    n = config.mhc_num_residual_streams
-    if n > MAX_BIRKHOFF_STREAMS:
-        raise ValueError(
-            f"mhc_h_res_method='birkhoff' supports mhc_num_residual_streams <= "
-            f"{MAX_BIRKHOFF_STREAMS} (got {n}: its H_res logits are n! = {math.factorial(n)} "
-            "projection columns per sub-layer); use fewer streams or mhc_h_res_method='sinkhorn'"
-        )
+    check_birkhoff_streams(config.mhc_num_residual_streams)
     if getattr(config, "use_fused_mhc", False):
         raise ValueError(
             "mhc_h_res_method='birkhoff' has no fused kernel yet (the Triton kernels implement "
@@ -185,27 +164,11 @@ def check_mhc_features(config: Any) -> None:
 
 
 def check_mhc_layer_features(config: Any) -> None:
-    """What the mHC layers do not implement, at any pipeline size (also run by the layers, for
-    configs that are not MHCTransformerConfig)."""
-    if not getattr(config, "enable_mhc_connections", False):
-        return
-    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
-        raise UnsupportedCombinationError(
-            f"mHC layers are not qualified with CUDA graphs (cuda_graph_impl="
-            f"{config.cuda_graph_impl!r}): their static inputs would be single-stream; set "
-            "cuda_graph_impl='none' (and enable_cuda_graph/external_cuda_graph=False)"
-        )
-    offloaded_norms = {"attn_norm", "mlp_norm"} & set(config.offload_modules or [])
-    if config.fine_grained_activation_offloading and offloaded_norms:
-        raise UnsupportedCombinationError(
-            f"mHC layers do not offload their norms: remove {sorted(offloaded_norms)} from "
-            "offload_modules (or set fine_grained_activation_offloading=False)"
-        )
-    if config.mlp_chunks_for_training > 1:
-        raise UnsupportedCombinationError(
-            f"mHC layers do not chunk the MLP (mlp_chunks_for_training="
-            f"{config.mlp_chunks_for_training}); set mlp_chunks_for_training=1"
-        )
+    """What the mHC layers do not implement, at any pipeline size: the layers' own check
+    (:func:`megatron_ext.mhc.transformer_layer.check_mhc_layer_features`), asked here too."""
+    from megatron_ext.mhc.transformer_layer import check_mhc_layer_features as layer_check
+
+    layer_check(config)
 
 
 # ---- MoE ---------------------------------------------------------------------------------------
@@ -360,7 +323,7 @@ GUARDS: tuple[Guard, ...] = (
         "mHC with full recompute, fused inference TP communication, fp32 residual connection",
     ),
     Guard(
-        "megatron_ext.guards:check_mhc_layer_features",
+        "megatron_ext.mhc.transformer_layer:check_mhc_layer_features",
         "config",
         "mHC with CUDA graphs, offloaded layer norms, or a chunked MLP (any pipeline size)",
     ),
@@ -399,18 +362,18 @@ GUARDS: tuple[Guard, ...] = (
     ),
     # recipe: megatron-ext validate, before any process starts
     Guard(
-        "megatron_ext.recipes.plan:_check_context_parallel",
+        "megatron_ext.recipes.checks:_check_context_parallel",
         "recipe",
         "local CP attention with a sequence not split into 2*cp chunks or a non-causal mask flag",
     ),
     Guard(
-        "megatron_ext.recipes.plan:_check_schedule",
+        "megatron_ext.recipes.checks:_check_schedule",
         "recipe",
         "parallelism.schedule: zb-h1 with pp=1, virtual stages, a multimodule recipe, the "
         "overlapped MoE schedule or CUDA graphs in extra_args",
     ),
     Guard(
-        "megatron_ext.recipes.plan:plan_problems",
+        "megatron_ext.recipes.checks:plan_problems",
         "recipe",
         "recipe fields that contradict each other or the parallel plan (ParallelPlan.problems)",
     ),

@@ -34,6 +34,18 @@ MAX_BIRKHOFF_STREAMS = 6
 H_RES_METHODS = ("sinkhorn", "birkhoff")
 
 
+def check_birkhoff_streams(n: int) -> None:
+    """``mhc_h_res_method='birkhoff'`` holds n! logits per sub-layer: at most
+    :data:`MAX_BIRKHOFF_STREAMS` streams (the guard
+    :func:`megatron_ext.guards.check_mhc_h_res_method` asks it)."""
+    if n > MAX_BIRKHOFF_STREAMS:
+        raise ValueError(
+            f"mhc_h_res_method='birkhoff' supports mhc_num_residual_streams <= "
+            f"{MAX_BIRKHOFF_STREAMS} (got {n}: its H_res logits are n! = {math.factorial(n)} "
+            "projection columns per sub-layer); use fewer streams or mhc_h_res_method='sinkhorn'"
+        )
+
+
 def h_res_width(n: int, method: str) -> int:
     """How many projection columns produce H_res: n² for sinkhorn, n! for birkhoff."""
     return math.factorial(n) if method == "birkhoff" else n * n
@@ -113,6 +125,7 @@ __all__ = [
     "birkhoff_forward",
     "birkhoff_mix",
     "birkhoff_reference",
+    "check_birkhoff_streams",
     "h_res_width",
     "permutation_table",
 ]

@@ -87,6 +87,21 @@ def check_fused_supported(tensor: torch.Tensor, n: int) -> None:
         raise RuntimeError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
 
 
+def check_fused_available(num_streams: int) -> None:
+    """Whether ``use_fused_mhc=True`` can run here, before anything is built (the guard
+    :func:`megatron_ext.guards.check_fused_mhc` asks it): at most :data:`MAX_FUSED_STREAMS`
+    streams, and triton with CUDA (or the CPU under the interpreter)."""
+    if num_streams > MAX_FUSED_STREAMS:
+        raise ValueError(
+            f"use_fused_mhc=True supports mhc_num_residual_streams <= {MAX_FUSED_STREAMS} "
+            f"(got {num_streams}); set use_fused_mhc=False"
+        )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = fused_unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
+
+
 def _pow2(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
@@ -376,6 +391,7 @@ __all__ = [
     "FusedMerge",
     "FusedStreamsIn",
     "MAX_FUSED_STREAMS",
+    "check_fused_available",
     "check_fused_supported",
     "fused_merge_rows",
     "fused_streams_in",

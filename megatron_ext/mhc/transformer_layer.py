@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
-from megatron_ext import guards
+from megatron_ext.errors import UnsupportedCombinationError
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 from megatron_ext.mhc.reference import reference_aggregate
 
@@ -75,6 +75,31 @@ def _is_identity(spec: Any) -> bool:
     return module is IdentityOp
 
 
+def check_mhc_layer_features(config: Any) -> None:
+    """What the mHC layers do not implement, at any pipeline size (a guard of
+    :data:`megatron_ext.guards.GUARDS`; also run by the layers, for configs that are not
+    MHCTransformerConfig)."""
+    if not getattr(config, "enable_mhc_connections", False):
+        return
+    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
+        raise UnsupportedCombinationError(
+            f"mHC layers are not qualified with CUDA graphs (cuda_graph_impl="
+            f"{config.cuda_graph_impl!r}): their static inputs would be single-stream; set "
+            "cuda_graph_impl='none' (and enable_cuda_graph/external_cuda_graph=False)"
+        )
+    offloaded_norms = {"attn_norm", "mlp_norm"} & set(config.offload_modules or [])
+    if config.fine_grained_activation_offloading and offloaded_norms:
+        raise UnsupportedCombinationError(
+            f"mHC layers do not offload their norms: remove {sorted(offloaded_norms)} from "
+            "offload_modules (or set fine_grained_activation_offloading=False)"
+        )
+    if config.mlp_chunks_for_training > 1:
+        raise UnsupportedCombinationError(
+            f"mHC layers do not chunk the MLP (mlp_chunks_for_training="
+            f"{config.mlp_chunks_for_training}); set mlp_chunks_for_training=1"
+        )
+
+
 def _check_config(config) -> None:
     """Refuse configurations this layer does not implement, before anything is built."""
     if not getattr(config, "enable_mhc_connections", False):
@@ -83,7 +108,7 @@ def _check_config(config) -> None:
             "(megatron_ext.config.MHCTransformerConfig); set enable_mhc_connections=True, or "
             "build the spec with enable_mhc_connections=False for plain residual connections"
         )
-    guards.check_mhc_layer_features(config)
+    check_mhc_layer_features(config)
 
 
 def _check_submodules(submodules: TransformerLayerSubmodules) -> None:

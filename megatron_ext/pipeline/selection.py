@@ -16,7 +16,7 @@ patched Megatron-LM scripts; recipes: ``parallelism.schedule``), which fills the
   TransformerConfig share. The entries refuse them right after parsing
   (:func:`megatron_ext.launch.training.parse_megatron_args`), and
   :func:`megatron_ext.guards.check_schedule_supported` on a config before the model is built.
-  Recipes are refused earlier, by field (:func:`megatron_ext.recipes.plan._check_schedule`).
+  Recipes are refused earlier, by field (:func:`megatron_ext.recipes.checks._check_schedule`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which Megatron flags a recipe's fields (or the runner) own.
 
-:func:`megatron_ext.recipes.plan.megatron_args` writes these flags from the schema's fields,
+:func:`megatron_ext.recipes.command.megatron_args` writes these flags from the schema's fields,
 so the same flag in ``extra_args`` would silently win or lose (Megatron's parser takes the
 last one): ``extra_args={--pipeline-model-parallel-size: 1}`` would validate as pp2 and run
 PP=1. :func:`conflicts` names the field to use instead, and the Megatron-LM test-case importer

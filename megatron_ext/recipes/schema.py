@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -372,8 +373,98 @@ class Recipe:
         """The python module the ranks run."""
         return self.model.entry or DEFAULT_ENTRIES.get(self.model.type)
 
+    @property
+    def virtual_stages(self) -> int | None:
+        """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
+        model, par = self.model, self.parallelism
+        stages = None
+        try:
+            if model.type == "gpt" and model.pipeline_layout:
+                stages = len(layout_stages(model.pipeline_layout))
+            elif model.type == "hybrid" and model.hybrid_layer_pattern:
+                segments = len(hybrid_segments(model.hybrid_layer_pattern)[0])
+                stages = segments if segments > 1 else None
+        except ValueError:
+            return par.vpp
+        if stages is not None:
+            vpp = stages // par.pp if par.pp and stages % par.pp == 0 else None
+            return vpp if vpp and vpp > 1 else None
+        return par.vpp if par.vpp and par.vpp > 1 else None
+
+    @property
+    def mtp_depths(self) -> int:
+        """MTP depths the run will have (a hybrid pattern's '/' parts, else mtp_num_layers)."""
+        model = self.model
+        if model.type == "hybrid" and model.hybrid_layer_pattern:
+            return len([p for p in hybrid_segments(model.hybrid_layer_pattern)[1] if p])
+        return model.mtp_num_layers or 0
+
+    @property
+    def parallel_plan(self) -> ParallelPlan:
+        """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
+        p = self.parallelism
+        return ParallelPlan(
+            tp=p.tp,
+            pp=p.pp,
+            vpp=p.vpp,
+            cp=p.cp,
+            ep=p.ep,
+            sp=p.sp,
+            dp_size=p.dp,
+            world=self.launch.nproc,
+        )
+
+    @property
+    def resumable(self) -> bool:
+        """A run that saves on a stop signal and can be resumed: a megatron.training entry (the
+        multi-module entry has its own loop) outside the ckpt-resume test (which is a resume)."""
+        return self.model.type != "multimodule" and self.test.type != "ckpt-resume"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The rule fields a test.tolerances entry may set (megatron_ext.runs.golden.Rule reads them).
+TOLERANCE_FIELDS = ("deterministic", "rtol", "atol", "max_failing_steps")
+
+
+# ---- layouts and patterns -------------------------------------------------------------------------
+HYBRID_SYMBOLS = {
+    "M": "Mamba",
+    "G": "GDN",
+    "*": "attention",
+    "D": "DS attention",
+    "+": "MLA",
+    "-": "MLP",
+    "E": "MoE",
+}
+LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "transformer layer", "m": "MTP layer"}
+
+
+def layout_stages(layout: str) -> list[str]:
+    """The stages of a --pipeline-model-parallel-layout string, unrolled: 'E|(tt|)*2,L' ->
+    ['E', 'tt', 'tt', 'L']. Raises ValueError on a symbol megatron does not know."""
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    bad = sorted({ch for ch in text if ch not in LAYOUT_SYMBOLS and ch != "|"})
+    if bad:
+        raise ValueError(
+            f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
+            + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items())
+            + " and '|'"
+        )
+    return text.split("|")
+
+
+def hybrid_segments(pattern: str) -> tuple[list[str], list[str]]:
+    """(main decoder pipeline segments, MTP depth patterns) of a --hybrid-layer-pattern."""
+    main, *mtp = pattern.split("/")
+    return main.split("|"), [p for p in mtp]
+
+
+def hybrid_layer_count(pattern: str) -> int:
+    return sum(len(s) for s in hybrid_segments(pattern)[0])
 
 
 # ---- building a Recipe from a mapping -----------------------------------------------------------

@@ -3,7 +3,7 @@
 Three layers, each reporting every problem it finds:
 
 1. the schema (:mod:`megatron_ext.recipes.loader`): unknown keys, types, choices, overrides;
-2. the plan (:func:`megatron_ext.recipes.plan.plan_problems`): fields that depend on each other;
+2. the plan (:func:`megatron_ext.recipes.checks.plan_problems`): fields that depend on each other;
 3. Megatron itself, in this process and without process groups: the recipe's exact command
    line goes through the entry's argument parser and ``validate_args`` (with the world size
    the run will have), then the model's TransformerConfig is built from the parsed arguments
@@ -32,7 +32,7 @@ from typing import Any
 
 from megatron_ext import registry
 from megatron_ext.launch import shell
-from megatron_ext.recipes import entries, plan, safety
+from megatron_ext.recipes import checks, command, entries, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
 
@@ -283,7 +283,7 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     if sizes:  # the plan checks would divide by them
         return Validation(problems=unsafe_values(loaded) + sizes)
     result = Validation(
-        problems=unsafe_values(loaded) + plan.plan_problems(loaded) + logging_problems(loaded)
+        problems=unsafe_values(loaded) + checks.plan_problems(loaded) + logging_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)
@@ -434,9 +434,9 @@ def megatron_problems(
     the recipe cannot be judged on it here.
     """
     recipe = loaded.recipe
-    argv = plan.megatron_args(loaded)
+    argv = command.megatron_args(loaded)
     if recipe.test.type == "ckpt-resume":
-        argv += plan.save_args(loaded, "/nonexistent/megatron-ext-validate")
+        argv += command.save_args(loaded, "/nonexistent/megatron-ext-validate")
     return argv_problems(
         argv, module_name, recipe.world_size, recipe.launch.device, recipe.model.type, notes
     )

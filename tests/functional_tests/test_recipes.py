@@ -11,7 +11,7 @@ metrics read from TensorBoard (as Megatron-LM's CI reads them) equal Megatron's 
 Each recipe runs as a user runs it (`megatron-ext run recipes/NAME.yaml`): validation, the
 ranks on gloo with the CPU runtime, the run directory, and the comparison with the recipe's
 committed CPU golden values (lm loss within rtol 1e-4 on every step, num-zeros within 5 % + 4;
-see megatron_ext/recipes/compare.py). ckpt-resume recipes also train twice and the resumed
+see megatron_ext/runs/golden.py). ckpt-resume recipes also train twice and the resumed
 half must equal the uninterrupted run exactly. A recipe without golden values fails: the
 golden values are what makes a change of numerics visible.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext.recipes import metrics as met
+from megatron_ext.runs import metrics as met
 from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,7 @@ RECIPES = [
 ]
 RECIPES.append(UPSTREAM_FORMAT_CASE)
 TIMEOUT_S = 600
+HIDDEN_LINE = r"megatron-ext: \d+ upstream warnings? hidden; --verbose shows them"
 # Run directories of the recipe runs above that passed, by case id: later tests compare with
 # them instead of training the same recipe again (pytest runs this file's tests in order).
 TRAINED_RUNS: dict[str, Path] = {}
@@ -164,8 +165,15 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
     assert len(performance["peak_rss_mib_per_rank"]) == summary["world_size"]
     assert summary["versions"]["megatron-core"] == "0.19.2"
     assert summary["plan"]["world_size"] == summary["world_size"]
-    # ... and the progress it saw on the way.
+    # ... and the progress it saw on the way, with no upstream warning before it (issue 35):
+    # at most the one line that counts them, at the end.
     assert "  iteration    1/" in result.stdout and f"PASSED: {summary['name']}" in result.stdout
+    before_progress = result.stdout.split("  iteration    1/", 1)[0]
+    assert not re.search(r"Warning\b|No CUDA runtime", before_progress), before_progress
+    unexpected = [
+        line for line in result.stderr.splitlines() if not re.fullmatch(HIDDEN_LINE, line)
+    ]
+    assert not unexpected, result.stderr[-4000:]
     TRAINED_RUNS[_case_id(recipe)] = run_dir
 
 
@@ -179,7 +187,8 @@ def _finish_run_with(metrics: met.Metrics, run_dir: Path):
     TensorBoard event files hold ``metrics``, written as Megatron writes them."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from megatron_ext.recipes import load, runner
+    from megatron_ext.recipes import load
+    from megatron_ext.runs import runner
 
     writer = SummaryWriter(str(run_dir / met.TENSORBOARD_SUBDIR))
     for name, series in metrics.items():

@@ -222,7 +222,8 @@ def _phase_job(overrides: list[str], run_dir: Path, name: str, extra_args: list[
     """The launcher job of one phase of ``megatron-ext run`` with these overrides (the runner's
     own command), optionally with more Megatron flags."""
     from megatron_ext.launch import local
-    from megatron_ext.recipes import loader, plan, runner
+    from megatron_ext.recipes import command, loader
+    from megatron_ext.runs import runner
 
     loaded = loader.load(overrides[0], overrides=overrides[1:])
     phase = next(p for p in runner.phases(loaded, run_dir) if p.name == name)
@@ -231,7 +232,7 @@ def _phase_job(overrides: list[str], run_dir: Path, name: str, extra_args: list[
         args=[*phase.args, *extra_args],
         nproc=loaded.recipe.world_size,
         log_dir=phase.log_dir,
-        env=plan.run_environment(loaded),
+        env=command.run_environment(loaded),
         cwd=REPO_ROOT,
         timeout_s=timing.bound(300),
     )

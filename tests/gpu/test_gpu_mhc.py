@@ -172,7 +172,7 @@ def test_one_gpu_training_run_of_a_small_mhc_recipe_over_nccl(tmp_path):
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    from megatron_ext.recipes.metrics import read_golden
+    from megatron_ext.runs.metrics import read_golden
 
     series = read_golden(tmp_path / "run" / "metrics.json")["lm loss"]
     losses = [series[step] for step in sorted(series)]

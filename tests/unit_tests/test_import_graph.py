@@ -127,3 +127,84 @@ def test_a_planted_circle_is_found(tmp_path):
     assert graph["pkg.sub.b"] == {"pkg.sub.c"}
     assert graph["pkg.sub.c"] == {"pkg.a"}
     assert circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
+
+
+# ---- the shape of the house: which package may import which ------------------------------------
+def _package(module: str) -> str:
+    """The top-level package (or module) of megatron_ext that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _arrows(graph: dict[str, set[str]], source: str, target: str) -> set[str]:
+    return {
+        f"{a} -> {b}"
+        for a, imported in graph.items()
+        if _package(a) == source
+        for b in imported
+        if _package(b) == target
+    }
+
+
+# runs/ starts from what recipes/ hands it: the schema (and, once it exists, the run request).
+# These arrows into the rest of recipes/ are today's, to go when runs/ starts from a RunRequest
+# (issue 35); the list may only shrink: a new arrow fails, and so does one that has gone.
+RUNS_INTO_RECIPES_TODAY = {
+    "megatron_ext.runs.runner -> megatron_ext.recipes",
+    "megatron_ext.runs.runner -> megatron_ext.recipes.command",
+    "megatron_ext.runs.runner -> megatron_ext.recipes.golden_paths",
+    "megatron_ext.runs.runner -> megatron_ext.recipes.loader",
+    "megatron_ext.runs.runner -> megatron_ext.recipes.safety",
+    "megatron_ext.runs.runner -> megatron_ext.recipes.validate",
+    "megatron_ext.runs.submit -> megatron_ext.recipes.command",
+    "megatron_ext.runs.submit -> megatron_ext.recipes.loader",
+    "megatron_ext.runs.trace -> megatron_ext.recipes.schedule",
+}
+RUNS_MAY_IMPORT = {"megatron_ext.recipes.schema", "megatron_ext.recipes.request"}
+
+
+def test_recipes_never_imports_runs():
+    assert not _arrows(import_graph(), "recipes", "runs")
+
+
+def test_runs_imports_recipes_only_through_the_request_and_the_schema():
+    arrows = _arrows(import_graph(), "runs", "recipes")
+    others = {a for a in arrows if a.split(" -> ")[1] not in RUNS_MAY_IMPORT}
+    assert others <= RUNS_INTO_RECIPES_TODAY, f"new: {sorted(others - RUNS_INTO_RECIPES_TODAY)}"
+    assert others == RUNS_INTO_RECIPES_TODAY, (
+        f"gone (strike them from RUNS_INTO_RECIPES_TODAY): {sorted(RUNS_INTO_RECIPES_TODAY - others)}"
+    )
+
+
+def test_schedules_imports_no_recipes_runs_or_multimodule():
+    graph = import_graph()
+    for above in ("recipes", "runs", "multimodule"):
+        assert not _arrows(graph, "schedules", above), above
+
+
+def test_mhc_never_imports_guards():
+    assert not _arrows(import_graph(), "mhc", "guards")
+
+
+def test_no_package_holds_more_than_15_percent_of_the_lines():
+    lines: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        top = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        lines[top] = lines.get(top, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    heavy = {name: f"{n / total:.1%}" for name, n in lines.items() if n > 0.15 * total}
+    assert not heavy, f"packages above 15 % of megatron_ext's {total} lines: {heavy}"
+
+
+def test_the_shape_rules_can_fail(tmp_path):
+    """A planted arrow from recipes/ into runs/ is seen by the rules' reader."""
+    package = tmp_path / "megatron_ext"
+    for sub in ("recipes", "runs"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "recipes" / "a.py").write_text("def f():\n    from megatron_ext.runs import b\n")
+    (package / "runs" / "b.py").write_text("")
+    assert _arrows(import_graph(package), "recipes", "runs") == {
+        "megatron_ext.recipes.a -> megatron_ext.runs.b"
+    }

@@ -1,5 +1,5 @@
-"""The stable API (README, "Stable API"): each public package's ``__all__`` names what it
-exports, every listed name resolves, and the README lists the same packages."""
+"""The stable API (docs/registry.md, "Stable API"): each public package's ``__all__`` names what it
+exports, every listed name resolves, and docs/registry.md lists the same packages."""
 
 import importlib
 import re
@@ -22,7 +22,8 @@ PUBLIC = (
     "megatron_ext.checkpoint",
     "megatron_ext.testing",
 )
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+STABLE_API_PAGE = REPO / "docs" / "registry.md"
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -49,8 +50,8 @@ def test_the_top_level_api():
     assert issubclass(RecipeError, ValueError)
 
 
-def test_readme_lists_exactly_the_public_packages():
-    text = README.read_text()
+def test_the_guide_lists_exactly_the_public_packages():
+    text = STABLE_API_PAGE.read_text()
     section = text.split("## Stable API", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(megatron_ext[\w.]*)` \|", section, re.M)
     assert listed == list(PUBLIC)
@@ -58,7 +59,7 @@ def test_readme_lists_exactly_the_public_packages():
 
 def test_py_typed_ships_with_the_package():
     assert (Path(megatron_ext.__file__).parent / "py.typed").is_file()
-    assert '"py.typed"' in (README.parent / "setup.py").read_text()
+    assert '"py.typed"' in (REPO / "setup.py").read_text()
 
 
 def _error_classes() -> dict[str, list[str]]:

@@ -359,6 +359,6 @@ def test_gpt_mtp_layers_have_no_hyper_connections_and_leave_the_gains_alone(meth
 
 def test_the_runner_records_every_gain_under_the_names_stats_writes():
     """mhc_report keeps the names as text (the runner does not import torch)."""
-    from megatron_ext.recipes import mhc_report
+    from megatron_ext.runs import mhc_report
 
     assert mhc_report.GAIN_NAMES == stats.GAIN_NAMES + stats.MTP_GAIN_NAMES

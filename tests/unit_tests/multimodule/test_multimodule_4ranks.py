@@ -286,7 +286,8 @@ def test_training_entry_logs_the_language_models_mhc_stats(tmp_path, method):
     import torch.distributed as dist
 
     from megatron_ext import pretrain_multimodule as entry
-    from megatron_ext.recipes import metrics, multimodule as recipe_plan
+    from megatron_ext.recipes import multimodule as recipe_plan
+    from megatron_ext.runs import metrics
     from megatron_ext.testing.distributed import init_distributed
 
     init_distributed()

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_ext.pretrain_multimodule import HONOURED_FLAGS, _parse_args, load_recipe
 from megatron_ext.recipes import load
+from megatron_ext.recipes.command import RECIPE_PLACEHOLDER, megatron_args
 from megatron_ext.recipes.multimodule import num_microbatches, plan_of, validate_recipe
-from megatron_ext.recipes.plan import RECIPE_PLACEHOLDER, megatron_args
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "multimodule_encoder_llm_mhc_pp2.yaml"
@@ -29,7 +29,7 @@ def test_the_recipe_is_valid_without_starting_anything():
 def test_the_language_model_may_log_mhc_stats_with_either_h_res_method(method):
     """model.modules.llm.mhc.log_stats is honoured by this entry (no longer refused), with
     either H_res method; the runner then records the gains (mhc_report)."""
-    from megatron_ext.recipes import mhc_report
+    from megatron_ext.runs import mhc_report
 
     overrides = [
         "model.modules.llm.mhc.log_stats=true",

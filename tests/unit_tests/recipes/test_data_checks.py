@@ -6,7 +6,8 @@ import pytest
 
 from megatron_ext.cli import main as cli_main
 from megatron_ext.recipes import load
-from megatron_ext.recipes.plan import megatron_args, plan_problems
+from megatron_ext.recipes.checks import plan_problems
+from megatron_ext.recipes.command import megatron_args
 
 RECIPE = """
 version: 1

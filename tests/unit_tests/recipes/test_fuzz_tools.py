@@ -113,7 +113,7 @@ def _override(key: str, value) -> str:
 @FUZZ
 @given(st.lists(st.tuples(override_keys, scalars), max_size=4))
 def test_validate(tmp_path_factory, capsys, pairs):
-    from megatron_ext.recipes import RecipeError, load, plan
+    from megatron_ext.recipes import RecipeError, command, load
 
     path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
     path.write_text(MINIMAL)
@@ -121,7 +121,7 @@ def test_validate(tmp_path_factory, capsys, pairs):
     _tool(capsys, ["validate", str(path), *overrides, "--skip-megatron-checks"])
     with _bounded():  # the argv Megatron's checks would parse: built without an exception
         try:
-            plan.megatron_args(load(path, overrides=overrides))
+            command.megatron_args(load(path, overrides=overrides))
         except RecipeError:
             pass
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_ext.launch import local, slurm
 from megatron_ext.recipes import load
-from megatron_ext.recipes.submit import SlurmOptions, build_job
+from megatron_ext.runs.submit import SlurmOptions, build_job
 from megatron_ext.testing import timing
 
 from conftest import REPO_ROOT
@@ -264,7 +264,7 @@ def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatc
 
 
 def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatch):
-    from megatron_ext.recipes import submit as submit_module
+    from megatron_ext.runs import submit as submit_module
 
     from conftest import MINIMAL
 

@@ -17,8 +17,9 @@ import pytest
 
 from megatron_ext.cli import main as cli_main
 from megatron_ext.launch import local, slurm, stop_signals
-from megatron_ext.recipes import load, resume as rsm, runner
-from megatron_ext.recipes.submit import (
+from megatron_ext.recipes import load
+from megatron_ext.runs import resume as rsm, runner
+from megatron_ext.runs.submit import (
     SlurmOptions,
     build_job,
     container_image_problem,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_ext.recipes import compare as cmp, metrics as met
+from megatron_ext.runs import golden as cmp, metrics as met
 
 LINE = (
     " [2026-11-30 00:50:45.636798] iteration        6/      10 | consumed samples:           48 |"

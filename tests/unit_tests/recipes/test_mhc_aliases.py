@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_ext.recipes import RecipeError, load
-from megatron_ext.recipes.plan import megatron_args
+from megatron_ext.recipes.command import megatron_args
 
 from conftest import MINIMAL
 

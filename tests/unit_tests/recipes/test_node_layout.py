@@ -8,7 +8,7 @@ import sys
 
 from megatron_ext.launch import nodes
 from megatron_ext.recipes import load
-from megatron_ext.recipes.submit import SlurmOptions, build_job
+from megatron_ext.runs.submit import SlurmOptions, build_job
 
 from conftest import REPO_ROOT
 

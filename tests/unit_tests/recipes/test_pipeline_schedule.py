@@ -5,8 +5,9 @@ all without a process."""
 import pytest
 
 from megatron_ext.recipes import RecipeError, load
+from megatron_ext.recipes.checks import plan_problems
+from megatron_ext.recipes.command import describe, megatron_args
 from megatron_ext.recipes.flags import conflicts
-from megatron_ext.recipes.plan import describe, megatron_args, plan_problems
 
 from conftest import MINIMAL, REPO_ROOT
 

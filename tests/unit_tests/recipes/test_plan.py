@@ -3,15 +3,10 @@
 import pytest
 
 from megatron_ext.recipes import load
+from megatron_ext.recipes.checks import plan_problems
+from megatron_ext.recipes.command import megatron_args, run_environment, save_args
 from megatron_ext.recipes.loader import parse_yaml
-from megatron_ext.recipes.plan import (
-    layout_stages,
-    megatron_args,
-    plan_problems,
-    run_environment,
-    save_args,
-    virtual_stages,
-)
+from megatron_ext.recipes.schema import layout_stages
 
 from conftest import MINIMAL, REPO_ROOT
 
@@ -68,12 +63,12 @@ def test_virtual_stages_come_from_vpp_the_layout_or_the_hybrid_pattern():
     flags = _flags(megatron_args(layout))
     assert flags["--pipeline-model-parallel-layout"] == ["E|tt|tt|L"]
     assert "--num-virtual-stages-per-pipeline-rank" not in flags, "megatron rejects both together"
-    assert virtual_stages(layout.recipe) == 2
+    assert layout.recipe.virtual_stages == 2
     hybrid = load(REPO_ROOT / "recipes/hybrid_mhc_tp1_pp2_vpp2_empty_mtp.yaml")
     flags = _flags(megatron_args(hybrid))
     assert flags["--hybrid-layer-pattern"] == ["*E|*-||/*-"]
     assert "--num-layers" not in flags and "--mtp-num-layers" not in flags, "the pattern says both"
-    assert virtual_stages(hybrid.recipe) == 2
+    assert hybrid.recipe.virtual_stages == 2
 
 
 def test_ckpt_resume_saves_at_half_and_exits_at_the_end():

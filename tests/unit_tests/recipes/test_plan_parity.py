@@ -1,4 +1,4 @@
-"""recipes/plan.py reads pipeline layouts and hybrid patterns without importing megatron (so
+"""recipes/schema.py reads pipeline layouts and hybrid patterns without importing megatron (so
 ``megatron-ext validate`` stays light); these tests hold its readings to megatron-core's own
 parsers, so an upgrade that changes megatron's grammar fails here instead of in a run."""
 
@@ -7,7 +7,7 @@ import pytest
 from megatron.core.models.hybrid import hybrid_layer_allocation as hybrid
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from megatron_ext.recipes import plan
+from megatron_ext.recipes import schema
 
 LAYOUTS = ["E|tt|tt|L", "E|(tt|)*6,L", "Ettt|(tt|)*3,m|L", "Et*3|t|tL", "(|t)*2,t|L", "E|t|m|L"]
 PATTERNS = [
@@ -24,7 +24,7 @@ PATTERNS = [
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_stages_match_megatron(layout):
-    stages = plan.layout_stages(layout)
+    stages = schema.layout_stages(layout)
     megatron = PipelineParallelLayerLayout.parse_str_to_list(layout)
     assert (
         len(stages) == len(megatron) == PipelineParallelLayerLayout.get_num_stages_from_str(layout)
@@ -36,24 +36,24 @@ def test_layout_stages_match_megatron(layout):
 
 
 def test_layout_symbols_are_megatrons():
-    for symbol in plan.LAYOUT_SYMBOLS:
+    for symbol in schema.LAYOUT_SYMBOLS:
         PipelineParallelLayerLayout.parse_str_to_list(symbol)
     with pytest.raises(AssertionError):
         PipelineParallelLayerLayout.parse_str_to_list("x")
     with pytest.raises(ValueError, match="unknown symbol"):
-        plan.layout_stages("x")
+        schema.layout_stages("x")
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_hybrid_pattern_readings_match_megatron(pattern):
-    segments, mtp = plan.hybrid_segments(pattern)
+    segments, mtp = schema.hybrid_segments(pattern)
     parsed = hybrid.parse_hybrid_pattern(pattern)
     assert "|".join(segments) == parsed.main_pattern
     assert len(segments) == hybrid.get_hybrid_total_pipeline_segment_count(pattern)
-    assert plan.hybrid_layer_count(pattern) == hybrid.get_hybrid_total_layer_count(pattern)
+    assert schema.hybrid_layer_count(pattern) == hybrid.get_hybrid_total_layer_count(pattern)
     assert len(mtp) == parsed.mtp_num_depths
     assert (mtp[0] if mtp else None) == parsed.mtp_pattern
 
 
 def test_hybrid_symbols_are_megatrons():
-    assert set(plan.HYBRID_SYMBOLS) == hybrid.Symbols.VALID_LAYERS
+    assert set(schema.HYBRID_SYMBOLS) == hybrid.Symbols.VALID_LAYERS

@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.figure  # noqa: E402
 import matplotlib.image as mpimg  # noqa: E402
 
-from megatron_ext.recipes import plot  # noqa: E402
+from megatron_ext.runs import plot  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -9,9 +9,10 @@ import pytest
 
 from megatron_ext import cli
 from megatron_ext.launch import slurm
-from megatron_ext.recipes import load, metrics as met, runner
+from megatron_ext.recipes import load
 from megatron_ext.recipes.loader import dump
 from megatron_ext.recipes.validate import validate
+from megatron_ext.runs import metrics as met, runner
 
 from conftest import MINIMAL, REPO_ROOT
 
@@ -85,15 +86,15 @@ def test_secrets_are_not_written_but_reach_the_ranks(write_recipe, tmp_path):
     assert "PLAIN=visible" in script
     assert ': "${WANDB_API_KEY:?is a secret and not written here; export WANDB_API_KEY' in script
     assert "launch.env.HF_TOKEN=<redacted>" in script
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command
 
     assert {
-        k: plan.run_environment(loaded)[k] for k in SECRETS
+        k: command.run_environment(loaded)[k] for k in SECRETS
     } == SECRETS  # the launcher passes them
 
 
 def _slurm_job(loaded, tmp_path):
-    from megatron_ext.recipes.submit import SlurmOptions, build_job
+    from megatron_ext.runs.submit import SlurmOptions, build_job
 
     return build_job(loaded, tmp_path / "slurm-run", SlurmOptions(partition="p", time="00:10:00"))
 

@@ -10,8 +10,9 @@ import json
 import pytest
 
 from megatron_ext.launch import shell
-from megatron_ext.recipes import golden_paths, load, runner
+from megatron_ext.recipes import golden_paths, load
 from megatron_ext.recipes.loader import dump
+from megatron_ext.runs import runner
 
 from conftest import MINIMAL
 
@@ -131,7 +132,7 @@ def test_a_malformed_fault_is_named_before_any_rank_starts(
 
 
 def test_a_run_directory_in_use_is_refused_before_anything_is_written(write_recipe, tmp_path):
-    from megatron_ext.recipes import run_lock
+    from megatron_ext.runs import lock as run_lock
 
     loaded = load(write_recipe(MINIMAL))
     run_dir = tmp_path / "shared-run"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.recipes import load, run_trace
+from megatron_ext.recipes import load
+from megatron_ext.runs import trace as run_trace
 from megatron_ext.schedules.schedule import Compute, SchedulePlan, build_schedule
 from megatron_ext.schedules.trace import Event, Tracer, _Message, traced_forward_step, tracing
 

@@ -1,7 +1,8 @@
 """The run directory's command.sh, the ckpt-resume phases and the progress lines."""
 
-from megatron_ext.recipes import load, runner
-from megatron_ext.recipes.runner import Progress, command_script, phases, prepare_resume
+from megatron_ext.recipes import load
+from megatron_ext.runs import runner
+from megatron_ext.runs.runner import Progress, command_script, phases, prepare_resume
 
 from conftest import REPO_ROOT
 

@@ -15,9 +15,10 @@ import pytest
 
 from megatron_ext.launch import slurm
 from megatron_ext.launch.shell import UnsafeValueError
-from megatron_ext.recipes import load, runner
-from megatron_ext.recipes.submit import SlurmOptions, submit
+from megatron_ext.recipes import load
 from megatron_ext.recipes.validate import validate
+from megatron_ext.runs import runner
+from megatron_ext.runs.submit import SlurmOptions, submit
 from megatron_ext.testing import timing
 
 from conftest import MINIMAL

@@ -470,13 +470,13 @@ def test_other_model_families_are_refused_naming_their_entry(tmp_path, family, a
 def test_the_gpu_platform_keeps_upstreams_tokenizer(tmp_path, monkeypatch):
     """No --tokenizer-type but GPT-2 BPE files: the cpu overlay's NullTokenizer and vocab size
     128 must not leak into the GPU run."""
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command
 
     monkeypatch.setenv("DATA_PATH", str(tmp_path))
     files = {"--vocab-file": "${DATA_PATH}/vocab.json", "--merge-file": "${DATA_PATH}/merges.txt"}
     path = write_case(tmp_path, {"--tokenizer-type": None, "--vocab-size": None, **files})
     gpu = load(path, "dgx_h100")
-    argv = plan.megatron_args(gpu)
+    argv = command.megatron_args(gpu)
     assert argv[argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"
     assert "--vocab-size" not in argv and "NullTokenizer" not in argv
     assert argv[argv.index("--vocab-file") + 1] == f"{tmp_path}/vocab.json"
@@ -520,9 +520,9 @@ def test_extra_args_that_is_not_a_mapping_is_a_problem_not_a_traceback(value):
 
 
 def test_a_regular_cases_checkpoint_format_is_passed(tmp_path):
-    from megatron_ext.recipes import plan
+    from megatron_ext.recipes import command
 
-    argv = plan.megatron_args(load(write_case(tmp_path, {"--ckpt-format": "torch"})))
+    argv = command.megatron_args(load(write_case(tmp_path, {"--ckpt-format": "torch"})))
     assert argv[argv.index("--ckpt-format") + 1] == "torch"
 
 

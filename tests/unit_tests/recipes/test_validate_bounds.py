@@ -10,8 +10,8 @@ import pytest
 
 from megatron_ext.launch import slurm
 from megatron_ext.recipes import RecipeError, load
-from megatron_ext.recipes.submit import SlurmOptions, build_job
 from megatron_ext.recipes.validate import validate
+from megatron_ext.runs.submit import SlurmOptions, build_job
 
 from conftest import MINIMAL
 

@@ -62,8 +62,8 @@ def test_bad_plans_name_the_flag(capsys):
 
 
 def test_readme_shows_the_real_output(capsys):
-    """README.md's example is what the command prints, and its picture is in docs/."""
-    readme = (RECIPES.parent / "README.md").read_text()
+    """docs/schedules.md's example is what the command prints, and its picture is in docs/."""
+    readme = (RECIPES.parent / "docs" / "schedules.md").read_text()
     command = "megatron-ext schedule --pp 2 --microbatches 4 --mhc-streams 4 --hidden 64 --seq 32 --micro-batch-size 2"
     assert command in readme
     cli.main(command.split()[1:])
@@ -161,8 +161,8 @@ def test_the_recipe_field_picks_the_schedule():
 
 
 def test_readme_shows_the_real_zb_h1_output(capsys):
-    """README.md's ZB-H1 example is what the command prints, and its picture is in docs/."""
-    readme = (RECIPES.parent / "README.md").read_text()
+    """docs/schedules.md's ZB-H1 example is what the command prints, and its picture is in docs/."""
+    readme = (RECIPES.parent / "docs" / "schedules.md").read_text()
     assert "megatron-ext schedule --schedule zb-h1 --pp 4 --microbatches 8" in readme
     assert cli.main("schedule --schedule zb-h1 --pp 4 --microbatches 8".split()) == 0
     printed = "\n".join(line.rstrip() for line in capsys.readouterr().out.strip().splitlines())

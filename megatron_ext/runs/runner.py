@@ -47,18 +47,11 @@ from pathlib import Path
 
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
-from megatron_ext.recipes import (
-    compare as cmp,
-    golden_paths,
-    metrics as met,
-    mhc_report,
-    plan,
-    resume as rsm,
-    safety,
-)
+from megatron_ext.recipes import command, golden_paths, safety
 from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.recipes.plot import write_run_plot
 from megatron_ext.recipes.validate import entry_importable, validate
+from megatron_ext.runs import golden as cmp, metrics as met, mhc_report, resume as rsm
+from megatron_ext.runs.plot import write_run_plot
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
 
@@ -85,7 +78,7 @@ RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
 
 
 def _placed(arg: str, run_dir: Path) -> str:
-    if arg == plan.RECIPE_PLACEHOLDER:
+    if arg == command.RECIPE_PLACEHOLDER:
         return str(run_dir / "recipe.yaml")
     return arg.replace(RUN_DIR_PLACEHOLDER, str(run_dir))
 
@@ -108,12 +101,12 @@ def phases(
     loaded: LoadedRecipe, run_dir: Path, segment: str = "", load: bool = False
 ) -> list[Phase]:
     """The training runs of a start of the recipe (``segment``: a resume's, see
-    :mod:`megatron_ext.recipes.resume`; ``load``: from the latest complete checkpoint)."""
-    args = [_placed(a, run_dir) for a in plan.megatron_args(loaded)]
+    :mod:`megatron_ext.runs.resume`; ``load``: from the latest complete checkpoint)."""
+    args = [_placed(a, run_dir) for a in command.megatron_args(loaded)]
     logs = run_dir / "logs"
     tensorboard = run_dir / met.TENSORBOARD_SUBDIR
-    if plan.resumable(loaded):
-        long_run = plan.long_run_args(loaded, str(rsm.checkpoint_dir(run_dir)), load)
+    if loaded.recipe.resumable:
+        long_run = command.long_run_args(loaded, str(rsm.checkpoint_dir(run_dir)), load)
         metrics = metrics_args(loaded, tensorboard / segment if segment else tensorboard)
         return [Phase(segment or "train", args + metrics + long_run, logs / segment)]
     if loaded.recipe.test.type != "ckpt-resume":
@@ -121,11 +114,13 @@ def phases(
     ckpt = str(run_dir / "checkpoints")
     return [
         Phase(
-            "train", args + metrics_args(loaded, tensorboard) + plan.save_args(loaded, ckpt), logs
+            "train",
+            args + metrics_args(loaded, tensorboard) + command.save_args(loaded, ckpt),
+            logs,
         ),
         Phase(
             "resume",
-            args + metrics_args(loaded, tensorboard / "resume") + plan.load_args(loaded, ckpt),
+            args + metrics_args(loaded, tensorboard / "resume") + command.load_args(loaded, ckpt),
             logs / "resume",
         ),
     ]
@@ -156,7 +151,7 @@ def resume_shell(ckpt: Path, iterations: int) -> str:
 def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> str:
     """command.sh: the exact commands, runnable from any shell on this machine."""
     recipe = loaded.recipe
-    env = plan.run_environment(loaded)
+    env = command.run_environment(loaded)
     lines = [
         "#!/usr/bin/env bash",
         shell.comment(
@@ -164,7 +159,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
             + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
             + ")"
         ),
-        shell.comment(f"# {plan.describe(loaded)}"),
+        shell.comment(f"# {command.describe(loaded)}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
@@ -208,7 +203,7 @@ def dry_run(
     """``run --dry-run``: every check, then the plan and the exact commands; no rank starts
     and nothing is written."""
     echo(f"megatron-ext run --dry-run {loaded.source} (platform {loaded.platform})")
-    echo(f"  {plan.describe(loaded)}")
+    echo(f"  {command.describe(loaded)}")
     for note in loaded.notes:
         echo(f"  note: {note}")
     why = preflight(loaded, echo, megatron_checks)
@@ -390,7 +385,7 @@ def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchr
             "platform": loaded.platform,
             "overrides": _shown_overrides(loaded),
             "launcher": launcher,
-            "resumable": plan.resumable(loaded),
+            "resumable": loaded.recipe.resumable,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
     )
@@ -435,7 +430,7 @@ def run(
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
-    echo(f"  {plan.describe(loaded)}")
+    echo(f"  {command.describe(loaded)}")
     for note in loaded.notes:
         echo(f"  note: {note}")
     why = preflight(loaded, echo, megatron_checks)
@@ -460,7 +455,7 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    from megatron_ext.recipes import run_lock
+    from megatron_ext.runs import lock as run_lock
 
     try:
         with run_lock.holding(run_dir):
@@ -571,9 +566,9 @@ def _run_phases(
             f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
             f"(logs: {phase.log_dir}/rank-*.log)"
         )
-        env = plan.run_environment(loaded)
+        env = command.run_environment(loaded)
         if trace:
-            from megatron_ext.recipes import run_trace
+            from megatron_ext.runs import trace as run_trace
 
             env.update(run_trace.environment(run_dir))
         job = local.LocalJob(
@@ -585,7 +580,7 @@ def _run_phases(
             timeout_s=recipe.launch.timeout_s,
             stall_timeout_s=recipe.launch.stall_timeout_s,
             startup_timeout_s=recipe.launch.startup_timeout_s,
-            save_signal=stop_signals.SAVE_SIGNAL if plan.resumable(loaded) else None,
+            save_signal=stop_signals.SAVE_SIGNAL if loaded.recipe.resumable else None,
         )
         progress = Progress(echo, phase.name, start=time.monotonic())
         result = local.launch(job, on_line=progress)
@@ -625,7 +620,7 @@ def _run_phases(
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
             if trace:
-                from megatron_ext.recipes import run_trace
+                from megatron_ext.runs import trace as run_trace
 
                 where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
                 if where:
@@ -642,7 +637,7 @@ def _run_phases(
             return Outcome(
                 EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what
             )
-    if plan.resumable(loaded):
+    if loaded.recipe.resumable:
         c = recipe.checkpoint
         removed = rsm.prune(
             rsm.checkpoint_dir(run_dir), c.most_recent_k, c.keep_final, recipe.training.iterations
@@ -725,7 +720,7 @@ def resume_run(
     latest = rsm.latest_complete(ckpt)
     segment = rsm.next_segment(run_dir)
     echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
-    echo(f"  {plan.describe(loaded)}")
+    echo(f"  {command.describe(loaded)}")
     if cut:
         echo(f"  removed checkpoint(s) cut short while saving: iteration(s) {cut}")
     echo(
@@ -777,7 +772,7 @@ def finalize(
     recipe = loaded.recipe
     names = list(recipe.test.metrics)
     logs = run_dir / "logs"
-    if plan.resumable(loaded):  # every segment of a stopped and resumed run, as one
+    if loaded.recipe.resumable:  # every segment of a stopped and resumed run, as one
         joined = rsm.read_metrics(run_dir)
         run_metrics, source = joined.metrics, joined.source
     else:
@@ -865,7 +860,7 @@ def finalize(
         echo(f"  {line}")
     pipeline = None
     if trace:
-        from megatron_ext.recipes import run_trace
+        from megatron_ext.runs import trace as run_trace
 
         pipeline = run_trace.summarize(loaded, run_dir, echo)
     passed = all(r.passed for r in reports)
@@ -1018,11 +1013,11 @@ def resolved_plan(loaded: LoadedRecipe) -> dict:
     p, t = r.parallelism, r.training
     dp = p.dp if r.model.type != "multimodule" else 1
     return {
-        "describe": plan.describe(loaded),
+        "describe": command.describe(loaded),
         "world_size": r.world_size,
         "tp": p.tp,
         "pp": p.pp,
-        "vpp": plan.virtual_stages(r),
+        "vpp": r.virtual_stages,
         "cp": p.cp,
         "ep": p.ep,
         "dp": p.dp,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ext.recipes.plot import write_png_plot
+from megatron_ext.runs.plot import write_png_plot
 
 # megatron_ext.mhc.stats.GAIN_NAMES + MTP_GAIN_NAMES (the MTP path's: Hybrid MTP runs only)
 GAIN_NAMES = (

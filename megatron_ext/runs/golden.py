@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy
 
-from megatron_ext.recipes.metrics import Metrics
-
-TOLERANCE_FIELDS = ("deterministic", "rtol", "atol", "max_failing_steps")
+from megatron_ext.recipes.schema import TOLERANCE_FIELDS
+from megatron_ext.runs.metrics import Metrics
 
 
 @dataclass(frozen=True)

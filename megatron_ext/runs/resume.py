@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.errors import MegatronExtError
-from megatron_ext.recipes import metrics as met
+from megatron_ext.runs import metrics as met
 
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"

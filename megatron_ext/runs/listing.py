@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.errors import MegatronExtError
-from megatron_ext.recipes import metrics as met, resume as rsm
+from megatron_ext.runs import metrics as met, resume as rsm
 
 RUNNING_WITHIN_S = 120.0
 """A run without a summary whose logs changed this recently counts as running."""

@@ -1,13 +1,8 @@
-"""From a recipe to the ranks' command line, and the plan checks that need no process.
-
-- :func:`megatron_args` is the exact Megatron command line (flags after ``-m ENTRY``) of a
-  recipe, with the flags each ``ckpt-resume`` phase adds.
-- :func:`plan_problems` checks the parallel plan and the fields that depend on each other
-  (world size, layer split over pipeline and virtual stages, the layout and hybrid pattern,
-  batch sizes, sequence and context parallelism, MoE, mHC, data paths) and returns every
-  problem, each naming the fields, their values and the fix. It reads only the recipe.
-- :func:`layout_stages` and :func:`hybrid_segments` read a pipeline layout / hybrid pattern
-  the way megatron-core 0.19.2 does, without importing it.
+"""The plan checks that need no process: :func:`plan_problems` checks the parallel plan and the
+fields that depend on each other (world size, layer split over pipeline and virtual stages, the
+layout and hybrid pattern, batch sizes, sequence and context parallelism, MoE, mHC, data paths,
+the test's metrics and golden values) and returns every problem, each naming the fields, their
+values and the fix. It reads only the recipe.
 
 The checks that need Megatron itself (its argument validation, the TransformerConfig and
 megatron-ext's guards) are in :mod:`megatron_ext.recipes.validate`.
@@ -23,11 +18,15 @@ from typing import Any
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.schema import Problem, Recipe
-from megatron_ext.schedules.schedule import ONE_F_ONE_B, ZB_H1
-
-RECIPE_PLACEHOLDER = "@RECIPE@"
-"""Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
+from megatron_ext.recipes.schema import (
+    HYBRID_SYMBOLS,
+    Problem,
+    Recipe,
+    hybrid_layer_count,
+    hybrid_segments,
+    layout_stages,
+)
+from megatron_ext.schedules.schedule import ZB_H1
 
 KNOWN_METRICS = (
     "lm loss",
@@ -41,261 +40,6 @@ KNOWN_METRICS = (
 )
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 
-HYBRID_SYMBOLS = {
-    "M": "Mamba",
-    "G": "GDN",
-    "*": "attention",
-    "D": "DS attention",
-    "+": "MLA",
-    "-": "MLP",
-    "E": "MoE",
-}
-LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "transformer layer", "m": "MTP layer"}
-
-
-# ---- layouts and patterns -------------------------------------------------------------------------
-def layout_stages(layout: str) -> list[str]:
-    """The stages of a --pipeline-model-parallel-layout string, unrolled: 'E|(tt|)*2,L' ->
-    ['E', 'tt', 'tt', 'L']. Raises ValueError on a symbol megatron does not know."""
-    text = layout.replace(",", "")
-    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
-    bad = sorted({ch for ch in text if ch not in LAYOUT_SYMBOLS and ch != "|"})
-    if bad:
-        raise ValueError(
-            f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
-            + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items())
-            + " and '|'"
-        )
-    return text.split("|")
-
-
-def hybrid_segments(pattern: str) -> tuple[list[str], list[str]]:
-    """(main decoder pipeline segments, MTP depth patterns) of a --hybrid-layer-pattern."""
-    main, *mtp = pattern.split("/")
-    return main.split("|"), [p for p in mtp]
-
-
-def hybrid_layer_count(pattern: str) -> int:
-    return sum(len(s) for s in hybrid_segments(pattern)[0])
-
-
-def virtual_stages(recipe: Recipe) -> int | None:
-    """Virtual stages per pipeline rank the run will have (None: no interleaving)."""
-    model, par = recipe.model, recipe.parallelism
-    stages = None
-    try:
-        if model.type == "gpt" and model.pipeline_layout:
-            stages = len(layout_stages(model.pipeline_layout))
-        elif model.type == "hybrid" and model.hybrid_layer_pattern:
-            segments = len(hybrid_segments(model.hybrid_layer_pattern)[0])
-            stages = segments if segments > 1 else None
-    except ValueError:
-        return par.vpp
-    if stages is not None:
-        vpp = stages // par.pp if par.pp and stages % par.pp == 0 else None
-        return vpp if vpp and vpp > 1 else None
-    return par.vpp if par.vpp and par.vpp > 1 else None
-
-
-def mtp_depths(recipe: Recipe) -> int:
-    model = recipe.model
-    if model.type == "hybrid" and model.hybrid_layer_pattern:
-        return len([p for p in hybrid_segments(model.hybrid_layer_pattern)[1] if p])
-    return model.mtp_num_layers or 0
-
-
-# ---- the command line -----------------------------------------------------------------------------
-def _flag(args: list[str], name: str, value: Any) -> None:
-    if value is None or value is False:
-        return
-    if value is True:
-        args.append(name)
-    elif isinstance(value, (list, tuple)):
-        args += [name, *[str(v) for v in value]]
-    else:
-        args += [name, _number(value)]
-
-
-def _number(value: Any) -> str:
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            return repr(value)  # validation refuses these; a dry run still prints them
-        return repr(value) if value != int(value) or abs(value) >= 1e16 else str(value)
-    return str(value)
-
-
-def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
-    """The flags every rank's ``python -m ENTRY`` receives for this recipe (one run; the
-    ckpt-resume phases append :func:`save_args` / :func:`load_args`)."""
-    r = loaded.recipe
-    m, p, t, d = r.model, r.parallelism, r.training, r.data
-    args: list[str] = []
-    if m.type != "multimodule":
-        _flag(args, "--tensor-model-parallel-size", p.tp)
-        _flag(args, "--pipeline-model-parallel-size", p.pp)
-        if p.cp != 1:
-            _flag(args, "--context-parallel-size", p.cp)
-        if p.ep != 1:
-            _flag(args, "--expert-model-parallel-size", p.ep)
-        _flag(args, "--sequence-parallel", p.sp)
-        if p.schedule != ONE_F_ONE_B:  # megatron's 1F1B needs no flag (and older runs had none)
-            _flag(args, "--pipeline-schedule", p.schedule)
-        if m.type == "gpt":
-            _flag(args, "--num-layers", m.num_layers)
-            if m.pipeline_layout:
-                _flag(args, "--pipeline-model-parallel-layout", m.pipeline_layout)
-            elif p.vpp and p.vpp > 1:
-                _flag(args, "--num-virtual-stages-per-pipeline-rank", p.vpp)
-            _flag(args, "--mtp-num-layers", m.mtp_num_layers)
-        else:  # hybrid: layers, virtual stages and MTP depths come from the pattern
-            _flag(args, "--hybrid-layer-pattern", m.hybrid_layer_pattern)
-        _flag(args, "--hidden-size", m.hidden_size)
-        _flag(args, "--ffn-hidden-size", m.ffn_hidden_size)
-        _flag(args, "--num-attention-heads", m.num_attention_heads)
-        if m.num_query_groups:
-            _flag(args, "--group-query-attention", True)
-            _flag(args, "--num-query-groups", m.num_query_groups)
-        _flag(args, "--seq-length", m.seq_length)
-        _flag(args, "--max-position-embeddings", m.max_position_embeddings or m.seq_length)
-        _flag(args, "--position-embedding-type", m.position_embedding)
-        _flag(args, "--normalization", m.normalization)
-        _flag(args, "--hidden-dropout", m.hidden_dropout)
-        _flag(args, "--attention-dropout", m.attention_dropout)
-        _flag(args, "--untie-embeddings-and-output-weights", m.untie_embeddings)
-        if m.transformer_impl != "auto":
-            _flag(args, "--transformer-impl", m.transformer_impl)
-        if m.num_experts:
-            _flag(args, "--num-experts", m.num_experts)
-            _flag(args, "--moe-router-topk", m.moe_router_topk)
-        if m.mhc.enabled:
-            _flag(args, "--enable-mhc-connections", True)
-            _flag(args, "--mhc-num-residual-streams", m.mhc.num_residual_streams)
-            _flag(args, "--mhc-sinkhorn-iterations", m.mhc.sinkhorn_iterations)
-            if m.mhc.h_res_method != "sinkhorn":
-                _flag(args, "--mhc-h-res-method", m.mhc.h_res_method)
-            _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
-            if m.mhc.fused:
-                _flag(args, "--use-fused-mhc", True)
-            if m.mhc.log_stats:
-                _flag(args, "--log-mhc-stats", True)
-            if m.mhc.recompute:
-                args += ["--recompute-granularity", "selective", "--recompute-modules", "mhc"]
-                _flag(args, "--mhc-recompute-layer-num", m.mhc.recompute_layer_num)
-    elif m.recipe_flag:
-        _flag(args, m.recipe_flag, RECIPE_PLACEHOLDER)  # the run dir's recipe.yaml at launch
-    _flag(args, "--train-iters", t.iterations)
-    _flag(args, "--micro-batch-size", t.micro_batch_size)
-    _flag(args, "--global-batch-size", t.global_batch_size)
-    _flag(args, "--lr", t.lr)
-    _flag(args, "--min-lr", t.min_lr)
-    _flag(args, "--lr-decay-style", t.lr_schedule)
-    if t.lr_warmup_fraction is not None:
-        _flag(args, "--lr-warmup-fraction", t.lr_warmup_fraction)
-    else:
-        _flag(args, "--lr-warmup-iters", t.lr_warmup_iters)
-    _flag(args, "--lr-decay-iters", t.lr_decay_iters or t.iterations)
-    _flag(args, "--weight-decay", t.weight_decay)
-    _flag(args, "--clip-grad", t.clip_grad)
-    _flag(args, "--seed", t.seed)
-    _flag(args, "--bf16", t.dtype == "bf16")
-    _flag(args, "--fp16", t.dtype == "fp16")
-    _flag(args, "--deterministic-mode", t.deterministic)
-    if t.eval_interval:
-        _flag(args, "--eval-interval", t.eval_interval)
-        _flag(args, "--eval-iters", t.eval_iters)
-    else:
-        _flag(args, "--eval-iters", 0)
-    if d.type == "mock":
-        _flag(args, "--mock-data", True)
-    else:
-        words = [entry.split() for entry in d.paths]
-        data_path = [w for ws in words for w in ws[:-1] + [_data_path(loaded, ws[-1])] if ws]
-        _flag(args, "--data-path", data_path)
-        _flag(args, "--split", d.split)
-        # Megatron caches its sample indices next to the data by default; a run keeps its own.
-        if "--data-cache-path" not in r.extra_args:
-            _flag(args, "--data-cache-path", "@RUN_DIR@/data_cache")
-    _flag(args, "--tokenizer-type", d.tokenizer.type)
-    _flag(args, "--vocab-size", d.tokenizer.vocab_size)
-    _flag(args, "--tokenizer-model", _data_path(loaded, d.tokenizer.model))
-    _flag(args, "--vocab-file", _data_path(loaded, d.tokenizer.vocab_file))
-    _flag(args, "--merge-file", _data_path(loaded, d.tokenizer.merge_file))
-    if r.test.ckpt_format != "torch_dist":  # megatron's default; ckpt-resume passes it anyway
-        _flag(args, "--ckpt-format", r.test.ckpt_format)
-    # Every iteration logged: the metrics and golden values are per step.
-    _flag(args, "--log-interval", 1)
-    _flag(args, "--log-num-zeros-in-grad", "num-zeros" in r.test.metrics)
-    if r.launch.device == "cpu":
-        _flag(args, "--distributed-backend", "gloo")
-    for name, value in r.extra_args.items():
-        _flag(args, name, value)
-    return [*args, *extra]
-
-
-def save_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
-    """ckpt-resume, first run: save at iterations/2 (and at the end), as Megatron's CI does."""
-    t = loaded.recipe.training
-    return [
-        "--save",
-        checkpoint_dir,
-        "--save-interval",
-        str(t.iterations // 2),
-        "--ckpt-format",
-        loaded.recipe.test.ckpt_format,
-        "--exit-interval",
-        str(t.iterations),
-    ]
-
-
-def resumable(loaded: LoadedRecipe) -> bool:
-    """A run that saves on a stop signal and can be resumed: a megatron.training entry (the
-    multi-module entry has its own loop) outside the ckpt-resume test (which is a resume)."""
-    r = loaded.recipe
-    return r.model.type != "multimodule" and r.test.type != "ckpt-resume"
-
-
-def long_run_args(loaded: LoadedRecipe, checkpoint_dir: str, load: bool) -> list[str]:
-    """A resumable run: save every checkpoint.save_interval iterations (else at the end only)
-    and on the stop signal (megatron's exit-signal handler); ``load``: continue from the
-    latest complete checkpoint."""
-    from megatron_ext.launch import stop_signals
-
-    r = loaded.recipe
-    args = [
-        "--save",
-        checkpoint_dir,
-        "--save-interval",
-        str(r.checkpoint.save_interval or r.training.iterations),
-        "--ckpt-format",
-        r.test.ckpt_format,
-        *stop_signals.megatron_args(),
-    ]
-    return args + (["--load", checkpoint_dir] if load else [])
-
-
-def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
-    """ckpt-resume, second run: load the iterations/2 checkpoint and train to the end."""
-    return ["--load", checkpoint_dir, "--ckpt-format", loaded.recipe.test.ckpt_format]
-
-
-def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
-    """Variables every rank gets on top of the launcher's own (torchrun-style rank variables)."""
-    env: dict[str, str] = {}
-    if loaded.recipe.launch.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU runtime, even where a GPU exists
-        env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
-    else:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    env.update({k: env_value(v) for k, v in loaded.recipe.launch.env.items()})
-    return env
-
-
-def env_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return "" if value is None else str(value)
-
 
 # ---- plan checks ---------------------------------------------------------------------------------
 def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
@@ -305,7 +49,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
     add = lambda where, what: problems.append(Problem(where, what))  # noqa: E731
     m = r.model
 
-    for problem in parallel_plan(r).size_problems():
+    for problem in r.parallel_plan.size_problems():
         add(f"parallelism.{problem.where}", problem.what)
     if problems:
         return problems
@@ -409,7 +153,7 @@ def _check_model(r: Recipe, add) -> None:
             "model.max_position_embeddings",
             f"{m.max_position_embeddings} < seq_length {m.seq_length}",
         )
-    if mtp_depths(r) and m.position_embedding == "learned_absolute":
+    if r.mtp_depths and m.position_embedding == "learned_absolute":
         add(
             "model.position_embedding",
             "multi-token prediction needs rope or none (megatron "
@@ -490,17 +234,9 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
                 )
 
 
-def parallel_plan(r: Recipe) -> ParallelPlan:
-    """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
-    p = r.parallelism
-    return ParallelPlan(
-        tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, sp=p.sp, dp_size=p.dp, world=r.launch.nproc
-    )
-
-
 def _check_parallel_plan(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
-    plan = parallel_plan(r)
+    plan = r.parallel_plan
     for problem in plan.problems():
         add(
             "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
@@ -594,7 +330,7 @@ def _check_schedule(r: Recipe, add) -> None:
             f"zb-h1 needs pp > 1 (pp={p.pp}: one stage has no pipeline bubble to fill); set "
             "parallelism.pp to 2 or more, or parallelism.schedule: 1f1b",
         )
-    vpp = virtual_stages(r)
+    vpp = r.virtual_stages
     if vpp:
         source = _virtual_stages_source(r)
         add(
@@ -648,7 +384,7 @@ def _check_context_parallel(r: Recipe, add) -> None:
     """CP's load-balanced split needs 2 * cp equal chunks (each further split over TP under
     SP); the local CP attention supports causal masks only."""
     m, p = r.model, r.parallelism
-    if seq_problem := parallel_plan(r).seq_length_problem(m.seq_length):
+    if seq_problem := r.parallel_plan.seq_length_problem(m.seq_length):
         add("model.seq_length", seq_problem)
     if m.transformer_impl == "transformer_engine":
         return  # Transformer Engine's own CP attention handles its masks
@@ -671,7 +407,7 @@ def _check_training(r: Recipe, add) -> None:
         add("training.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}")
         return
     # A multi-module recipe's batch is split by each module's own dp (multimodule.plan).
-    plan = parallel_plan(r) if r.model.type != "multimodule" else ParallelPlan()
+    plan = r.parallel_plan if r.model.type != "multimodule" else ParallelPlan()
     if batch_problem := plan.batch_problem(t.global_batch_size, t.micro_batch_size):
         add("training.global_batch_size", batch_problem)
     if t.eval_interval is not None and t.eval_interval < 1:
@@ -707,20 +443,6 @@ def _check_training(r: Recipe, add) -> None:
             "launch.slurm.signal_warning_s",
             f"must be 1..65535 (Slurm's --signal limit), got {slurm.signal_warning_s}",
         )
-
-
-def _data_path(loaded: LoadedRecipe, text: str | None) -> str | None:
-    """A data or tokenizer path as the ranks get it: ``${VAR}``/``${VAR:-default}`` filled,
-    relative to the recipe's directory (left as written when a variable is unset: the
-    check reports it)."""
-    from megatron_ext.data.checks import UnsetVariable, resolve_path
-
-    if not text:
-        return text
-    try:
-        return resolve_path(text, loaded.base_dir)
-    except UnsetVariable:
-        return text
 
 
 def _check_data(loaded: LoadedRecipe, add) -> None:
@@ -805,7 +527,7 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
 
 
 def _check_test(r: Recipe, add) -> None:
-    from megatron_ext.recipes.compare import TOLERANCE_FIELDS
+    from megatron_ext.recipes.schema import TOLERANCE_FIELDS
 
     for metric in r.test.metrics:
         if metric not in KNOWN_METRICS and not MTP_METRIC.match(metric):
@@ -835,7 +557,7 @@ def _check_test(r: Recipe, add) -> None:
                 if problem:
                     add(f"test.tolerances.{metric}.{key}", problem)
     _check_golden_pattern(r, add)
-    depths = mtp_depths(r) if r.model.type != "multimodule" else 0
+    depths = r.mtp_depths if r.model.type != "multimodule" else 0
     for metric in r.test.metrics:
         if MTP_METRIC.match(metric) and int(metric.split("_")[1].split()[0]) > depths:
             add("test.metrics", f"{metric!r} is not logged: the model has {depths} MTP depth(s)")
@@ -874,34 +596,3 @@ def _check_golden_pattern(r: Recipe, add) -> None:
             f"{pattern!r}: unknown placeholder {{{unknown[0]}}}; only "
             "{name} and {platform} are filled in",
         )
-
-
-def describe(loaded: LoadedRecipe) -> str:
-    """One line: what the recipe runs."""
-    r = loaded.recipe
-    m, p = r.model, r.parallelism
-    parts = [f"{m.type}"]
-    if m.type == "gpt":
-        parts.append(f"{m.num_layers}x{m.hidden_size}")
-    elif m.type == "hybrid":
-        parts.append(f"pattern {m.hybrid_layer_pattern!r}")
-    if m.type != "multimodule":
-        plan = f"tp{p.tp} pp{p.pp}"
-        vpp = virtual_stages(r)
-        plan += f" vpp{vpp}" if vpp else ""
-        plan += f" cp{p.cp}" if p.cp > 1 else ""
-        plan += f" ep{p.ep}" if p.ep > 1 else ""
-        plan += f" dp{p.dp}" + (" sp" if p.sp else "")
-        plan += f" {p.schedule}" if p.schedule != ONE_F_ONE_B else ""
-        parts.append(plan)
-        if m.pipeline_layout:
-            parts.append(f"layout {m.pipeline_layout!r}")
-        if m.mhc.enabled:
-            parts.append(
-                f"mHC n={m.mhc.num_residual_streams}" + (" +recompute" if m.mhc.recompute else "")
-            )
-        if mtp_depths(r):
-            parts.append(f"MTP {mtp_depths(r)}")
-    parts.append(f"{r.world_size} ranks on {r.launch.device}")
-    parts.append(f"{r.training.iterations} iterations ({r.test.type})")
-    return ", ".join(parts)

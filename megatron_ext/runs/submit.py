@@ -5,7 +5,7 @@ metrics, plot, comparisons), plus ``sbatch.sh``, ``slurm-<jobid>.out`` and ``job
 It must be on a file system that the compute nodes share with the submitting machine: a
 multi-node job refuses a node-local one (the temporary directory, tmpfs).
 
-A resumable recipe (see :func:`megatron_ext.recipes.plan.resumable`) becomes a job that saves on
+A resumable recipe (see :attr:`megatron_ext.recipes.schema.Recipe.resumable`) becomes a job that saves on
 Slurm's warning signal, requeues itself and resumes (:class:`megatron_ext.launch.slurm.Requeue`);
 its restarts are segments of the run directory, joined like ``run --resume``'s.
 """
@@ -23,9 +23,10 @@ from pathlib import Path
 from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
-from megatron_ext.recipes import plan, resume as rsm, runner
+from megatron_ext.recipes import command
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
+from megatron_ext.runs import resume as rsm, runner
+from megatron_ext.runs.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 
 @dataclass
@@ -68,7 +69,7 @@ def build_job(
         problems.append(image_problem)
     python = options.python or ("python" if image else sys.executable)
     steps = []
-    resumable = plan.resumable(loaded)
+    resumable = loaded.recipe.resumable
     for phase in runner.phases(loaded, run_dir, slurm.SEGMENT if resumable else "", resumable):
         before = None
         if phase.name == "resume":
@@ -86,7 +87,7 @@ def build_job(
         device=recipe.launch.device,
         workdir=Path.cwd(),
         python=python,
-        env=plan.run_environment(loaded),
+        env=command.run_environment(loaded),
         gpus_per_node=gpus,
         partition=options.partition or cfg.partition,
         account=options.account or cfg.account,
@@ -237,7 +238,7 @@ def submit(
     script_path = run_dir / "sbatch.sh"
     script_path.write_text(script)
     echo(f"megatron-ext submit {loaded.source} (platform {loaded.platform})")
-    echo(f"  {plan.describe(loaded)}")
+    echo(f"  {command.describe(loaded)}")
     echo(f"  run directory {run_dir}")
     launch = loaded.recipe.launch
     watch = slurm.StepWatch(

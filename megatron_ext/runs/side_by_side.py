@@ -1,7 +1,7 @@
 """Two runs side by side: ``megatron-ext compare RUN_A RUN_B [--plot FILE.png]``.
 
 Each run's metrics are every scalar it logged (TensorBoard, else its log lines), its stopped and
-resumed segments joined (:func:`megatron_ext.recipes.resume.read_metrics`). The difference table
+resumed segments joined (:func:`megatron_ext.runs.resume.read_metrics`). The difference table
 has one row per metric: the steps both logged, the largest absolute and relative difference and
 where, and both runs' last values. The plot overlays the two runs' curves, one panel per metric,
 with a dotted vertical line where a run was resumed (its step offset).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.errors import MegatronExtError
-from megatron_ext.recipes import metrics as met, resume as rsm, runs
+from megatron_ext.runs import listing as runs, metrics as met, resume as rsm
 
 
 class CompareError(MegatronExtError, ValueError):
@@ -126,7 +126,7 @@ def table(a: RunCurves, b: RunCurves, rows: list[Row]) -> list[str]:
 
 def plot(path: Path, a: RunCurves, b: RunCurves, names: list[str], title: str = "") -> Path:
     """One panel per metric, both runs' curves, a dotted line at each resume step."""
-    from megatron_ext.recipes.plot import _pyplot
+    from megatron_ext.runs.plot import _pyplot
 
     plt = _pyplot()
     cols = min(3, len(names))
