@@ -8,6 +8,8 @@ and drift hit all alike; medians and ratios to plain are reported:
 * ``mhc+recompute``  the same with the "mhc" selective recompute (one-layer group)
 * ``mhc-birkhoff``   the lean path with mHC-lite's H_res (``mhc_h_res_method="birkhoff"``:
                      softmax over the n! permutation matrices instead of Sinkhorn)
+* ``mhc-deepseek-v4`` the lean path with ``mhc_variant="deepseek-v4"`` (DeepSeek-V4's maps:
+                     unweighted RMS, sigmoid+eps, softmax+eps Sinkhorn)
 * ``mhc+stats``      a logged step of ``--log-mhc-stats``: the recorder armed (each hyper
                      connection's maps of its sample tokens) and the figures collected
 * ``mhc-reference``  the straightforward formulas (``megatron_ext.mhc.reference``)
@@ -79,7 +81,14 @@ def _moe_mla_fields(args, moe: bool, mla: bool) -> dict:
     return fields
 
 
-def _config(args, mhc: bool, moe: bool = False, mla: bool = False, h_res_method: str = "sinkhorn"):
+def _config(
+    args,
+    mhc: bool,
+    moe: bool = False,
+    mla: bool = False,
+    h_res_method: str = "sinkhorn",
+    variant: str = "megatron",
+):
     from megatron_ext.config import MHCMLATransformerConfig
     from megatron_ext.testing.configs import small_config
 
@@ -90,6 +99,7 @@ def _config(args, mhc: bool, moe: bool = False, mla: bool = False, h_res_method:
         enable_mhc_connections=mhc,
         mhc_num_residual_streams=args.streams,
         mhc_h_res_method=h_res_method,
+        mhc_variant=variant,
         params_dtype=DTYPES[args.dtype],
         bf16=args.dtype == "bf16",
     )
@@ -107,6 +117,7 @@ def _layer(
     moe: bool = False,
     mla: bool = False,
     h_res_method: str = "sinkhorn",
+    variant: str = "megatron",
 ):
     from megatron.core.transformer.spec_utils import build_module
 
@@ -118,7 +129,8 @@ def _layer(
         num_experts=args.moe if moe else None,
         multi_latent_attention=mla,
     )
-    layer = build_module(spec, config=_config(args, mhc, moe, mla, h_res_method), layer_number=1)
+    config = _config(args, mhc, moe, mla, h_res_method, variant)
+    layer = build_module(spec, config=config, layer_number=1)
     layer = layer.to(device=args.device, dtype=DTYPES[args.dtype])
     for module in layer.modules():
         if hasattr(module, "use_reference_path"):
@@ -315,6 +327,8 @@ def main() -> None:
         }
         birkhoff = _layer(args, True, h_res_method="birkhoff")
         runs["mhc-birkhoff"] = _layer_step(birkhoff, x_mhc, mask, False)
+        deepseek = _layer(args, True, variant="deepseek-v4")
+        runs["mhc-deepseek-v4"] = _layer_step(deepseek, x_mhc, mask, False)
         reference = None
         if not args.no_reference:
             reference = _layer(args, True, reference=True)

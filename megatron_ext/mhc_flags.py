@@ -25,6 +25,7 @@ MHC_DEFAULTS: dict[str, object] = {
     "mhc_recompute_layer_num": None,
     "mhc_learned_output_contract": False,
     "use_fused_mhc": False,
+    "mhc_variant": "megatron",  # ours: "deepseek-v4" / "glm5" maps (megatron_ext.mhc.variants)
 }
 """Upstream's defaults of the mHC fields of :class:`~megatron_ext.config.MHCTransformerConfig`."""
 

@@ -95,6 +95,7 @@ def _module_impls(recipe: Recipe, plan: MultiModulePlan) -> dict:
                 mhc_num_residual_streams=m.mhc.num_residual_streams,
                 mhc_sinkhorn_iterations=m.mhc.sinkhorn_iterations,
                 mhc_h_res_method=m.mhc.h_res_method,
+                mhc_variant=m.mhc.variant,
                 mhc_init_gating_factor=m.mhc.init_gating_factor,
             )
         config = vlm.transformer_config(

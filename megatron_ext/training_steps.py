@@ -124,6 +124,15 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     _add_flag(
         parser,
         group,
+        "--mhc-variant",
+        choices=("megatron", "deepseek-v4", "glm5"),
+        default=defaults["mhc_variant"].default,
+        help="the maps' formulas: megatron (upstream main), deepseek-v4 (DeepSeek-V4's maps, "
+        "learned hc_head) or glm5 (DeepSeek-V4's maps, mean head); no fused kernel",
+    )
+    _add_flag(
+        parser,
+        group,
         "--mhc-init-gating-factor",
         type=float,
         default=defaults["mhc_init_gating_factor"].default,

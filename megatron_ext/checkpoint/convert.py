@@ -265,12 +265,17 @@ def convert_file(
     to: str,
     source: str,
     trust_pickle: bool = False,
+    convert: Any = None,
 ) -> list[str]:
     """Convert a ``torch.save`` file: a bare model state dict or Megatron's torch-format
     checkpoint (``model_optim_rng.pt``; the model entries only, everything else copied).
     Returns the notes a user should read (see :func:`notes_for`). The input is read with
-    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`)."""
+    ``weights_only=True`` unless ``trust_pickle`` (see :func:`load_checkpoint`).
+    ``convert(state_dict, model, to)`` replaces :func:`convert_state_dict` (the CLI's
+    ``--mhc-names``: :func:`megatron_ext.checkpoint.hc_names.convert_mhc_names`)."""
     import os
+
+    convert = convert or convert_state_dict
 
     if (
         os.path.exists(source_path)
@@ -290,10 +295,10 @@ def convert_file(
         for entry in entries:
             _check_keys(checkpoint[entry], f"{source_path}'s {entry!r}")
             notes += notes_for(source, model, checkpoint[entry])
-            converted[entry] = convert_state_dict(checkpoint[entry], model, to)
+            converted[entry] = convert(checkpoint[entry], model, to)
     else:
         _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
-        converted = convert_state_dict(checkpoint, model, to)
+        converted = convert(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))

@@ -30,6 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "says so); default: %(default)s",
     )
     parser.add_argument(
+        "--mhc-names",
+        choices=("transformers", "deepseek"),
+        default=None,
+        help="instead of Megatron-LM's keys, rename the mHC parameters to (--to upstream) or "
+        "from (--to megatron-ext) transformers' DeepSeek-V4 names (layers.i.attn_hc.fn/base/"
+        "scale, hc_head.hc_fn) or the DeepSeek release's (layers.i.hc_attn_fn, hc_head_fn); "
+        "for models trained with --mhc-variant deepseek-v4 or glm5",
+    )
+    parser.add_argument(
         "--trust-pickle",
         action="store_true",
         help="load a legacy file whose pickle names classes beyond tensors, containers and "
@@ -39,16 +48,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from functools import partial
 
+    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from megatron_ext.checkpoint.hc_names import convert_mhc_names
+
+    names = args.mhc_names
     try:
         notes = convert_file(
-            args.input, args.output, args.model, args.to, args.source, args.trust_pickle
+            args.input,
+            args.output,
+            args.model,
+            args.to,
+            args.source,
+            args.trust_pickle,
+            convert=partial(convert_mhc_names, names=names) if names else None,
         )
     except (ConversionError, OSError) as exc:
         print(f"megatron-ext convert-checkpoint: {exc}", file=sys.stderr)
         return 2
     for note in notes:
         print(f"note: {note}")
-    print(f"wrote {args.output} ({args.model}, {args.to} layout)")
+    layout = f"{args.mhc_names} mHC names" if args.mhc_names and args.to == "upstream" else None
+    print(f"wrote {args.output} ({args.model}, {layout or args.to + ' layout'})")
     return 0

@@ -63,6 +63,10 @@ class MHCTransformerConfig(TransformerConfig):
     :mod:`megatron_ext.mhc.fused` instead of the lean native path (upstream's name). Needs
     triton and CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), and n <= 8."""
 
+    mhc_variant: str = MHC_DEFAULTS["mhc_variant"]  # type: ignore[assignment]
+    """The maps' formulas (megatron_ext.mhc.variants): "megatron" (upstream main's), "deepseek-v4"
+    (DeepSeek-V4's exact maps and learned hc_head) or "glm5" (the same maps, mean head)."""
+
     pipeline_schedule: str = "1f1b"
     """The pipeline schedule: "1f1b" (megatron's) or "zb-h1" (zero bubble: the local specs'
     linears defer their weight gradients, megatron_ext.pipeline.wgrad). Not an upstream field
@@ -97,6 +101,7 @@ class MHCTransformerConfig(TransformerConfig):
         if self.enable_mhc_connections:
             # Before the fused check, so birkhoff + fused names birkhoff's reason.
             guards.check_mhc_h_res_method(self)
+            guards.check_mhc_variant(self)
         guards.check_fused_mhc(self)
         if self.enable_mhc_connections:
             guards.check_mhc_values(self)

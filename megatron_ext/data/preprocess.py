@@ -209,8 +209,10 @@ def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 class _Progress:
-    def __init__(self, interval: int, stream=sys.stderr):
-        self.interval, self.stream = interval, stream
+    def __init__(self, interval: int, stream=None):
+        # sys.stderr is looked up now, not when the module was imported: a default bound at
+        # import time keeps whatever stream was current then (pytest's capture, since closed).
+        self.interval, self.stream = interval, stream if stream is not None else sys.stderr
         self.start = time.time()
 
     def update(self, count: int, nbytes: int) -> None:

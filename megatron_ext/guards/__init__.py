@@ -143,6 +143,30 @@ def check_mhc_h_res_method(config: Any) -> None:
         )
 
 
+def check_mhc_variant(config: Any) -> None:
+    """``mhc_variant``: a known variant; the fused kernels compute the megatron maps only; glm5's
+    head is the mean, so it takes no learned contraction."""
+    from megatron_ext.mhc.variants import VARIANTS
+
+    variant = getattr(config, "mhc_variant", "megatron")
+    if variant not in VARIANTS:
+        raise ValueError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "megatron":
+        return
+    if getattr(config, "use_fused_mhc", False):
+        raise ValueError(
+            f"mhc_variant={variant!r} has no fused kernel (the Triton kernels compute megatron's "
+            "RMS factor, exp/clamp Sinkhorn and H_pre without eps); set use_fused_mhc=False or "
+            "mhc_variant='megatron'"
+        )
+    if variant == "glm5" and getattr(config, "mhc_learned_output_contract", False):
+        raise ValueError(
+            "mhc_variant='glm5' contracts the streams by their mean (GLM-5-Next has no hc_head); "
+            "set mhc_learned_output_contract=False, or mhc_variant='deepseek-v4' for the "
+            "learned head"
+        )
+
+
 def check_mhc_features(config: Any) -> None:
     """Megatron features that assume a single-stream residual."""
     if config.recompute_granularity == "full":
@@ -316,6 +340,11 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.guards:check_mhc_h_res_method",
         "config",
         "an unknown mhc_h_res_method; birkhoff with n > 6 streams (n! logits) or fused kernels",
+    ),
+    Guard(
+        "megatron_ext.guards:check_mhc_variant",
+        "config",
+        "an unknown mhc_variant; a DeepSeek variant with fused kernels; glm5 with a learned head",
     ),
     Guard(
         "megatron_ext.guards:check_mhc_features",

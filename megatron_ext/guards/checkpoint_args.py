@@ -23,7 +23,12 @@ from typing import Any
 from megatron_ext.errors import MegatronExtError
 
 ALLOW_ENV = "MEGATRON_EXT_ALLOW_CKPT_MISMATCH"
-MHC_FIELDS = ("enable_mhc_connections", "mhc_num_residual_streams", "mhc_h_res_method")
+MHC_FIELDS = (
+    "enable_mhc_connections",
+    "mhc_num_residual_streams",
+    "mhc_h_res_method",
+    "mhc_variant",
+)
 
 
 class CheckpointMismatchError(MegatronExtError, AssertionError):
@@ -43,6 +48,7 @@ def _mhc_settings(ns: Any) -> dict[str, Any]:
         "enable_mhc_connections": on,
         "mhc_num_residual_streams": getattr(ns, "mhc_num_residual_streams", None) if on else None,
         "mhc_h_res_method": getattr(ns, "mhc_h_res_method", "sinkhorn") if on else None,
+        "mhc_variant": getattr(ns, "mhc_variant", "megatron") if on else None,
     }
 
 
@@ -58,7 +64,7 @@ def mhc_mismatch(checkpoint_args: Any, args: Any) -> str | None:
     return (
         "the checkpoint's mHC settings differ from this model's (" + "; ".join(diffs) + "); the "
         "hyper-connection weights would be dropped or misread. Use the checkpoint's mHC flags "
-        f"(--enable-mhc-connections, --mhc-num-residual-streams, --mhc-h-res-method), or set {ALLOW_ENV}=1 to load anyway"
+        f"(--enable-mhc-connections, --mhc-num-residual-streams, --mhc-h-res-method, --mhc-variant), or set {ALLOW_ENV}=1 to load anyway"
     )
 
 

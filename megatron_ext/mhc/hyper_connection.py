@@ -19,8 +19,10 @@ constraint holds either way, but they are different functions of the same logits
 checkpoints do not transfer between them. We follow the orientation of newer upstream and of
 the published DeepSeek-V4 weights: no megatron-core release ships mHC yet (0.19.2 has none),
 so main's orientation has no released checkpoints to stay compatible with, while H_resᵀ lets
-DeepSeek-V4-style weights load. (The rest follows main: the exp/clamp Sinkhorn and no +1e-6 on
-H_pre, so numerics match DeepSeek-V4 closely but not bit for bit.)
+DeepSeek-V4-style weights load. (With the default ``mhc_variant="megatron"`` the rest follows
+main: the exp/clamp Sinkhorn and no +1e-6 on H_pre, so numerics match DeepSeek-V4 closely but
+not bit for bit; ``mhc_variant="deepseek-v4"`` or ``"glm5"`` computes DeepSeek-V4's maps
+exactly, see :mod:`megatron_ext.mhc.variants`.)
 
 Precision: the mapping maths (RMS factor, projection, sigmoids, Sinkhorn) runs in fp32 even
 for bf16 activations (:meth:`HyperConnectionModule.compute_mappings` returns fp32 maps). The
@@ -36,7 +38,6 @@ keeps the straightforward formulas as the reference.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,15 +47,19 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.mhc import stats
 from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
-from megatron_ext.mhc.lean import RMS_EPS, MergeStreams, StreamsIn
+from megatron_ext.mhc.lean import MergeStreams, StreamsIn
 from megatron_ext.mhc.reference import (
     reference_aggregate,
     reference_bias_dropout_add_streams,
     reference_mappings,
 )
 from megatron_ext.mhc.sinkhorn import sinkhorn_token_last
-
-_RMS_EPS = RMS_EPS  # added to the RMS (outside the sqrt, as upstream) before inverting it
+from megatron_ext.mhc.variants import (
+    DEFAULT_VARIANT,
+    SoftmaxSinkhornTokenLast,
+    inverse_rms,
+    maps_form,
+)
 
 
 def _math(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,17 +106,21 @@ def learned_contract(
     head_scale: torch.Tensor,
     n: int,
     eps: float,
+    weight_eps: float | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V4's learned contraction ``[s, b, n*h] -> [s, b, h]`` (upstream dev's
     ``learned_output_contract``), computed in fp32 and returned in ``x``'s dtype.
 
-    ``head_fn [n, n*h]``, ``head_base [n]``, ``head_scale [1]``; ``eps`` is the layernorm eps.
+    ``head_fn [n, n*h]``, ``head_base [n]``, ``head_scale [1]``; ``eps`` is the layernorm eps
+    of the RMS norm, ``weight_eps`` what is added to the sigmoid weights (default ``eps``, as
+    upstream dev; DeepSeek-V4's ``hc_eps`` for ``mhc_variant="deepseek-v4"``).
     At init (base 0) the weights are about 0.5, so this is about 0.5·Σx_i, not the mean.
     """
     x32 = _math(x)
     rho = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)
     logits = torch.nn.functional.linear(x32, _math(head_fn)) * rho
-    weights = torch.sigmoid(logits * _math(head_scale) + _math(head_base)) + eps
+    added = eps if weight_eps is None else weight_eps
+    weights = torch.sigmoid(logits * _math(head_scale) + _math(head_base)) + added
     contracted = (weights.unsqueeze(-1) * _split_streams(x32, n)).sum(dim=-2)
     return contracted.to(x.dtype)
 
@@ -308,6 +317,10 @@ class HyperConnectionModule(MegatronModule):
     and ``bias [n! + 2n]``, columns ``[2n:]`` one logit per permutation matrix (softmax
     weights), so a checkpoint of one method does not load into the other.
 
+    ``mhc_variant`` (:mod:`megatron_ext.mhc.variants`) picks the maps' formulas: "megatron"
+    (upstream main's), or "deepseek-v4" / "glm5" (DeepSeek-V4's, whose ``fn``, ``base`` and
+    ``scale`` are ``mapping_proj.weight``, ``bias`` and ``[alpha_pre, alpha_post, alpha_res]``).
+
     The parameters are replicated across tensor parallelism. Under sequence parallelism each
     TP rank sees a different slice of tokens, so they carry ``sequence_parallel=True`` and
     megatron's ``finalize_model_grads`` sums their gradients over TP.
@@ -338,6 +351,9 @@ class HyperConnectionModule(MegatronModule):
         self.h_res_method = getattr(config, "mhc_h_res_method", "sinkhorn")
         # use_fused_mhc: the Triton kernels of megatron_ext.mhc.fused replace the lean path.
         self.use_fused = bool(getattr(config, "use_fused_mhc", False))
+        # "megatron", "deepseek-v4" or "glm5": the formulas of the maps (variants.MapsForm).
+        self.mhc_variant = getattr(config, "mhc_variant", DEFAULT_VARIANT)
+        self.maps_form = maps_form(self.mhc_variant, config.layernorm_epsilon)
 
         n, stream_width = self.n, self.n * self.hidden_size
         width = 2 * n + h_res_width(n, self.h_res_method)
@@ -398,14 +414,15 @@ class HyperConnectionModule(MegatronModule):
         )
 
     def _mapping_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``z = r · (W x) ⊙ alpha + bias`` ``[T, n²+2n]`` in fp32, ``r = 1 / (RMS(x) + 1e-6)``.
+        """``z = r · (W x) ⊙ alpha + bias`` ``[T, n²+2n]`` in fp32, ``r`` the variant's RMS
+        factor (megatron ``1 / (RMS(x) + 1e-6)``, DeepSeek ``rsqrt(mean(x²) + eps)``).
 
         One projection produces all three maps; the gates are folded into its weight.
         """
         x32 = _math(tokens)  # no copy for fp32 streams; the fp32 mapping maths for bf16
         gated_weight = self.gated_weight()
-        rms = torch.linalg.vector_norm(x32, dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
-        inv_rms = torch.reciprocal(rms + _RMS_EPS)
+        norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
+        inv_rms = inverse_rms(norm, x32.shape[-1], self.maps_form)
         projected = torch.nn.functional.linear(x32, gated_weight)
         return torch.addcmul(_math(self.bias), projected, inv_rms)
 
@@ -413,13 +430,19 @@ class HyperConnectionModule(MegatronModule):
         """``(h_pre [T, n], h_post [T, n], H_res token-last [n, n, T])`` in fp32."""
         n = self.n
         z = self._mapping_logits(x.reshape(-1, x.shape[-1]))
-        h_pre = torch.sigmoid(z[:, :n])
+        h_pre = torch.sigmoid(z[:, :n]) + self.maps_form.pre_eps
         h_post = torch.sigmoid(z[:, n : 2 * n]) * 2.0
         if self.h_res_method == "birkhoff":
             # [T, n, n] -> token-last [n, n, T], the layout Sinkhorn returns.
             return h_pre, h_post, birkhoff_mix(z[:, 2 * n :], n).permute(1, 2, 0)
         # Sinkhorn runs token-last: [T, n*n] -> [n, n, T] (it copies this view contiguous).
         res_logits = z[:, 2 * n :].t().reshape(n, n, -1)
+        if self.maps_form.softmax_sinkhorn:
+            return (
+                h_pre,
+                h_post,
+                SoftmaxSinkhornTokenLast.apply(res_logits, self.sinkhorn_iterations),
+            )
         return h_pre, h_post, sinkhorn_token_last(res_logits, self.sinkhorn_iterations)
 
     def compute_mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -452,6 +475,8 @@ class HyperConnectionModule(MegatronModule):
         streams_in = StreamsIn.apply
         if self.use_fused:
             from megatron_ext.mhc.fused import fused_streams_in as streams_in
+        # The fused kernels compute the megatron variant only (guards refuse the others).
+        form = (self.maps_form,) if not self.use_fused else ()
         aggregated, post, mix = streams_in(
             streams,
             self.gated_weight(),
@@ -459,6 +484,7 @@ class HyperConnectionModule(MegatronModule):
             n,
             self.sinkhorn_iterations,
             self.h_res_method,
+            *form,
         )
         return aggregated.view(*x.shape[:-1], streams.shape[-1]), post, mix
 

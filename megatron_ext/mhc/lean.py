@@ -21,8 +21,6 @@ The mapping maths is fp32 (float64 stays float64) whatever the activation dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from megatron_ext.mhc.birkhoff import birkhoff_backward, birkhoff_forward
@@ -30,6 +28,14 @@ from megatron_ext.mhc.sinkhorn import (
     _check_iterations,
     sinkhorn_backward_token_last,
     sinkhorn_forward_token_last,
+)
+from megatron_ext.mhc.variants import (
+    MEGATRON_FORM,
+    MapsForm,
+    inverse_rms,
+    inverse_rms_grad_coefficient,
+    softmax_sinkhorn_backward_token_last,
+    softmax_sinkhorn_forward_token_last,
 )
 
 # Added to the RMS of the stream vector (outside the sqrt, as upstream) before inverting it.
@@ -41,60 +47,75 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class StreamsIn(torch.autograd.Function):
-    """``StreamsIn.apply(x3, gated_weight, bias, n, iterations, method="sinkhorn") ->
+    """``StreamsIn.apply(x3, gated_weight, bias, n, iterations, method="sinkhorn", form) ->
     (aggregate [T, 1, h], post [T, n, 1], mix [T, n, n])``.
 
     ``gated_weight`` is ``mapping_proj.weight`` scaled row-wise by the gates (fp32),
     ``bias`` the static part of the maps (fp32). ``method`` is ``mhc_h_res_method``: the H_res
     logits ``z[:, 2n:]`` are n² Sinkhorn logits or n! Birkhoff weights' logits
-    (:mod:`megatron_ext.mhc.birkhoff`; ``iterations`` is then unused).
+    (:mod:`megatron_ext.mhc.birkhoff`; ``iterations`` is then unused). ``form`` is the
+    variant's :class:`~megatron_ext.mhc.variants.MapsForm` (RMS factor, ε on H_pre, Sinkhorn).
     """
 
     @staticmethod
-    def forward(ctx, x3, gated_weight, bias, n: int, iterations: int, method: str = "sinkhorn"):
+    def forward(
+        ctx,
+        x3,
+        gated_weight,
+        bias,
+        n: int,
+        iterations: int,
+        method: str = "sinkhorn",
+        form: MapsForm = MEGATRON_FORM,
+    ):
         birkhoff = method == "birkhoff"
         if not birkhoff:
             _check_iterations(iterations)
         tokens, _, hidden = x3.shape
         x32 = x3.reshape(tokens, n * hidden).to(_math_dtype(x3.dtype))
         norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
-        inv_rms = torch.reciprocal(norm / math.sqrt(n * hidden) + RMS_EPS)
+        inv_rms = inverse_rms(norm, n * hidden, form)
         # x @ Wᵀ with Wᵀ made contiguous first: CPU GEMMs with a 24-wide side run faster.
         projected = torch.mm(x32, gated_weight.t().contiguous())
         z = torch.addcmul(bias, projected, inv_rms)
-        pre = torch.sigmoid(z[:, :n])
+        pre_gate = torch.sigmoid(z[:, :n])
         post_gate = torch.sigmoid(z[:, n : 2 * n])
         if birkhoff:
             # H rows-major [T, n*n] -> [T, j, i]: mix[t, i, j] = H[t][j, i].
             res, m0 = birkhoff_forward(z[:, 2 * n :], n)
             mix = res.view(-1, n, n).transpose(1, 2).to(x3.dtype).contiguous()
+        elif form.softmax_sinkhorn:
+            logits = z[:, 2 * n :].t().reshape(n, n, -1)
+            res, m0 = softmax_sinkhorn_forward_token_last(logits, iterations)
+            mix = res.permute(2, 1, 0).to(x3.dtype).contiguous()
         else:
             res, m0 = sinkhorn_forward_token_last(z[:, 2 * n :].t().reshape(n, n, -1), iterations)
             mix = res.permute(2, 1, 0).to(x3.dtype).contiguous()
 
         dtype = x3.dtype
-        pre_row = pre.to(dtype).unsqueeze(1)
+        pre_row = (pre_gate + form.pre_eps).to(dtype).unsqueeze(1)
         aggregated = torch.bmm(pre_row, x3)
         post = (post_gate * 2.0).to(dtype).unsqueeze(-1)
 
-        # m0: Sinkhorn's M0, or the Birkhoff weights.
-        ctx.save_for_backward(x3, gated_weight, norm, inv_rms, projected, pre, post_gate, m0)
-        ctx.iterations, ctx.birkhoff = iterations, birkhoff
+        # m0: Sinkhorn's M0, the DeepSeek Sinkhorn's softmax, or the Birkhoff weights.
+        ctx.save_for_backward(x3, gated_weight, norm, inv_rms, projected, pre_gate, post_gate, m0)
+        ctx.iterations, ctx.birkhoff, ctx.form = iterations, birkhoff, form
         return aggregated, post, mix
 
     @staticmethod
     def backward(ctx, grad_aggregated, grad_post, grad_mix):
-        x3, gated_weight, norm, inv_rms, projected, pre, post_gate, m0 = ctx.saved_tensors
+        x3, gated_weight, norm, inv_rms, projected, pre_gate, post_gate, m0 = ctx.saved_tensors
+        form = ctx.form
         tokens, n, hidden = x3.shape
         math_dtype = gated_weight.dtype
 
         # Aggregation: d pre = g · x_iᵀ per token; d x starts as pre_i · g (the accumulator).
         grad_aggregated = grad_aggregated.reshape(tokens, 1, hidden)
         grad_pre = torch.bmm(grad_aggregated, x3.transpose(1, 2)).squeeze(1).to(math_dtype)
-        grad_x3 = pre.to(x3.dtype).unsqueeze(-1) * grad_aggregated
+        grad_x3 = (pre_gate + form.pre_eps).to(x3.dtype).unsqueeze(-1) * grad_aggregated
 
-        # Maps -> logits z = [pre | post | res]; sigmoid' = s(1-s), post = 2·s.
-        grad_z_pre = grad_pre * pre * (1.0 - pre)
+        # Maps -> logits z = [pre | post | res]; sigmoid' = s(1-s), pre = s (+ε), post = 2·s.
+        grad_z_pre = grad_pre * pre_gate * (1.0 - pre_gate)
         if grad_post is None:
             grad_z_post = torch.zeros_like(post_gate)
         else:
@@ -106,21 +127,25 @@ class StreamsIn(torch.autograd.Function):
         elif ctx.birkhoff:
             grad_h = grad_mix.to(math_dtype).transpose(1, 2).reshape(tokens, n * n)
             grad_z_res = birkhoff_backward(grad_h, m0, n)
+        elif form.softmax_sinkhorn:
+            grad_res = grad_mix.to(math_dtype).permute(2, 1, 0).contiguous()
+            grad_z_res = softmax_sinkhorn_backward_token_last(grad_res, m0, ctx.iterations)
+            grad_z_res = grad_z_res.reshape(n * n, tokens).t()
         else:
             grad_res = grad_mix.to(math_dtype).permute(2, 1, 0).contiguous()
             grad_z_res = sinkhorn_backward_token_last(grad_res, m0, ctx.iterations)
             grad_z_res = grad_z_res.reshape(n * n, tokens).t()
         grad_z = torch.cat([grad_z_pre, grad_z_post, grad_z_res], dim=1)
 
-        # z = projected · inv_rms + bias, projected = x Wᵀ, inv_rms = 1/(‖x‖/√(nh) + eps).
+        # z = projected · inv_rms + bias, projected = x Wᵀ, inv_rms = r(‖x‖) of the variant.
         grad_bias = grad_z.sum(dim=0)
         grad_projected = grad_z * inv_rms
         grad_inv_rms = (grad_z * projected).sum(dim=-1, keepdim=True)
         x32 = x3.reshape(tokens, n * hidden).to(math_dtype)
         grad_weight = torch.mm(grad_projected.t().contiguous(), x32)
-        grad_norm = grad_inv_rms * (-inv_rms * inv_rms / math.sqrt(n * hidden))
-        # d‖x‖/dx = x/‖x‖, taken as 0 for an all-zero token (as torch's norm backward does).
-        rms_coefficient = torch.where(norm > 0, grad_norm / norm, torch.zeros_like(norm))
+        rms_coefficient = inverse_rms_grad_coefficient(
+            grad_inv_rms, norm, inv_rms, n * hidden, form
+        )
 
         grad_x = grad_x3.view(tokens, n * hidden)
         if grad_x.dtype == math_dtype:
@@ -131,7 +156,7 @@ class StreamsIn(torch.autograd.Function):
                 torch.mm(grad_projected, gated_weight), x32, rms_coefficient
             )
             grad_x.add_(mapping_term.to(grad_x.dtype))
-        return grad_x3, grad_weight, grad_bias, None, None, None
+        return grad_x3, grad_weight, grad_bias, None, None, None, None
 
 
 class MergeStreams(torch.autograd.Function):

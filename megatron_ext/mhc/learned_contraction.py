@@ -7,6 +7,10 @@ learned map whose parameters live on the block, not on a child module: ``hc_head
 contract, and its own parameters in megatron's sharded state dict) so the Hybrid stack and the
 GPT mHC block share one implementation. The maths itself is
 :func:`megatron_ext.mhc.hyper_connection.learned_contract`.
+
+``mhc_variant`` picks the head: "megatron" upstream dev's (ε = layernorm eps in the norm and on
+the weights), "deepseek-v4" DeepSeek-V4's ``DeepseekV4HyperHead`` (ε = hc_eps on the weights),
+"glm5" GLM-5-Next's ``Glm5NextTextHyperHead``: the plain mean, no parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 
-from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, learned_contract
+from megatron_ext.mhc.hyper_connection import KeepsHCHeadFP32, contract_mean, learned_contract
+from megatron_ext.mhc.variants import DEFAULT_VARIANT, contracts_by_mean, head_weight_eps
 
 
 class LearnedContraction(KeepsHCHeadFP32):
@@ -36,6 +41,8 @@ class LearnedContraction(KeepsHCHeadFP32):
     tp_group: Any
 
     def _build_learned_contraction(self) -> None:
+        if contracts_by_mean(self._mhc_variant):
+            return  # GLM-5-Next: the mean, nothing to learn
         n, h = self.num_residual_streams, self.config.hidden_size
         self.hc_head_fn = torch.nn.Parameter(torch.empty(n, n * h))
         self.hc_head_base = torch.nn.Parameter(torch.zeros(n))
@@ -46,15 +53,23 @@ class LearnedContraction(KeepsHCHeadFP32):
             # attribute megatron attaches to parameters, unknown to torch's type stubs).
             param.sequence_parallel = self.config.sequence_parallel  # type: ignore[attr-defined]
 
+    @property
+    def _mhc_variant(self) -> str:
+        return getattr(self.config, "mhc_variant", DEFAULT_VARIANT)
+
     def contract_streams(self, hidden_states: Tensor) -> Tensor:
-        """``[s, b, n*h] -> [s, b, h]`` with the learned contraction (eps = layernorm eps)."""
+        """``[s, b, n*h] -> [s, b, h]`` with the variant's head (RMS eps = layernorm eps)."""
+        if contracts_by_mean(self._mhc_variant):
+            return contract_mean(hidden_states, self.num_residual_streams)
+        eps = self.config.layernorm_epsilon
         return learned_contract(
             hidden_states,
             self.hc_head_fn,
             self.hc_head_base,
             self.hc_head_scale,
             self.num_residual_streams,
-            self.config.layernorm_epsilon,
+            eps,
+            head_weight_eps(self._mhc_variant, eps),
         )
 
     def _with_own_parameters(

@@ -4,7 +4,10 @@ This is the implementation megatron-ext shipped before the lean path: every map 
 fp32 from an fp32 copy of the streams, aggregation / mixing / write-back as separate
 broadcasts, megatron's bias-dropout-add on the expanded n-stream tensors, and the Sinkhorn
 of :func:`~megatron_ext.mhc.sinkhorn.sinkhorn_reference` (plain autograd through every
-iteration). It is slow (many passes over the n·h tensor) but each line is one formula.
+iteration). It is slow (many passes over the n·h tensor) but each line is one formula. The DeepSeek-V4
+maps (``mhc_variant`` "deepseek-v4" / "glm5", :mod:`megatron_ext.mhc.variants`) are written
+here as transformers' ``DeepseekV4HyperConnection`` states them: an unweighted RMSNorm of the
+flattened streams, ``scale·(fn·x̂) + base``, σ + ε, 2σ, softmax + ε and the ε Sinkhorn.
 
 Tests compare :class:`~megatron_ext.mhc.HyperConnectionModule`'s lean path (and the fused
 kernels) against it, and ``HyperConnectionModule.use_reference_path = True`` makes a layer
@@ -21,6 +24,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.mhc.birkhoff import birkhoff_reference, h_res_width
 from megatron_ext.mhc.sinkhorn import sinkhorn_reference
+from megatron_ext.mhc.variants import softmax_sinkhorn_reference
 
 _RMS_EPS = 1e-6
 
@@ -40,9 +44,12 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
 def reference_mappings(module, x: torch.Tensor):
     """``(h_pre [s,b,n], h_post [s,b,n], h_res [s,b,n,n])`` in fp32 for ``module``'s params."""
     n = module.n
+    form = module.maps_form
     x32 = _math(x)
-    rms = x32.norm(dim=-1, keepdim=True) / math.sqrt(x32.shape[-1])
-    inv_rms = 1.0 / (rms + _RMS_EPS)
+    if form.rms_eps is None:
+        inv_rms = 1.0 / (x32.norm(dim=-1, keepdim=True) / math.sqrt(x32.shape[-1]) + _RMS_EPS)
+    else:  # DeepSeek-V4: x̂ = x · rsqrt(mean(x²) + eps), an RMSNorm without a weight
+        inv_rms = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + form.rms_eps)
     projected = torch.nn.functional.linear(x32, _math(module.mapping_proj.weight))
     alpha = torch.cat(
         [
@@ -52,11 +59,13 @@ def reference_mappings(module, x: torch.Tensor):
         ]
     )
     z = inv_rms * projected * alpha + _math(module.bias)
-    h_pre = torch.sigmoid(z[..., :n])
+    h_pre = torch.sigmoid(z[..., :n]) + form.pre_eps
     h_post = 2.0 * torch.sigmoid(z[..., n : 2 * n])
     if module.h_res_method == "birkhoff":
         return h_pre, h_post, birkhoff_reference(z[..., 2 * n :], n)
     res_logits = z[..., 2 * n :].reshape(*z.shape[:-1], n, n)
+    if form.softmax_sinkhorn:
+        return h_pre, h_post, softmax_sinkhorn_reference(res_logits, module.sinkhorn_iterations)
     return h_pre, h_post, sinkhorn_reference(res_logits, module.sinkhorn_iterations)
 
 

@@ -106,7 +106,10 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
                 "(the n streams are contracted right before it); build the block with "
                 "post_layer_norm=True and a layer_norm in its spec"
             )
-        if self.contracts_streams and getattr(config, "mhc_learned_output_contract", False):
+        # A DeepSeek variant brings its own head (deepseek-v4 learned, glm5 the mean).
+        variant_head = getattr(config, "mhc_variant", "megatron") != "megatron"
+        learned = getattr(config, "mhc_learned_output_contract", False)
+        if self.contracts_streams and (learned or variant_head):
             self._use_learned_contraction()
         elif self.contracts_streams:
             self.final_layernorm.register_forward_pre_hook(

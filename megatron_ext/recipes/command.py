@@ -100,6 +100,8 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
             _flag(args, "--mhc-sinkhorn-iterations", m.mhc.sinkhorn_iterations)
             if m.mhc.h_res_method != "sinkhorn":
                 _flag(args, "--mhc-h-res-method", m.mhc.h_res_method)
+            if m.mhc.variant != "megatron":
+                _flag(args, "--mhc-variant", m.mhc.variant)
             _flag(args, "--mhc-init-gating-factor", m.mhc.init_gating_factor)
             if m.mhc.fused:
                 _flag(args, "--use-fused-mhc", True)

@@ -37,6 +37,7 @@ FIELD_FLAGS: dict[str, str] = {
     "--moe-router-topk": "model.moe_router_topk",
     "--mhc-sinkhorn-iterations": "model.mhc.sinkhorn_iterations",
     "--mhc-h-res-method": "model.mhc.h_res_method",
+    "--mhc-variant": "model.mhc.variant",
     "--log-mhc-stats": "model.mhc.log_stats",
     "--mhc-init-gating-factor": "model.mhc.init_gating_factor",
     "--mhc-recompute-layer-num": "model.mhc.recompute_layer_num",

@@ -64,6 +64,10 @@ class MHC:
         "--mhc-h-res-method (birkhoff: mHC-lite, exact doubly-stochastic H_res, n <= 6)",
         default=MHC_DEFAULTS["mhc_h_res_method"],
     )
+    variant: Literal["megatron", "deepseek-v4", "glm5"] = _doc(
+        "--mhc-variant (deepseek-v4 / glm5: DeepSeek-V4's maps; learned / mean head)",
+        default=MHC_DEFAULTS["mhc_variant"],
+    )
     init_gating_factor: float = _doc(
         "--mhc-init-gating-factor", default=MHC_DEFAULTS["mhc_init_gating_factor"]
     )

@@ -110,6 +110,7 @@ def test_disabled_mhc_is_exactly_transformer_config():
         "mhc_recompute_layer_num",
         "mhc_learned_output_contract",
         "use_fused_mhc",
+        "mhc_variant",
     }
     # repr: the init-method partials are fresh objects per config and compare by identity.
     assert {k: repr(v) for k, v in ours.items() if k not in ext_fields} == {

@@ -86,6 +86,11 @@ def test_same_settings_load(current_args):
             dict(enable_mhc_connections=True, mhc_h_res_method="birkhoff"),
             "mhc_h_res_method: checkpoint 'sinkhorn', now 'birkhoff'.*--mhc-h-res-method",
         ),
+        (
+            dict(enable_mhc_connections=True),  # written before mhc_variant existed
+            dict(enable_mhc_connections=True, mhc_variant="deepseek-v4"),
+            "mhc_variant: checkpoint 'megatron', now 'deepseek-v4'.*--mhc-variant",
+        ),
     ],
 )
 def test_mhc_mismatch_is_refused(current_args, saved, now, field):

@@ -37,9 +37,10 @@ def test_merge_streams_gradcheck_in_float64():
     assert torch.autograd.gradcheck(MergeStreams.apply, (mix, x3, post, written))
 
 
-def _layers(dtype, hidden_dropout=0.0, h_res_method="sinkhorn"):
+def _layers(dtype, hidden_dropout=0.0, h_res_method="sinkhorn", variant="megatron"):
     config = small_config(
         mhc_h_res_method=h_res_method,
+        mhc_variant=variant,
         num_layers=1,
         hidden_size=H,
         num_attention_heads=4,
@@ -83,16 +84,23 @@ def _assert_close(ours, reference, tolerance, what):
 
 
 @pytest.mark.parametrize(
-    "hidden_dropout, h_res_method", [(0.0, "sinkhorn"), (0.2, "sinkhorn"), (0.0, "birkhoff")]
+    "hidden_dropout, h_res_method, variant",
+    [
+        (0.0, "sinkhorn", "megatron"),
+        (0.2, "sinkhorn", "megatron"),
+        (0.0, "birkhoff", "megatron"),
+        (0.2, "sinkhorn", "deepseek-v4"),
+        (0.0, "birkhoff", "glm5"),
+    ],
 )
-def test_layer_matches_the_reference_in_fp32(hidden_dropout, h_res_method):
+def test_layer_matches_the_reference_in_fp32(hidden_dropout, h_res_method, variant):
     """Output and input gradient equal the fp32 reference at 1e-6 of scale. Parameter
     gradients are long fp32 reductions (alpha_res sums ~10⁴ products), where the reduction
     order alone moves the last digits, so both the lean path and the fp32 reference are held
     to 2e-6 of the float64 reference's value."""
     with model_parallel(seed=3):
-        lean, reference = _layers(torch.float32, hidden_dropout, h_res_method)
-        exact = _layers(torch.float32, hidden_dropout, h_res_method)[1].double()
+        lean, reference = _layers(torch.float32, hidden_dropout, h_res_method, variant)
+        exact = _layers(torch.float32, hidden_dropout, h_res_method, variant)[1].double()
         generator = torch.Generator().manual_seed(2)
         x = torch.randn(S, B, N * H, generator=generator)
         weights = torch.randn(S, B, N * H, generator=generator)

@@ -29,8 +29,9 @@ def _fresh_mtp_loss_tracker():
 N, H, LAYERS, VOCAB, SEQ = 4, 16, 3, 32, 12
 
 
-def _model(method):
+def _model(method, variant="megatron"):
     config = small_config(
+        mhc_variant=variant,
         num_layers=LAYERS,
         hidden_size=H,
         num_attention_heads=2,
@@ -82,8 +83,11 @@ def _direct(inputs):
     return figures
 
 
-@pytest.mark.parametrize("method", ["sinkhorn", "birkhoff"])
-def test_stats_match_a_direct_computation(monkeypatch, method):
+@pytest.mark.parametrize(
+    "method, variant",
+    [("sinkhorn", "megatron"), ("birkhoff", "megatron"), ("sinkhorn", "deepseek-v4")],
+)
+def test_stats_match_a_direct_computation(monkeypatch, method, variant):
     inputs = []
     streams_in = HyperConnectionModule.streams_in
 
@@ -95,7 +99,7 @@ def test_stats_match_a_direct_computation(monkeypatch, method):
     recorder = stats.enable()
     try:
         with model_parallel(seed=2):
-            model = _model(method)
+            model = _model(method, variant)
             _forward(model)
             figures = stats.collect(recorder)
     finally:

@@ -48,6 +48,16 @@ def test_moe_mhc_with_linear_bias_matches_reference(layout):
     check(moe_plan(config_overrides=bias, **layout))
 
 
+def test_deepseek_v4_variant_moe_mla_pp2_matches_reference(monkeypatch):
+    """mhc_variant=deepseek-v4 (DeepSeek-V4's maps and learned head on the last stage)."""
+    from mhc_moe_mla_cases import MLA
+
+    plan = moe_plan(pp=2, config_overrides=dict(MLA, mhc_variant="deepseek-v4"))
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
 def test_mla_mhc_pp2_matches_reference():
     check(mla_plan(pp=2))
 

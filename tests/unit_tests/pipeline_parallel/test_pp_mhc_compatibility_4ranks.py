@@ -24,12 +24,14 @@ pytestmark = [
         dict(pp=4),
         dict(tp=2, pp=2, sequence_parallel=True, h_res_method="birkhoff"),
         dict(tp=2, pp=2, vpp=2, sequence_parallel=True),
+        dict(tp=2, pp=2, sequence_parallel=True, variant="glm5"),
     ],
-    ids=["pp4", "tp2_pp2_sp_birkhoff", "tp2_pp2_vpp2_sp"],
+    ids=["pp4", "tp2_pp2_sp_birkhoff", "tp2_pp2_vpp2_sp", "tp2_pp2_sp_glm5"],
 )
 def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layout):
     layout = dict(layout)
     method = dict(mhc_h_res_method=layout.pop("h_res_method", "sinkhorn"))
+    method["mhc_variant"] = layout.pop("variant", "megatron")
     plan = mhc_plan(**layout, config_overrides=method)
     with recorded_p2p_shapes(monkeypatch) as seen:
         check = check_mhc_and_stats(plan)  # the mHC statistics equal the single rank's too

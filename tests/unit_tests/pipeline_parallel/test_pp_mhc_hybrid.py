@@ -3,6 +3,7 @@ chunks, every exchange carries n*h, and each run matches the single-rank referen
 pattern without '|'): loss, every gradient of every step and the weights after 3 steps.
 Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_pp_mhc_hybrid.py"""
 
+import os
 from functools import partial
 
 import pytest
@@ -122,6 +123,21 @@ def test_birkhoff_learned_contraction_with_mtp_matches_reference(monkeypatch, pa
         config_overrides=dict(mhc_h_res_method="birkhoff"),
     )
     assert_birkhoff_gains_are_one(check, MTP_GAIN_NAMES)
+
+
+GLM5_SOAK = pytest.mark.skipif(
+    os.environ.get("MEGATRON_EXT_SOAK") != "1",
+    reason="soak only (~12 s): CI runs glm5 under TP2xPP2+SP (4 ranks), deepseek-v4 here",
+)
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v4", pytest.param("glm5", marks=GLM5_SOAK)])
+def test_variant_with_mtp_matches_reference(monkeypatch, variant):
+    """mhc_variant: DeepSeek-V4's maps; deepseek-v4's learned head on the decoder and the MTP
+    depth, glm5's mean (no head parameters). Loss, gradients, weights and the statistics."""
+    check_pipelined(
+        monkeypatch, "*-|*-/*-", pp=2, with_stats=True, config_overrides=dict(mhc_variant=variant)
+    )
 
 
 @pytest.mark.parametrize("pattern", ["*-|-|*|*-/*-", "*-|*-|*-|/*-"], ids=["layers", "empty"])

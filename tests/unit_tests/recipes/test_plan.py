@@ -54,6 +54,9 @@ def test_mhc_fields_become_upstreams_flag_spellings():
         REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml", "cpu", ["model.mhc.h_res_method=birkhoff"]
     )
     assert _flags(megatron_args(birkhoff))["--mhc-h-res-method"] == ["birkhoff"]
+    assert "--mhc-variant" not in flags  # megatron, the default
+    v4 = load(REPO_ROOT / "recipes/gpt_mhc_v4_moe_mla_pp2.yaml")
+    assert _flags(megatron_args(v4))["--mhc-variant"] == ["deepseek-v4"]
 
 
 def test_virtual_stages_come_from_vpp_the_layout_or_the_hybrid_pattern():
