@@ -328,7 +328,12 @@ class Slurm:
         default=120,
     )
     max_requeues: int = _doc(
-        "a job stopped by the warning signal requeues itself at most this often", default=3
+        "a job stopped by the warning signal requeues itself at most this often (also the bound on "
+        "Slurm's requeues after a lost node; 0: a lost node ends the job)",
+        default=3,
+    )
+    tp_within_node: bool = _doc(
+        "refuse a node layout in which a tensor-parallel group spans nodes", default=False
     )
 
 
