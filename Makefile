@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo lint mypy test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu wheelhouse doctor clean
+.PHONY: setup run demo lint mypy test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -45,6 +45,12 @@ test-2ranks:
 
 test-4ranks:
 	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests --durations=10
+
+# The soak tier of the two-node Slurm tests (root; a two-node cluster on this machine,
+# scripts/slurm_cluster.sh): a lost node with and without requeue, the stop signal to a
+# two-node job, the multi-module recipe split over the nodes. make test runs the golden one.
+test-multinode: setup
+	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests/test_slurm_multinode.py --durations=0
 
 # Build the wheel and install it, as a user would, beside the megatron-core already installed
 # (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.

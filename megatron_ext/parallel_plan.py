@@ -12,6 +12,7 @@ checked without them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_ext.errors import Problem
@@ -32,8 +33,27 @@ class ParallelPlan:
     sp: bool = False
     dp_size: int | None = None
     world: int | None = None
+    etp: int | None = None  # expert tensor parallelism; None: megatron's default, tp
 
     # ---- derived ---------------------------------------------------------------------------
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: given, else tp (megatron's default in validate_args
+        and initialize_model_parallel)."""
+        return self.etp if self.etp is not None else self.tp
+
+    @property
+    def expert_grid(self) -> int:
+        """Ranks of one expert replica: etp * ep * pp; the world must be a multiple of it
+        (megatron-core's initialize_model_parallel builds the expert grid beside the dense one)."""
+        return self.expert_tp * self.ep * self.pp
+
+    @property
+    def smallest_expert_dp(self) -> int:
+        """The smallest dp whose world both grids divide: tp * cp * dp a multiple of etp * ep."""
+        expert = self.expert_tp * self.ep
+        return expert // math.gcd(self.tp * self.cp, expert)
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks one model replica spans: tp * pp * cp (EP folds into DP in megatron-core)."""
@@ -78,6 +98,8 @@ class ParallelPlan:
             value = self.dp_size if name == "dp" else getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(Problem(name, f"must be >= 1, got {value}"))
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            problems.append(Problem("etp", f"must be >= 1 or null, got {self.etp}"))
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
             problems.append(Problem("vpp", f"must be >= 1 or null, got {self.vpp}"))
         return problems
@@ -118,13 +140,19 @@ class ParallelPlan:
                     "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)",
                 )
             )
-        if self.ep > 1 and (self.tp * self.dp * self.cp) % self.ep:
-            problems.append(
-                Problem(
-                    "ep", f"ep={self.ep} must divide tp * dp * cp = {self.tp * self.dp * self.cp}"
-                )
-            )
+        if (self.ep > 1 or self.etp is not None) and self.world_size % self.expert_grid:
+            problems.append(Problem("ep", self.expert_grid_problem()))
         return problems
+
+    def expert_grid_problem(self) -> str:
+        etp = "etp" if self.etp is not None else "etp=tp"
+        return (
+            f"world size {self.world_size} is not divisible by the expert grid {etp}"
+            f"({self.expert_tp}) * ep({self.ep}) * pp({self.pp}) = {self.expert_grid} "
+            "(megatron's expert tensor parallelism defaults to tp); set parallelism.dp to a "
+            f"multiple of {self.smallest_expert_dp} (world size "
+            f"{self.model_parallel_size * self.smallest_expert_dp}), or change ep"
+        )
 
     @property
     def world_from_sizes(self) -> int:

@@ -313,6 +313,15 @@ def _log_mhc_stats(recorder, iteration: int, writer, log) -> None:
         sys.stdout.flush()
 
 
+def _report_placement(plan: MultiModulePlan, rank: int) -> None:
+    """This rank's module and coordinates in its grid (launch.nodes: under Slurm only)."""
+    from megatron_ext.launch import nodes
+
+    for name, module in plan.modules.items():
+        if rank in module.ranks:
+            nodes.report_placement(module.coordinates(rank), module=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides, ignored = _parse_args(list(sys.argv[1:] if argv is None else argv))
     _init_distributed()
@@ -320,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe = load_recipe(args.recipe, overrides)
     plan = recipe_plan.plan_of(recipe, dist.get_world_size())
+    _report_placement(plan, dist.get_rank())
     if dist.get_rank() == 0:
         modules = ", ".join(
             f"{n} (tp{m.tp} pp{m.pp} dp{m.dp}, ranks {m.ranks.start}-{m.ranks.stop - 1})"

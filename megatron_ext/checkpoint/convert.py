@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_ext.checkpoint.safe_pickle import TRUST_FLAG
 from megatron_ext.errors import MegatronExtError
 
 # Where each source's checkpoints come from (the CLI's --source).
@@ -176,9 +177,6 @@ def _model_entries(checkpoint: Mapping[str, Any]) -> list[str]:
     )
 
 
-TRUST_FLAG = "--trust-pickle"
-
-
 def _unsafe_global(exc: Exception) -> str:
     """The global torch's weights-only unpickler refused, out of its multi-line message."""
     found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -197,9 +195,9 @@ def load_checkpoint(path: str, trust_pickle: bool = False) -> Any:
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False)
-        from megatron.core.safe_globals import SAFE_GLOBALS
+        from megatron_ext.checkpoint.safe_pickle import allowed_globals
 
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):
@@ -308,3 +306,72 @@ def convert_file(
         converted = convert(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
+
+
+FORMATS = ("torch_dist", "torch")
+
+
+def convert_path(
+    source_path: str,
+    target_path: str,
+    model: str,
+    to: str,
+    source: str,
+    output_format: str | None = None,
+    trust_pickle: bool = False,
+    convert: Any = None,
+) -> list[str]:
+    """``convert-checkpoint``: a torch_dist checkpoint (an iteration directory, a checkpoint
+    root with its tracker, or a run directory) or a ``torch.save`` file, renamed to ``to``
+    and written as ``output_format`` (default: the input's). Returns the notes to show.
+    ``convert``: as for :func:`convert_file` (the CLI's ``--mhc-names``)."""
+    from megatron_ext.checkpoint import torch_dist
+
+    if output_format not in (None, *FORMATS):
+        raise ConversionError(
+            f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}"
+        )
+    if not torch_dist.is_torch_dist(source_path):
+        if output_format == "torch_dist":
+            raise ConversionError(
+                f"{source_path} is a single-file torch checkpoint: writing torch_dist from it is "
+                "not supported (it lacks megatron's common state and sharded objects); convert "
+                "with --format torch, or start a run from it with checkpoint.finetune"
+            )
+        return convert_file(source_path, target_path, model, to, source, trust_pickle, convert)
+    convert = convert or convert_state_dict
+    try:
+        state, _ = _read_torch_dist(source_path, trust_pickle)
+        weights = torch_dist.model_weights(state)
+        notes = notes_for(source, model, weights)
+        if (output_format or "torch_dist") == "torch":
+            _check_output_file(target_path)
+            _save_atomically(convert(weights, model, to), target_path)
+            return [*notes, _WEIGHTS_ONLY_NOTE]
+        renamed = torch_dist.rename_keys(state, lambda sd: convert(sd, model, to))
+        torch_dist.write(renamed, target_path, torch_dist.tracker_iteration(source_path))
+    except torch_dist.TorchDistError as exc:
+        raise ConversionError(str(exc)) from None
+    return notes
+
+
+_WEIGHTS_ONLY_NOTE = (
+    "--format torch writes the model weights only (a plain state dict, stacked layers split "
+    "per layer); the optimizer state, RNG state and args stay in the torch_dist checkpoint"
+)
+
+
+def _read_torch_dist(path: str, trust_pickle: bool) -> tuple[dict[str, Any], Any]:
+    from megatron_ext.checkpoint import safe_pickle, torch_dist
+
+    try:
+        return torch_dist.read(path, trust_pickle)
+    except safe_pickle.UnsafeCheckpoint as exc:
+        raise ConversionError(str(exc)) from None
+
+
+def _check_output_file(target_path: str) -> None:
+    import os
+
+    if os.path.exists(target_path) and not os.path.isfile(target_path):
+        raise ConversionError(f"output {target_path} exists and is not a regular file")

@@ -123,13 +123,15 @@ def _compare_runs(args: argparse.Namespace) -> int:
     if args.plot and not args.plot.lower().endswith(".png"):
         raise _BadInput(f"--plot {args.plot}: give a .png file name")
     a, b = run_compare.read(Path(args.run)), run_compare.read(Path(args.golden))
-    names = run_compare.common_metrics(a, b)
+    sets = run_compare.metric_sets(a, b)
+    names = sets.common
     if args.metrics:
         unknown = [m for m in args.metrics if m not in names]
         if unknown:
-            raise _BadInput(f"--metrics {unknown}: not logged by the runs (they log {names})")
+            raise _BadInput(f"--metrics {unknown}: not logged by both runs (both log {names})")
         names = list(args.metrics)
-    print("\n".join(run_compare.table(a, b, run_compare.differences(a, b, names))))
+    lines = run_compare.table(a, b, run_compare.differences(a, b, names))
+    print("\n".join(lines + run_compare.only_in_one_run(a, b, sets)))
     if args.plot:
         print(f"plot: {run_compare.plot(Path(args.plot), a, b, names)}")
     return 0

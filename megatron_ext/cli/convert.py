@@ -11,8 +11,12 @@ HELP = "rename mHC checkpoint keys between upstream Megatron-LM (PR #6401/dev) a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", help="a torch.save'd model state dict or model_optim_rng.pt")
-    parser.add_argument("output", help="where to write the converted file")
+    parser.add_argument(
+        "input",
+        help="a torch_dist checkpoint (iteration directory, checkpoint root or run directory), "
+        "a torch.save'd model state dict or model_optim_rng.pt",
+    )
+    parser.add_argument("output", help="where to write (a new directory for torch_dist)")
     parser.add_argument(
         "--model", choices=("gpt", "hybrid"), required=True, help="the model the checkpoint holds"
     )
@@ -28,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="pr6401",
         help="where the input comes from: main's H_res orientation differs (a note "
         "says so); default: %(default)s",
+    )
+    parser.add_argument(
+        "--format",
+        dest="output_format",
+        choices=("torch_dist", "torch"),
+        default=None,
+        help="what to write: a torch_dist directory, or torch (a plain model state dict any "
+        "torch.load reads); default: the input's format",
     )
     parser.add_argument(
         "--mhc-names",
@@ -50,17 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from functools import partial
 
-    from megatron_ext.checkpoint.convert import ConversionError, convert_file
+    from megatron_ext.checkpoint.convert import ConversionError, convert_path
     from megatron_ext.checkpoint.hc_names import convert_mhc_names
 
     names = args.mhc_names
     try:
-        notes = convert_file(
+        notes = convert_path(
             args.input,
             args.output,
             args.model,
             args.to,
             args.source,
+            args.output_format,
             args.trust_pickle,
             convert=partial(convert_mhc_names, names=names) if names else None,
         )

@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="record every rank's pipeline schedule: trace.json, timeline.png and the "
         "measured vs theoretical bubble in the summary",
     )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load the checkpoints the run reads (run --resume, checkpoint.load, "
+        "--pretrained-checkpoint) without checking their pickles; unpickling can run any code "
+        "in them, so only for checkpoints you made or trust (default: checked, refused)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,10 +70,12 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.runs import runner
 
     if args.resume:
-        if args.targets or args.run_dir or args.dry_run or args.write_golden or args.trace:
+        recipes, overrides = split_targets(args.targets or [])
+        if recipes or args.run_dir or args.dry_run or args.write_golden or args.trace:
             print(
-                "megatron-ext run --resume RUN_DIR: takes no recipe, overrides, --run-dir, "
-                "--dry-run, --write-golden or --trace (the run's own are used)",
+                "megatron-ext run --resume RUN_DIR [parallelism.*=V training.iterations=N]: "
+                "takes no recipe, --run-dir, --dry-run, --write-golden or --trace (the run's "
+                "own are used)",
                 file=sys.stderr,
             )
             return runner.EXIT_INVALID
@@ -76,6 +85,8 @@ def main(args: argparse.Namespace) -> int:
             force_compare=args.compare,
             megatron_checks=not args.skip_megatron_checks,
             allow_env=tuple(args.allow_env),
+            trust_pickle=args.trust_pickle,
+            overrides=overrides,
         ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:
@@ -118,4 +129,5 @@ def _run(args: argparse.Namespace, loaded):
         write_golden=args.write_golden,
         megatron_checks=not args.skip_megatron_checks,
         trace=args.trace,
+        trust_pickle=args.trust_pickle,
     )

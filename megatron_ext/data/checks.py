@@ -12,6 +12,7 @@ the recipe's directory (:func:`resolve_path`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -102,8 +103,11 @@ def tokenizer_problems(
     vocab_file: str | None,
     merge_file: str | None,
     where: str = "",
+    need_eos: bool = True,
 ) -> list[str]:
-    """Missing tokenizer files, and a hub download that cannot happen offline."""
+    """Missing tokenizer files, a local tokenizer directory that does not read or (``need_eos``:
+    training, ``--append-eod``) names no end-of-document token, and a hub download that cannot
+    happen offline."""
     values = {"model": model, "vocab_file": vocab_file, "merge_file": merge_file}
     problems = []
     for field, flag in FILE_FIELDS.get(tokenizer_type, ()):
@@ -112,15 +116,41 @@ def tokenizer_problems(
         if not value:
             problems.append(f"{label}: {tokenizer_type} needs {flag}")
         elif not Path(value).exists():
-            problems.append(f"{label}: {value} does not exist")
+            fix = example_fix(value)
+            problems.append(f"{label}: {value} does not exist" + (f"; {fix}" if fix else ""))
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
+        label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            label = f"{where}model" if where else "--tokenizer-model"
             problems.append(f"{label}: {model} has no tokenizer.json or tokenizer_config.json")
+        else:
+            from megatron_ext.data.tokenizer_files import directory_problems
+
+            problems += [f"{label}: {line}" for line in directory_problems(model, need_eos)]
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
+    if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
+        problem = _vocab_json_problem(vocab_file)
+        if problem:
+            problems.append(
+                f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
+            )
     return problems
+
+
+def _vocab_json_problem(vocab_file: str) -> str | None:
+    """A GPT-2 vocab.json that is not a JSON mapping of tokens to ids (megatron reads it with
+    json.load)."""
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return (
+            f"{vocab_file} is not JSON ({' '.join(str(e).split())}); GPT2BPETokenizer's vocab "
+            "file is vocab.json, a mapping of tokens to ids"
+        )
+    if not isinstance(vocab, dict):
+        return f"{vocab_file} is JSON but not a mapping of tokens to ids"
+    return None
 
 
 def tokenizer_vocab_size(
@@ -146,6 +176,36 @@ def tokenizer_vocab_size(
         import sentencepiece
 
         return sentencepiece.SentencePieceProcessor(model_file=str(model)).vocab_size()
+    return None
+
+
+# Paths under an example directory (``prepare-data --example DIR``), as parts below DIR.
+EXAMPLE_LAYOUT = (
+    ("tokenizers", "huggingface"),
+    ("tokenizers", "sentencepiece", "tokenizer.model"),
+    ("tokenizers", "gpt2", "vocab.json"),
+    ("tokenizers", "gpt2", "merges.txt"),
+    *(
+        ("data", tokenizer, f"{source}_text_document")
+        for tokenizer in ("huggingface", "sentencepiece")
+        for source in ("stdlib_a_m", "stdlib_n_z")
+    ),
+)
+
+
+def example_fix(path: str) -> str | None:
+    """For a missing path of the example data: the one command that makes it (None for any
+    other path)."""
+    parts = Path(os.path.normpath(path)).parts
+    for tail in EXAMPLE_LAYOUT:
+        if len(parts) > len(tail) and parts[-len(tail) :] == tail:
+            root = Path(*parts[: -len(tail)])
+            with contextlib.suppress(ValueError):
+                root = root.relative_to(Path.cwd())
+            return (
+                f"the example data is not made yet: run `megatron-ext prepare-data --example "
+                f"{root}` (or set MEGATRON_EXT_EXAMPLE_DATA to where it is)"
+            )
     return None
 
 

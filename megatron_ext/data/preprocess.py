@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-prefix", type=str, help="output path without the _{key}_document.bin suffix"
     )
     group = parser.add_argument_group(title="runtime")
-    group.add_argument("--workers", type=int, help="tokenizer processes (1: in this process)")
+    group.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (default 1: in this process)"
+    )
     group.add_argument(
         "--log-interval", type=int, default=1000, help="documents between progress lines"
     )
@@ -105,7 +107,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in required:
         if not value:
             raise PrepareDataError(f"{flag} is required")
-    if args.workers is None or args.workers < 1:
+    if args.workers < 1:
         raise PrepareDataError(f"--workers must be a positive number, got {args.workers}")
     if not Path(args.input).is_file():
         raise PrepareDataError(f"--input {args.input}: no such file")
@@ -121,7 +123,11 @@ def check_args(args: argparse.Namespace) -> None:
     from megatron_ext.data.checks import tokenizer_problems
 
     problems = tokenizer_problems(
-        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.vocab_file,
+        args.merge_file,
+        need_eos=bool(getattr(args, "append_eod", False)),
     )
     if problems:
         raise PrepareDataError(problems[0])
@@ -130,11 +136,20 @@ def check_args(args: argparse.Namespace) -> None:
 def build_tokenizer(args: argparse.Namespace):
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build
 
+    from megatron_ext.data.tokenizer_files import offline
+
     try:
-        return build(tokenizer_namespace(args))
+        with offline(args.tokenizer_model):  # a local directory needs no hub (nor its retries)
+            tokenizer = build(tokenizer_namespace(args))
     except Exception as e:  # megatron wraps every library's failure differently
         message = " ".join(str(e).split())
         raise PrepareDataError(f"tokenizer {args.tokenizer_type}: {message}") from None
+    if getattr(args, "append_eod", False) and getattr(tokenizer, "eod", None) is None:
+        raise PrepareDataError(
+            f"--append-eod: tokenizer {args.tokenizer_type} has no end-of-document token "
+            "(its eos_token); set eos_token in the tokenizer's configuration or drop --append-eod"
+        )
+    return tokenizer
 
 
 @dataclass

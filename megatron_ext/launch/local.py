@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -471,9 +472,23 @@ def failure_summary(job: LocalJob, result: LaunchResult) -> str | None:
     if reported is not None:
         return str(reported)
     if result.failed_rank is not None:
-        return (
-            f"rank {result.failed_rank} {faults.describe_exit(code)} (no error reported in its log)"
-        )
+        ending = error_ending(job.log_path(result.failed_rank))
+        why = f"its log ends: {ending}" if ending else "no error reported in its log"
+        return f"rank {result.failed_rank} {faults.describe_exit(code)} ({why})"
+    return None
+
+
+# An exception's last traceback line ("AssertionError: ...", "ValueError: ..."), or an
+# argparse error ("pretrain_gpt.py: error: ..."): what a rank that failed before megatron-ext's
+# failure marker was installed (e.g. in Megatron's argument checks) leaves as its last line.
+ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*|.*: error: .*)$")
+
+
+def error_ending(path: Path) -> str | None:
+    """The last non-empty line of a rank's log when it is an error (None otherwise)."""
+    lines = [line.strip() for line in tail(path, 20) if line.strip()]
+    if lines and ERROR_LINE.match(lines[-1]):
+        return lines[-1][:600]
     return None
 
 

@@ -189,6 +189,7 @@ def sbatch_script(job: SlurmJob) -> str:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "BASE_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         *_requeue_preamble(job),
+        *_layout_lines(job),
     ]
     from megatron_ext.launch.shell import is_secret, secret_check_line
 
@@ -227,6 +228,8 @@ def sbatch_script(job: SlurmJob) -> str:
             # submitting side's StepWatch takes its appearance as the step's start (so the
             # preparation gets the start-up allowance; a resume step reuses no old beats)
             f"rm -rf {q(beats)} && mkdir -p {q(beats)}",
+            # which start of the job made it: a requeued job's step gets a fresh watchdog
+            f'echo "${{SLURM_RESTART_COUNT:-0}}" > {q(str(Path(beats) / START))}',
             f"export {heartbeat.DIR_ENV}={q(beats)}",
         ]
         if step.before:
@@ -274,13 +277,28 @@ _SEGMENT_SHELL = "'\"${SEGMENT}\"'"
 """What replaces it inside that single-quoted word: close the quote, expand, reopen."""
 
 
+def _layout_lines(job: SlurmJob) -> list[str]:
+    """Print which ranks each node of this allocation holds (srun's block distribution): the
+    submitting side names a lost node's ranks from this line."""
+    from megatron_ext.launch.nodes import LAYOUT_PREFIX
+
+    per = int(job.tasks_per_node)
+    return [
+        'K=0; LAYOUT=""; for NODE in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do '
+        f'LAYOUT="$LAYOUT $NODE=$((K * {per}))-$((K * {per} + {per - 1}))"; K=$((K + 1)); done',
+        f'echo "{LAYOUT_PREFIX}$LAYOUT (batch script on $(hostname), MASTER_ADDR $MASTER_ADDR)"',
+    ]
+
+
 def _requeue_directives(job: SlurmJob) -> list[str]:
     if job.requeue is None:
-        return []
+        # a lost node ends the job (NODE_FAIL) instead of Slurm running it again from scratch
+        return ["#SBATCH --no-requeue"]
     return [
         # USR1 to the ranks (not the batch shell) N s before the time limit: they save and stop
         f"#SBATCH --signal=USR1@{int(job.requeue.signal_warning_s)}",
-        "#SBATCH --requeue",
+        # also what lets Slurm requeue the job when it loses a node
+        "#SBATCH --requeue" if job.requeue.max_requeues > 0 else "#SBATCH --no-requeue",
         "#SBATCH --open-mode=append",
     ]
 
@@ -288,7 +306,7 @@ def _requeue_directives(job: SlurmJob) -> list[str]:
 def _requeue_preamble(job: SlurmJob) -> list[str]:
     if job.requeue is None:
         return []
-    from megatron_ext.launch.stop_signals import ROUTE_ENV
+    from megatron_ext.launch.stop_signals import EXIT_STOPPED, ROUTE_ENV
 
     return [
         "RESTART=${SLURM_RESTART_COUNT:-0}",
@@ -301,6 +319,10 @@ def _requeue_preamble(job: SlurmJob) -> list[str]:
         '[ -z "$INTERRUPTED" ] && return "$rc"; done; }',
         'echo "[megatron-ext] start $((RESTART + 1)) (restart count $RESTART) on '
         '$SLURM_JOB_NODELIST"',
+        # Slurm requeues a job that lost a node by itself: keep to the bound there too
+        f'if [ "$RESTART" -gt {int(job.requeue.max_requeues)} ]; then echo "[megatron-ext] '
+        f'restart count $RESTART is past the requeue limit {int(job.requeue.max_requeues)}: '
+        f'stopped, resumable"; exit {EXIT_STOPPED}; fi',
     ]
 
 
@@ -335,6 +357,8 @@ class SlurmError(MegatronExtError, RuntimeError):
 
 ENDED = "ended"
 """Written into a step's heartbeat directory by the batch script once its srun returned."""
+START = "start"
+"""Written into a step's heartbeat directory when it is made: the job's restart count."""
 
 
 def heartbeat_dir(step: Step) -> Path:
@@ -358,6 +382,7 @@ class StepWatch:
         self.active: int | None = None
         self.watchdog: heartbeat.Watchdog | None = None
         self.ended = False  # the active step's srun returned (a requeued job starts it again)
+        self.start: str | None = None  # the restart count that made the active step's directory
 
     def clear(self) -> None:
         """Remove heartbeat directories an earlier job left (before submitting): a step
@@ -370,8 +395,13 @@ class StepWatch:
         if not started:
             return None  # the job's first step has not begun
         ended = (self.dirs[started[-1]] / ENDED).exists()
-        if started[-1] != self.active or (self.ended and not ended):  # a new step or a restart
-            self.active = started[-1]
+        try:
+            start = (self.dirs[started[-1]] / START).read_text().strip()
+        except OSError:
+            start = self.start
+        restarted = start != self.start  # requeued (a lost node: the step never ended)
+        if started[-1] != self.active or (self.ended and not ended) or restarted:
+            self.active, self.start = started[-1], start
             self.watchdog = heartbeat.Watchdog(
                 self.dirs[self.active], self.nproc, self.stall_s, self.startup_s
             )
@@ -416,6 +446,27 @@ def job_state(job_id: str) -> tuple[str | None, int | None]:
     state = re.search(r"JobState=(\S+)", proc.stdout)
     code = re.search(r"ExitCode=(\d+):(\d+)", proc.stdout)
     return (state.group(1) if state else None, int(code.group(1)) if code else None)
+
+
+def unresponsive_nodes(job_id: str) -> list[str]:
+    """The job's nodes that Slurm finds not responding or down (sinfo's ``*`` suffix)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+        listed = re.search(r"\sNodeList=(\S+)", proc.stdout)
+        if proc.returncode != 0 or not listed or listed.group(1) == "(null)":
+            return []
+        proc = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", listed.group(1), "-o", "%N %T"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:  # no Slurm client here: nothing known about the nodes
+        return []
+    return [
+        line.split()[0]
+        for line in proc.stdout.splitlines()
+        if len(line.split()) == 2 and (line.endswith("*") or line.split()[1].startswith("down"))
+    ]
 
 
 def cancel(job_id: str) -> None:
@@ -467,6 +518,8 @@ def wait(
             cancel(job_id)
             return JobResult(job_id, "TIMEOUT", None, time.monotonic() - start, timed_out=True)
         stall = watch.check() if watch is not None and state == "RUNNING" else None
+        if stall is not None and unresponsive_nodes(job_id):
+            stall = None  # a node is lost: Slurm ends the job or requeues it, not a stall
         if stall is not None:
             cancel(job_id)
             return JobResult(job_id, "STALLED", None, time.monotonic() - start, stall=stall)

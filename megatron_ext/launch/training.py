@@ -331,10 +331,14 @@ def forward_step_with_faults(forward_step: Callable) -> Callable:
     (Megatron's ``args.curr_iteration`` counts finished iterations; steps count from 1)."""
     from megatron.training import get_args
 
-    from megatron_ext.launch import faults, stop_signals
+    from megatron_ext.launch import faults, nodes, stop_signals
+
+    reported = []
 
     @functools.wraps(forward_step)
     def wrapped(*args: Any, **kwargs: Any):
+        if not reported:  # once, where the rank trains: its host and megatron coordinates
+            reported.append(nodes.report_megatron_placement())
         stop_signals.redeliver_pending()  # a stop held since start-up reaches Megatron's handler
         faults.at_step(int(getattr(get_args(), "curr_iteration", 0)) + 1)
         return forward_step(*args, **kwargs)

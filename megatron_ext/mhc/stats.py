@@ -6,8 +6,10 @@ logged step's first micro-batch, as each hyper connection sees them:
 
 * per sub-layer (``mhc/layerNN.<sublayer>/...``): the H_res residual of double stochasticity,
   ``h_res_row_err`` = max |row sum − 1| and ``h_res_col_err`` = max |column sum − 1| (Sinkhorn
-  leaves some; birkhoff is exact to rounding), and the ranges ``h_pre_min/max``,
-  ``h_post_min/max``;
+  leaves some; birkhoff is exact to rounding), H_res's largest Frobenius distance from the
+  identity and from uniform mixing (``h_res_identity_dist``, ``h_res_uniform_dist``: what the
+  learned mixing moves, when the gains stay at 1 up to rounding), and the ranges
+  ``h_pre_min/max``, ``h_post_min/max``;
 * over the model (``mhc/forward_gain``, ``mhc/backward_gain``): the paper's "Amax Gain
   Magnitude" of the composite residual mixing of the decoder. A sub-layer maps the streams by
   ``x ↦ H_resᵀ x`` (our orientation, see :mod:`megatron_ext.mhc.hyper_connection`), so the
@@ -173,10 +175,20 @@ def recorder() -> Recorder | None:
 
 # ---- the figures -------------------------------------------------------------------------------
 def sublayer_figures(h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> dict:
-    """Per-sub-layer figures from maps ``[T, n]``, ``[T, n]``, ``[T, n, n]``."""
+    """Per-sub-layer figures from maps ``[T, n]``, ``[T, n]``, ``[T, n, n]``.
+
+    Where H_res sits between the two ends of the Birkhoff polytope: its largest Frobenius
+    distance (over the sample tokens) from the identity (no mixing, the plain residual) and
+    from uniform mixing ``J / n`` (every stream the mean); a doubly stochastic n x n matrix
+    is within ``sqrt(n - 1)`` of either (both are doubly stochastic and
+    ``||I - J/n||_F = sqrt(n - 1)``)."""
+    n = h_res.shape[-1]
+    identity = torch.eye(n, dtype=h_res.dtype, device=h_res.device)
     return {
         "h_res_row_err": (h_res.sum(-1) - 1).abs().max().item(),
         "h_res_col_err": (h_res.sum(-2) - 1).abs().max().item(),
+        "h_res_identity_dist": torch.linalg.matrix_norm(h_res - identity).max().item(),
+        "h_res_uniform_dist": torch.linalg.matrix_norm(h_res - 1.0 / n).max().item(),
         "h_pre_min": h_pre.min().item(),
         "h_pre_max": h_pre.max().item(),
         "h_post_min": h_post.min().item(),

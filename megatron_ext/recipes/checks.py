@@ -439,8 +439,11 @@ def _check_training(r: Recipe, add) -> None:
                 f"and lr_warmup_iters ({t.lr_warmup_iters}) are both "
                 "set; Megatron takes one of them",
             )
-    if t.lr_decay_iters is not None and t.lr_decay_iters < t.lr_warmup_iters:
-        add("training.lr_decay_iters", f"{t.lr_decay_iters} < lr_warmup_iters {t.lr_warmup_iters}")
+    from megatron_ext.recipes.lr_schedule import lr_schedule_problems
+
+    extra_args = r.extra_args if isinstance(r.extra_args, dict) else {}
+    for problem in lr_schedule_problems(t, extra_args):
+        add(problem.where, problem.what)
     if r.test.type == "ckpt-resume" and (t.iterations < 2 or t.iterations % 2):
         add(
             "training.iterations",
@@ -485,9 +488,11 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
     note = checks.hub_note(d.tokenizer.type)
     if note and not tokenizer_problems and note not in loaded.notes:
         loaded.notes.append(note)
+    fields = ("paths", "valid_paths", "test_paths")
     if d.type == "mock":
-        if d.paths:
-            add("data.paths", "set with data.type: mock; use data.type: indexed to read them")
+        for name in fields:
+            if getattr(d, name):
+                add(f"data.{name}", "set with data.type: mock; use data.type: indexed to read them")
         return
     if not d.paths:
         add("data.paths", "indexed data needs at least one PREFIX (PREFIX.bin and PREFIX.idx)")
@@ -496,49 +501,101 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
         vocab = checks.tokenizer_vocab_size(
             d.tokenizer.type, resolved["model"], resolved["vocab_file"], d.tokenizer.vocab_size
         )
-    for i, entry in enumerate(d.paths):
-        _check_data_path(loaded, f"data.paths[{i}]", entry, vocab, add)
+    blends = {
+        name: [
+            _check_data_path(loaded, f"data.{name}[{i}]", entry, vocab, add)
+            for i, entry in enumerate(getattr(d, name))
+        ]
+        for name in fields
+    }
+    _check_blends(loaded, blends, add)
 
 
-def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -> None:
-    from megatron_ext.data import checks
+def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
+    """Weights on all entries of a blend or on none (Megatron's rule), then whether each split
+    can give the run its samples (:mod:`megatron_ext.data.splits`), when every path is readable."""
+    from megatron_ext.data import splits
+
+    r = loaded.recipe
+    for name, sources in blends.items():
+        weighted = {s.weight is not None for s in sources if s is not None}
+        if len(weighted) > 1:
+            add(f"data.{name}", "give every entry a weight ('WEIGHT PREFIX') or none")
+            return
+    if any(s is None for sources in blends.values() for s in sources) or not blends["paths"]:
+        return
+    t = r.training
+    needed = splits.samples_needed(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
+    per_split = bool(blends["valid_paths"] or blends["test_paths"])
+    for name, split_name in zip(blends, splits.SPLITS, strict=True):
+        if not blends[name] or (name != "paths" and not per_split):
+            continue
+        try:
+            found = splits.split_problems(
+                blends[name],
+                None if per_split else r.data.split,
+                needed,
+                r.model.seq_length,
+                split_name if per_split else None,
+            )
+        except ValueError as e:  # a split string Megatron cannot read
+            add("data.split", str(e))
+            return
+        for where, what in found:
+            add(where, what)
+
+
+def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -> Any:
+    """Problems of one 'PREFIX' / 'WEIGHT PREFIX' entry; its :class:`~megatron_ext.data.splits.
+    Source` when it has none."""
+    from megatron_ext.data import checks, splits
 
     words = entry.split()
     if len(words) not in (1, 2):
         add(where, f"{entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
-        return
+        return None
+    weight = None
     if len(words) == 2:
         try:
             weight = float(words[0])
         except ValueError:
             add(where, f"{entry!r}: the weight {words[0]!r} is not a number ('WEIGHT PREFIX')")
-            return
+            return None
         if not weight > 0:
             add(where, f"{entry!r}: the weight must be positive, got {words[0]}")
+            return None
     try:
         prefix = checks.resolve_path(words[-1], loaded.base_dir)
     except checks.UnsetVariable as e:
         add(where, f"{words[-1]!r}: {e}")
-        return
+        return None
     missing = checks.missing_files(prefix)
     if missing:
-        add(
-            where,
-            f"{' and '.join(missing)} not found (relative paths are relative to the recipe's "
-            "directory; `megatron-ext prepare-data` makes them)",
+        fix = checks.example_fix(prefix)
+        fix = (
+            f"; {fix}"
+            if fix
+            else (
+                " (relative paths are relative to the recipe's directory; `megatron-ext "
+                "prepare-data` makes them)"
+            )
         )
-        return
+        add(where, f"{' and '.join(missing)} not found{fix}")
+        return None
     try:
         largest = checks.max_token_id(prefix)
+        lengths = splits.read_lengths(prefix)
     except Exception as e:  # a corrupt index: megatron's reader asserts
         add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
-        return
+        return None
     if vocab is not None and largest is not None and largest >= vocab:
         add(
             where,
             f"{prefix}.bin holds token id {largest} but the tokenizer has {vocab} tokens; "
             "prepare the data with the recipe's tokenizer",
         )
+        return None
+    return splits.Source(where, prefix, weight, lengths)
 
 
 def _check_test(r: Recipe, add) -> None:

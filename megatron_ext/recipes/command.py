@@ -51,6 +51,20 @@ def path_for_ranks(loaded: LoadedRecipe, text: str | None) -> str | None:
         return text
 
 
+def data_path_flags(d: Any) -> list[tuple[str, list[str]]]:
+    """(flag, entries): ``--data-path`` split by data.split, or Megatron's per-split flags when
+    data.valid_paths or data.test_paths is set (data.paths is then the training blend)."""
+    if not (d.valid_paths or d.test_paths):
+        return [("--data-path", d.paths)]
+    flags = [("--train-data-path", d.paths), ("--valid-data-path", d.valid_paths)]
+    return [*flags, ("--test-data-path", d.test_paths)]
+
+
+def _blend_words(loaded: LoadedRecipe, entries: list[str]) -> list[str]:
+    words = [entry.split() for entry in entries]
+    return [w for ws in words for w in ws[:-1] + [path_for_ranks(loaded, ws[-1])] if ws]
+
+
 def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     """The flags every rank's ``python -m ENTRY`` receives for this recipe (one run; the
     ckpt-resume phases append :func:`save_args` / :func:`load_args`)."""
@@ -139,10 +153,12 @@ def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
     if d.type == "mock":
         _flag(args, "--mock-data", True)
     else:
-        words = [entry.split() for entry in d.paths]
-        data_path = [w for ws in words for w in ws[:-1] + [path_for_ranks(loaded, ws[-1])] if ws]
-        _flag(args, "--data-path", data_path)
-        _flag(args, "--split", d.split)
+        blends = {flag: _blend_words(loaded, paths) for flag, paths in data_path_flags(d)}
+        for flag, words in blends.items():
+            if words:  # an empty per-split flag would be an empty blend, not no blend
+                _flag(args, flag, words)
+        if "--data-path" in blends:  # a per-split blend has no split (megatron refuses both)
+            _flag(args, "--split", d.split)
         # Megatron caches its sample indices next to the data by default; a run keeps its own.
         if "--data-cache-path" not in r.extra_args:
             _flag(args, "--data-cache-path", "@RUN_DIR@/data_cache")
@@ -194,7 +210,13 @@ def long_run_args(loaded: LoadedRecipe, checkpoint_dir: str, load: bool) -> list
         r.test.ckpt_format,
         *stop_signals.megatron_args(),
     ]
-    return args + (["--load", checkpoint_dir] if load else [])
+    if load:
+        return args + ["--load", checkpoint_dir]
+    if r.checkpoint.load:  # the first start of a run from another checkpoint
+        from megatron_ext.checkpoint import start_from
+
+        return args + start_from.megatron_args(r)
+    return args
 
 
 def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
@@ -202,14 +224,26 @@ def load_args(loaded: LoadedRecipe, checkpoint_dir: str) -> list[str]:
     return ["--load", checkpoint_dir, "--ckpt-format", loaded.recipe.test.ckpt_format]
 
 
+FSDP_FLAGS = ("--use-megatron-fsdp", "--use-torch-fsdp2")
+"""Megatron's FSDP flags: both assert CUDA_DEVICE_MAX_CONNECTIONS is not 1."""
+
+
 def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
     """Variables every rank gets on top of the launcher's own (torchrun-style rank variables)."""
+    from megatron_ext.data import tokenizer_files
+
     env: dict[str, str] = {}
+    fsdp = any(loaded.recipe.extra_args.get(f) for f in FSDP_FLAGS)
     if loaded.recipe.launch.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU runtime, even where a GPU exists
         env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
-    else:
+    elif not fsdp:  # FSDP refuses 1 (megatron's validate_args), and wants it unset on GPU
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if fsdp and loaded.recipe.launch.device == "cpu":
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"  # not 1 (the CPU runtime's default); inert
+    tokenizer = loaded.recipe.data.tokenizer
+    model = path_for_ranks(loaded, tokenizer.model)
+    env.update(tokenizer_files.run_environment(tokenizer.type, model))
     env.update({k: env_value(v) for k, v in loaded.recipe.launch.env.items()})
     return env
 

@@ -243,7 +243,15 @@ class Data:
         "relative to the recipe, ${VAR} / ${VAR:-default} from the environment",
         default_factory=list,
     )
-    split: str = _doc("--split", default="949,50,1")
+    valid_paths: list[str] = _doc(
+        "indexed: --valid-data-path entries (as paths); with it or test_paths, paths is "
+        "--train-data-path and split is not used",
+        default_factory=list,
+    )
+    test_paths: list[str] = _doc(
+        "indexed: --test-data-path entries (as paths)", default_factory=list
+    )
+    split: str = _doc("--split (data.paths shared by train, valid and test)", default="949,50,1")
     tokenizer: Tokenizer = field(default_factory=Tokenizer, metadata={"doc": "the tokenizer"})
 
 
@@ -287,6 +295,19 @@ class Checkpoint:
         "keep the checkpoint of the last iteration (false: removed once the run finished)",
         default=True,
     )
+    load: str | None = _doc(
+        "start from this checkpoint: a run directory, its checkpoints/, or any Megatron "
+        "torch_dist checkpoint directory (megatron_ext.checkpoint.start_from)",
+        default=None,
+    )
+    finetune: bool = _doc(
+        "--finetune: load the weights only; iteration 0, fresh optimizer and scheduler",
+        default=False,
+    )
+    load_optim: bool = _doc(
+        "load the checkpoint's optimizer state (false: --no-load-optim, a fresh optimizer)",
+        default=True,
+    )
 
 
 @dataclass
@@ -307,7 +328,12 @@ class Slurm:
         default=120,
     )
     max_requeues: int = _doc(
-        "a job stopped by the warning signal requeues itself at most this often", default=3
+        "a job stopped by the warning signal requeues itself at most this often (also the bound on "
+        "Slurm's requeues after a lost node; 0: a lost node ends the job)",
+        default=3,
+    )
+    tp_within_node: bool = _doc(
+        "refuse a node layout in which a tensor-parallel group spans nodes", default=False
     )
 
 
@@ -406,6 +432,7 @@ class Recipe:
     def parallel_plan(self) -> ParallelPlan:
         """The recipe's parallel plan (a multi-module recipe's top-level sizes are not used)."""
         p = self.parallelism
+        etp = self.extra_args.get("--expert-tensor-parallel-size")  # megatron's default: tp
         return ParallelPlan(
             tp=p.tp,
             pp=p.pp,
@@ -415,6 +442,7 @@ class Recipe:
             sp=p.sp,
             dp_size=p.dp,
             world=self.launch.nproc,
+            etp=etp if isinstance(etp, int) and not isinstance(etp, bool) else None,
         )
 
     @property

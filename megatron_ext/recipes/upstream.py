@@ -54,6 +54,14 @@ REFUSED_KEYS = {
     "AFTER_SCRIPT": "shell that upstream's CI runs after the job; megatron-ext never runs a "
     "recipe's shell: remove the key",
 }
+# Keys upstream's CI reads that megatron-ext does not use (notes, not problems):
+# MODEL_ARGS_N is the configuration of run N of a multi-run test (tests/functional_tests/
+# shell_test_utils/run_ci_test.sh: run 2 of ckpt-resume uses MODEL_ARGS_2 when present).
+RUN_ARGS_KEY = re.compile(r"MODEL_ARGS_([2-5])")
+IGNORED_KEYS = {
+    "TEST_EVALUATION": "read by Megatron-LM's CI around the job; megatron-ext evaluates with "
+    "training.eval_interval and compares test.metrics: the key is not used",
+}
 SUPPORTED_MODES = ("pretraining",)
 REFUSED_MODES = {
     "inference": "upstream runs it with its inference scripts (examples/inference/), not a "
@@ -122,6 +130,7 @@ GPU_ONLY_FLAGS = (
     "--cuda-graph-",
     "--te-rng-tracker",
     "--moe-grouped-gemm",
+    "--moe-permute-fusion",  # Transformer Engine's fused permutation
     "--attention-backend",
     "--log-memory-to-tensorboard",
     "--data-cache-path",
@@ -562,7 +571,25 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
         del cpu["extra_args"][flag]
     if dropped:
         changes.append(f"extra_args: left out {', '.join(dropped)} (GPU only)")
+    if "--moe-grouped-gemm" in dropped:
+        changes += _without_moe_act_recompute(cpu.get("extra_args", {}))
     return cpu, changes
+
+
+def _without_moe_act_recompute(extra: dict) -> list[str]:
+    """The ``moe_act`` recompute module runs on grouped GEMM's experts (megatron's
+    TEGroupedMLP/GroupedMLP); with grouped GEMM left out it goes too."""
+    modules = extra.get("--recompute-modules")
+    listed = modules if isinstance(modules, list) else str(modules or "").split()
+    if "moe_act" not in listed:
+        return []
+    kept = [m for m in listed if m != "moe_act"]
+    if kept:
+        extra["--recompute-modules"] = kept
+    else:
+        extra.pop("--recompute-modules", None)
+        extra.pop("--recompute-granularity", None)
+    return ["extra_args: left out moe_act from --recompute-modules (it needs grouped GEMM)"]
 
 
 def _schema_default(path: str) -> Any:
@@ -648,6 +675,10 @@ def convert(
     for key in raw:
         if key in REFUSED_KEYS:
             conversion.problems.append(Problem(str(key), f"not supported: {REFUSED_KEYS[key]}"))
+        elif key in IGNORED_KEYS:
+            conversion.notes.setdefault("mapping", []).append(f"{key}: {IGNORED_KEYS[key]}")
+        elif isinstance(key, str) and RUN_ARGS_KEY.fullmatch(key):
+            _run_args_key(raw, key, conversion)
         elif key not in UPSTREAM_KEYS:
             from megatron_ext.recipes.schema import suggestion
 
@@ -706,10 +737,9 @@ def convert(
         )
 
     _drop_non_numbers(full, conversion)
-    ep = _get(full, "parallelism.ep", 1)
-    model_parallel = _get(full, "parallelism.tp", 1) * _get(full, "parallelism.cp", 1)
-    if ep > 1 and model_parallel % ep:  # EP spans tp * dp * cp ranks: add the replicas it needs
-        _set(full, "parallelism.dp", ep // math.gcd(model_parallel, ep))
+    expert_dp = _expert_dp(full)
+    if expert_dp > 1:  # both grids divide the world only with these replicas
+        _set(full, "parallelism.dp", expert_dp)
     cpu, changes = cpu_overlay(full)
     goldens = golden_files(case_dir)
     conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [
@@ -742,12 +772,47 @@ def convert(
         )
     if bad:
         return conversion
-    mapping.append(
-        f"world size {tp * pp * cp * dp} = tp * pp * cp * dp (dp {dp}: the smallest that "
-        "expert parallelism admits; upstream takes the GPU count from its job)"
-    )
+    world = f"world size {tp * pp * cp * dp} = tp * pp * cp * dp"
+    if _get(full, "parallelism.ep", 1) > 1:
+        world += (
+            f" (dp {dp}: the smallest whose world the expert grid etp * ep * pp divides; "
+            "upstream takes the GPU count from its job)"
+        )
+    mapping.append(world)
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
+
+
+def _run_args_key(raw: dict, key: str, conversion: Conversion) -> None:
+    """MODEL_ARGS_N: the same flags as MODEL_ARGS are a note; others a problem (megatron-ext
+    runs every phase of a test with one command line)."""
+    run = key.rsplit("_", 1)[1]
+    if raw.get(key) == raw.get("MODEL_ARGS"):
+        conversion.notes.setdefault("mapping", []).append(
+            f"{key}: Megatron-LM's CI runs run {run} with it; it equals MODEL_ARGS"
+        )
+        return
+    conversion.problems.append(
+        Problem(
+            key,
+            f"Megatron-LM's CI runs run {run} of the test with these flags instead of MODEL_ARGS; "
+            "megatron-ext runs every phase with MODEL_ARGS: not supported (make it equal "
+            "MODEL_ARGS or remove it)",
+        )
+    )
+
+
+def _expert_dp(full: dict) -> int:
+    """The data-parallel size the imported case needs: the smallest whose world the expert
+    grid divides (expert TP defaults to TP, as megatron's does), 1 without experts."""
+    from megatron_ext.parallel_plan import ParallelPlan
+
+    sizes = {k: _get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp", "ep")}
+    etp = _get(full, "extra_args.--expert-tensor-parallel-size", None)
+    if sizes["ep"] <= 1 or not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
+        return 1
+    etp = etp if isinstance(etp, int) and not isinstance(etp, bool) and etp >= 1 else None
+    return ParallelPlan(**sizes, etp=etp).smallest_expert_dp
 
 
 def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:

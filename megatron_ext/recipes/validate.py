@@ -230,6 +230,28 @@ def logging_problems(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+# Megatron's --optimizer choices beyond adam and sgd are built by the emerging-optimizers
+# package (megatron/core/optimizer/emerging_optimizers.py); without it every rank fails when
+# the optimizer is built, after the model.
+EMERGING_OPTIMIZERS_PACKAGE = "emerging_optimizers"
+
+
+def optimizer_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """An --optimizer that needs the emerging-optimizers package, which is not importable."""
+    extra_args = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
+    optimizer = extra_args.get("--optimizer")
+    if optimizer in (None, "adam", "sgd") or _module_importable(EMERGING_OPTIMIZERS_PACKAGE):
+        return []
+    return [
+        Problem(
+            "extra_args.--optimizer",
+            f"{optimizer} is built by the emerging-optimizers package, which is not importable "
+            "here (every rank would fail building the optimizer); pip install "
+            "emerging-optimizers, or use adam",
+        )
+    ]
+
+
 def golden_notes(loaded: LoadedRecipe) -> list[str]:
     golden = loaded.golden_path()
     if golden is None:
@@ -285,7 +307,10 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     if sizes:  # the plan checks would divide by them
         return Validation(problems=unsafe_values(loaded) + sizes)
     result = Validation(
-        problems=unsafe_values(loaded) + checks.plan_problems(loaded) + logging_problems(loaded)
+        problems=unsafe_values(loaded)
+        + checks.plan_problems(loaded)
+        + logging_problems(loaded)
+        + optimizer_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)
@@ -333,9 +358,11 @@ def _as_rank_zero_of(world_size: int, argv: list[str]) -> Iterator[None]:
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS")
     }
     saved_argv = sys.argv
-    os.environ.update(
-        WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1"
-    )
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+    if any(flag in argv for flag in command.FSDP_FLAGS):  # as the run's environment has it
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     sys.argv = ["megatron-ext-validate", *argv]
     try:
         yield

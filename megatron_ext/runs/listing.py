@@ -171,12 +171,26 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds)) if seconds else "?"
 
 
+def shown_status(status: str, summary: dict) -> str:
+    """A run that finished without comparing anything did not pass anything."""
+    if status == "passed" and not summary.get("reports"):
+        return "finished, not compared"
+    return status
+
+
+def shown_recipe(r: RunInfo) -> str:
+    """The recipe's name and the overrides that change the model (mHC on/off, sizes)."""
+    model = [o for o in r.overrides if o.startswith("model.")]
+    return Path(r.recipe).stem + (f" [{' '.join(model)}]" if model else "")
+
+
 def table(runs: list[RunInfo]) -> list[str]:
     rows = [("NAME", "RECIPE", "STATUS", "STEPS", "LAST LOSS", "WHEN")]
     for r in runs:
         steps = f"{r.steps if r.steps is not None else '-'}/{r.iterations or '?'}"
         loss = f"{r.last_loss:.6f}" if r.last_loss is not None else "-"
-        rows.append((r.name, Path(r.recipe).stem, r.status, steps, loss, _when(r.when)))
+        status = shown_status(r.status, r.summary)
+        rows.append((r.name, shown_recipe(r), status, steps, loss, _when(r.when)))
     rows = [tuple(printable(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
@@ -201,11 +215,14 @@ def details(run_dir: Path) -> list[str]:
         f"run        {r.path}",
         f"recipe     {r.recipe} (platform {r.platform or '?'})"
         + (f", overrides: {' '.join(r.overrides)}" if r.overrides else ""),
-        f"status     {r.status}",
+        f"status     {shown_status(r.status, r.summary)}",
         f"steps      {r.steps if r.steps is not None else '-'} of {r.iterations or '?'}",
         f"last loss  {r.last_loss:.6f}" if r.last_loss is not None else "last loss  -",
         f"when       {_when(r.when)}",
     ]
+    from megatron_ext.checkpoint import layout
+
+    lines += layout.shown(_json(r.path / rsm.RUN_FILE))
     segments = rsm.segments(r.path)
     if len(segments) > 1:
         metrics_by_segment = []

@@ -88,6 +88,14 @@ VALIDATION_METRIC = "lm loss validation"
 """Megatron's TensorBoard tag of the validation loss (``{key} validation``)."""
 
 
+def with_validation(names: list[str], metrics: Metrics) -> list[str]:
+    """metrics.json's names: the recipe's, plus the validation loss when the run evaluated
+    (a run's validation curve is what a reader of its metrics looks for first)."""
+    if metrics.get(VALIDATION_METRIC) and VALIDATION_METRIC not in names:
+        return [*names, VALIDATION_METRIC]
+    return names
+
+
 def parse_lines(lines: Iterable[str]) -> Metrics:
     metrics: Metrics = {}
     for line in lines:

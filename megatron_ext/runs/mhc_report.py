@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ext.runs.plot import write_png_plot
-
 # megatron_ext.mhc.stats.GAIN_NAMES + MTP_GAIN_NAMES (the MTP path's: Hybrid MTP runs only)
 GAIN_NAMES = (
     "mhc/forward_gain",
@@ -36,12 +34,87 @@ def recorded_names(recipe, names: list[str]) -> list[str]:
     return names + [name for name in GAIN_NAMES if name not in names]
 
 
-def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
-    """The gains per logged step in ``mhc.png`` (None when the run logged none)."""
-    series = {name: run_metrics[name] for name in GAIN_NAMES if run_metrics.get(name)}
-    if not series:
+RANGE_PANELS = (("h_pre", "H_pre range"), ("h_post", "H_post range"))
+DISTANCES = (
+    ("h_res_identity_dist", "from the identity (no mixing)"),
+    ("h_res_uniform_dist", "from uniform mixing (J/n)"),
+)
+GAIN_AXIS = (0.0, 2.0)
+"""The gains' fixed axis: a projected H_res keeps them at 1 up to float rounding (1 ± 1e-7),
+which an autoscaled axis would draw as spikes; growth past 2 widens it."""
+
+
+def _per_step(run_metrics: dict, suffix: str, pick) -> dict[int, float]:
+    """``pick`` (min or max) over the sub-layers of ``mhc/.../<suffix>``, per logged step."""
+    series = [s for name, s in run_metrics.items() if name.endswith(f"/{suffix}") and s]
+    steps = sorted({step for s in series for step in s})
+    return {step: pick(s[step] for s in series if step in s) for step in steps}
+
+
+def _draw_panels(axes, run_metrics: dict) -> None:
+    for ax, (key, title) in zip(axes[:2], RANGE_PANELS, strict=True):
+        low, high = (
+            _per_step(run_metrics, f"{key}_min", min),
+            _per_step(run_metrics, f"{key}_max", max),
+        )
+        steps = sorted(set(low) & set(high))
+        ax.fill_between(steps, [low[s] for s in steps], [high[s] for s in steps], alpha=0.3)
+        ax.plot(steps, [low[s] for s in steps], marker="o", markersize=3, label="min")
+        ax.plot(steps, [high[s] for s in steps], marker="o", markersize=3, label="max")
+        ax.set_title(f"{title} (over the sub-layers)", fontsize=9)
+    for key, label in DISTANCES:
+        worst = _per_step(run_metrics, key, max)
+        axes[2].plot(
+            sorted(worst), [worst[s] for s in sorted(worst)], marker="o", markersize=3, label=label
+        )
+    axes[2].set_title("H_res: largest Frobenius distance", fontsize=9)
+    highest = GAIN_AXIS[1]
+    for name in GAIN_NAMES:
+        series = run_metrics.get(name)
+        if series:
+            axes[3].plot(
+                sorted(series),
+                [series[s] for s in sorted(series)],
+                marker="o",
+                markersize=3,
+                label=name,
+            )
+            highest = max(highest, 1.1 * max(series.values()))
+    axes[3].set_ylim(GAIN_AXIS[0], highest)
+    axes[3].set_title("composite gains (fixed axis)", fontsize=9)
+    for ax in axes:
+        if ax.has_data():
+            ax.legend(fontsize=7)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.grid(True, alpha=0.3)
+
+
+def figure(run_metrics: dict, title: str):
+    """mhc.png's figure: H_pre and H_post ranges, H_res's distances from the identity and from
+    uniform mixing, and the gains on :data:`GAIN_AXIS` (None when the run logged no gain)."""
+    if not any(run_metrics.get(name) for name in GAIN_NAMES):
         return None
-    return write_png_plot(run_dir / PLOT_NAME, series, title=f"{title}: mHC composite gains")
+    from megatron_ext.runs.plot import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+    _draw_panels(list(axes.flat), run_metrics)
+    fig.suptitle(f"{title}: mHC", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
+    """:func:`figure` in ``mhc.png`` (None when the run logged no gain)."""
+    fig = figure(run_metrics, title)
+    if fig is None:
+        return None
+    from megatron_ext.runs.plot import _pyplot
+
+    path = Path(run_dir) / PLOT_NAME
+    fig.savefig(path, dpi=90)
+    _pyplot().close(fig)
+    return path
 
 
 def summary_lines(run_metrics: dict) -> list[str]:
@@ -57,4 +130,12 @@ def summary_lines(run_metrics: dict) -> list[str]:
     return lines
 
 
-__all__ = ["GAIN_NAMES", "PLOT_NAME", "logs_stats", "recorded_names", "summary_lines", "write_plot"]
+__all__ = [
+    "GAIN_NAMES",
+    "PLOT_NAME",
+    "figure",
+    "logs_stats",
+    "recorded_names",
+    "summary_lines",
+    "write_plot",
+]

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext import files
+from megatron_ext.checkpoint import preload
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
 from megatron_ext.recipes import command, golden_paths, safety
@@ -425,16 +426,23 @@ def run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trace: bool = False,
+    trust_pickle: bool = False,
 ) -> Outcome:
     """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
-    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble)."""
+    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble).
+    ``trust_pickle``: skip the check of the checkpoints the run loads (``--trust-pickle``)."""
     started = time.monotonic()
     recipe = loaded.recipe
     echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
     echo(f"  {command.describe(loaded)}")
     for note in loaded.notes:
         echo(f"  note: {note}")
-    why = preflight(loaded, echo, megatron_checks)
+    # first: nothing else (megatron's argument checks included) may read a hostile checkpoint
+    why = preload.pickle_problem(recipe, trust_pickle=trust_pickle)
+    if why is None:
+        why = preload.start_problem(recipe, echo)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is None and recipe.launch.device == "gpu":
         import torch
 
@@ -708,25 +716,34 @@ def resume_run(
     force_compare: bool = False,
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
+    trust_pickle: bool = False,
+    overrides: list[str] = (),
     allow_env: tuple[str, ...] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
-    overrides applied) from its latest complete checkpoint, in a new segment of the run. Holds
-    the run directory's lock (as ``run`` does) before it reads or changes anything there.
-    ``allow_env``: the code-loading launch.env keys allowed again with ``--allow-env`` (a run
-    directory never allows them by itself)."""
+    overrides applied) from its latest complete checkpoint, in a new segment of the run.
+    ``overrides``: parallelism.* and training.iterations only (another layout, a longer run:
+    :mod:`megatron_ext.checkpoint.layout`). Holds the run directory's lock (as ``run`` does)
+    before it reads or changes anything there. ``allow_env``: the code-loading launch.env keys
+    allowed again with ``--allow-env`` (a run directory never allows them by itself)."""
+    from megatron_ext.launch.local import stop_signals_interrupt
     from megatron_ext.runs import lock as run_lock
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():  # the lock would create it
         echo(f"cannot resume: {run_dir}: not a directory")
         return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
-    from megatron_ext.launch.local import stop_signals_interrupt
-
     try:
         with run_lock.holding(run_dir), stop_signals_interrupt():
             return _resume_in(
-                run_dir, compare_golden, force_compare, megatron_checks, echo, allow_env
+                run_dir,
+                compare_golden,
+                force_compare,
+                megatron_checks,
+                echo,
+                trust_pickle,
+                list(overrides),
+                allow_env,
             )
     except run_lock.RunDirectoryBusy as exc:
         echo(f"cannot resume: {exc}")
@@ -739,15 +756,20 @@ def _resume_in(
     force_compare: bool,
     megatron_checks: bool,
     echo: Echo,
+    trust_pickle: bool,
+    overrides: list[str],
     allow_env: tuple[str, ...],
 ) -> Outcome:
     """:func:`resume_run` once the run directory is held."""
+    from megatron_ext.checkpoint import layout
     from megatron_ext.launch import env_policy
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
     try:
+        if why := layout.override_problem(overrides):
+            raise rsm.ResumeError(why)
         record = rsm.read_run_record(run_dir)
         if not record.get("resumable"):
             raise rsm.ResumeError(
@@ -755,17 +777,24 @@ def _resume_in(
                 "multi-module entry); start it again with megatron-ext run"
             )
         status = _summary_status(run_dir)
-        if status in ("passed", "mismatch"):
-            raise rsm.ResumeError(f"{run_dir}: the run already finished (status {status})")
-        resolved = load(run_dir / "recipe.yaml", "cpu", [])
+        finished = status in ("passed", "mismatch")
+        resolved = (
+            None if finished and not overrides else load(run_dir / "recipe.yaml", "cpu", overrides)
+        )
+        if finished and not (resolved and layout.finished_run_continues(run_dir, resolved.recipe)):
+            raise rsm.ResumeError(
+                f"{run_dir}: the run already finished (status {status}); to train it further, "
+                "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
+            )
+        before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
         env = resolved.recipe.launch.env
         try:  # secrets were never written there: the caller's environment has them
             resolved.recipe.launch.env = env_policy.restore_secrets(env, os.environ)
         except ValueError as exc:
             raise rsm.ResumeError(str(exc)) from None
         ckpt = rsm.checkpoint_dir(run_dir)
-        # Issue 34 item 1: the scan of every pickled file of the checkpoint a resume loads
-        # (ckpt / iter_<latest>) belongs here, before anything is removed or any rank starts.
+        # nothing is changed before this: a tracker that is not an iteration of this run, or
+        # an iter_ entry that cannot be its save, is refused (issue 34, item 2)
         latest, cut = rsm.resume_point(ckpt, resolved.recipe.training.iterations)
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
@@ -774,13 +803,16 @@ def _resume_in(
         resolved.recipe,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
-        list(record.get("overrides", [])),
+        list(record.get("overrides", [])) + overrides,
         allowed_env=tuple(allow_env),
     )
     segment = rsm.next_segment(run_dir)
     echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
     echo(f"  {command.describe(loaded)}")
-    why = preflight(loaded, echo, megatron_checks)
+    # every pickle of the checkpoint a rank will load, checked before anything is removed
+    why = preload.pickle_problem(loaded.recipe, ckpt if latest is not None else None, trust_pickle)
+    if why is None:
+        why = preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
@@ -797,6 +829,9 @@ def _resume_in(
         if latest is not None
         else "  no complete checkpoint: training starts over"
     )
+    run_phases = phases(loaded, run_dir, segment, load=latest is not None)
+    if before is not None:
+        run_phases[0].args.extend(layout.apply(run_dir, before, loaded, latest, echo))
     results: list[dict] = []
     try:
         return _run_phases(
@@ -808,7 +843,7 @@ def _resume_in(
             force_compare,
             False,
             echo,
-            run_phases=phases(loaded, run_dir, segment, load=latest is not None),
+            run_phases=run_phases,
         )
     except KeyboardInterrupt as exc:
         _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
@@ -853,9 +888,8 @@ def finalize(
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
     )
-    met.write_golden(
-        run_dir / "metrics.json", run_metrics, mhc_report.recorded_names(recipe, names)
-    )
+    recorded = met.with_validation(mhc_report.recorded_names(recipe, names), run_metrics)
+    met.write_golden(run_dir / "metrics.json", run_metrics, recorded)
     resumed, resume_step = None, None
 
     if recipe.test.type == "ckpt-resume":

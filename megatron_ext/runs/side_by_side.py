@@ -42,18 +42,37 @@ def read(run_dir: Path) -> RunCurves:
     return RunCurves(run_dir.name, joined.metrics, joined.resumed_at)
 
 
-def common_metrics(a: RunCurves, b: RunCurves) -> list[str]:
-    """The metrics both logged; CompareError when the runs logged different ones."""
-    only_a, only_b = (
-        sorted(set(a.metrics) - set(b.metrics)),
-        sorted(set(b.metrics) - set(a.metrics)),
+@dataclass
+class MetricSets:
+    """What two runs logged: the metrics both have (losses first) and those only one has."""
+
+    common: list[str]
+    only_a: list[str]
+    only_b: list[str]
+
+
+def metric_sets(a: RunCurves, b: RunCurves) -> MetricSets:
+    """Split the runs' metrics; CompareError when they share none (nothing to compare). An mHC
+    run logs its statistics and a plain one does not: they are compared on what both have."""
+    common = sorted(set(a.metrics) & set(b.metrics), key=lambda m: (not m.endswith("loss"), m))
+    sets = MetricSets(
+        common, sorted(set(a.metrics) - set(b.metrics)), sorted(set(b.metrics) - set(a.metrics))
     )
-    if only_a or only_b:
+    if not common:
         raise CompareError(
-            f"the runs logged different metrics: only {a.label}: {only_a or 'none'}; only "
-            f"{b.label}: {only_b or 'none'} (compare runs of the same kind)"
+            f"the runs share no metric: {a.label} logged {sorted(a.metrics)}, {b.label} "
+            f"{sorted(b.metrics)} (compare runs of the same kind)"
         )
-    return sorted(a.metrics, key=lambda m: (not m.endswith("loss"), m))
+    return sets
+
+
+def only_in_one_run(a: RunCurves, b: RunCurves, sets: MetricSets) -> list[str]:
+    """Lines naming the metrics present in one run only (none when the sets are equal)."""
+    return [
+        f"present in {curves.label} only (not compared): {', '.join(only)}"
+        for curves, only in ((a, sets.only_a), (b, sets.only_b))
+        if only
+    ]
 
 
 @dataclass

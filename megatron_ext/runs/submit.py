@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.launch import shell, slurm
+from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes import command
@@ -49,9 +49,12 @@ def build_job(
     cfg = recipe.launch.slurm
     nodes = options.nodes or recipe.launch.nodes
     world = recipe.world_size
-    problems = []
+    gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
+    tasks = gpus if recipe.launch.device == "gpu" else None
+    problems = node_layout.layout_problems(
+        world, nodes, tasks, node_layout.layout(recipe, 1, world).grids, cfg.tp_within_node
+    )
     if nodes < 1 or world % nodes:
-        problems.append(f"{world} ranks do not split evenly over {nodes} node(s)")
         return None, problems
     per_node = world // nodes
     time_limit = options.time or cfg.time
@@ -59,12 +62,6 @@ def build_job(
         where = "--time" if options.time else "launch.slurm.time"
         problems.append(f"{where}: {problem}")
         return None, problems
-    gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
-    if recipe.launch.device == "gpu" and gpus is not None and gpus != per_node:
-        problems.append(
-            f"one task per GPU: {world} ranks over {nodes} node(s) need {per_node} "
-            f"GPUs per node, not {gpus} (change --nodes or the recipe's parallelism)"
-        )
     image = options.container_image or cfg.container_image
     problems += _shared_run_dir_problems(run_dir, nodes)
     problems += [str(p) for p in slurm.path_directive_problems(run_dir, Path.cwd())]
@@ -232,6 +229,9 @@ def submit(
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
     if dry_run:
+        layout = node_layout.layout(loaded.recipe, job.nodes, job.tasks_per_node)
+        for line in layout.lines():
+            echo(line)
         print(script, end="")
         return Outcome(0, None)
     runner.write_run_files(loaded, run_dir, launcher="Slurm")
@@ -318,6 +318,8 @@ def submit(
     elif not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
         _echo_first_failure(job, echo)
+    for lost in node_layout.lost_nodes(run_dir / f"slurm-{job_id}.out"):
+        echo(f"  {lost}" + (" (the job was requeued)" if result.ok else ""))
     if not result.ok:
         runner._write_summary(
             loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started

@@ -166,6 +166,9 @@ def _cpu_figures(inputs):
         name = f"mhc/layer{connection.layer_number:02d}.{connection.stats_sublayer}"
         figures[f"{name}/h_res_row_err"] = (h_res.sum(-1) - 1).abs().max().item()
         figures[f"{name}/h_res_col_err"] = (h_res.sum(-2) - 1).abs().max().item()
+        eye = torch.eye(N, dtype=h_res.dtype)
+        figures[f"{name}/h_res_identity_dist"] = max(((m - eye) ** 2).sum().sqrt() for m in h_res)
+        figures[f"{name}/h_res_uniform_dist"] = max(((m - 1 / N) ** 2).sum().sqrt() for m in h_res)
         figures[f"{name}/h_pre_min"], figures[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         figures[f"{name}/h_post_min"], figures[f"{name}/h_post_max"] = h_post.min(), h_post.max()
         operators.append(h_res.transpose(-1, -2))  # a sub-layer maps the streams by H_resᵀ

@@ -36,7 +36,12 @@ def test_every_problem_at_once():
             "4 ranks, but tp(1) * pp(1) * cp(1) * dp(2) = 2; leave nproc null or change dp",
         ),
         ("sp", "sequence parallelism needs tp > 1 (megatron silently turns it off at tp=1)"),
-        ("ep", "ep=3 must divide tp * dp * cp = 2"),
+        (
+            "ep",
+            "world size 4 is not divisible by the expert grid etp=tp(1) * ep(3) * pp(1) = 3 "
+            "(megatron's expert tensor parallelism defaults to tp); set parallelism.dp to a "
+            "multiple of 3 (world size 3), or change ep",
+        ),
     ]
     assert [p.where for p in ParallelPlan(tp=0, vpp=0, dp_size=-1).problems()] == [
         "tp",

@@ -268,3 +268,24 @@ def test_gpt2_bpe_offline_names_the_alternative(sample, tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "HuggingFace hub" in err[0] and "offline: HuggingFaceTokenizer" in err[0]
+
+
+def test_workers_default_to_one(tmp_path, capsys):
+    """Without --workers prepare-data tokenizes in this process, as --help says (issue 33)."""
+    from megatron_ext.cli import build_parser
+
+    (tmp_path / "ids.jsonl").write_text('{"text": "1 2 3"}\n')
+    rc = _prepare(
+        "--input",
+        tmp_path / "ids.jsonl",
+        "--output-prefix",
+        tmp_path / "ids",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        16,
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "ids_text_document.idx").exists()
+    help_text = build_parser()._subparsers._group_actions[0].choices["prepare-data"].format_help()
+    assert "default 1" in " ".join(help_text.split())

@@ -74,6 +74,12 @@ def _direct(inputs):
         name = f"mhc/layer{connection.layer_number:02d}.{connection.stats_sublayer}"
         figures[f"{name}/h_res_row_err"] = np.abs(h_res.sum(axis=2) - 1).max()
         figures[f"{name}/h_res_col_err"] = np.abs(h_res.sum(axis=1) - 1).max()
+        figures[f"{name}/h_res_identity_dist"] = max(
+            np.sqrt(((m - np.eye(N)) ** 2).sum()) for m in h_res
+        )
+        figures[f"{name}/h_res_uniform_dist"] = max(
+            np.sqrt(((m - 1 / N) ** 2).sum()) for m in h_res
+        )
         figures[f"{name}/h_pre_min"], figures[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         figures[f"{name}/h_post_min"], figures[f"{name}/h_post_max"] = h_post.min(), h_post.max()
         operator = np.transpose(h_res, (0, 2, 1))  # x -> H_resᵀ x
@@ -298,6 +304,12 @@ def test_hybrid_mtp_stats_match_a_direct_computation(monkeypatch, method):
         name = f"mhc/{scope}layer{connection.layer_number:02d}.{connection.stats_sublayer}"
         expected[f"{name}/h_res_row_err"] = np.abs(h_res.sum(axis=2) - 1).max()
         expected[f"{name}/h_res_col_err"] = np.abs(h_res.sum(axis=1) - 1).max()
+        expected[f"{name}/h_res_identity_dist"] = max(
+            np.sqrt(((m - np.eye(N)) ** 2).sum()) for m in h_res
+        )
+        expected[f"{name}/h_res_uniform_dist"] = max(
+            np.sqrt(((m - 1 / N) ** 2).sum()) for m in h_res
+        )
         expected[f"{name}/h_pre_min"], expected[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         expected[f"{name}/h_post_min"] = h_post.min()
         expected[f"{name}/h_post_max"] = h_post.max()

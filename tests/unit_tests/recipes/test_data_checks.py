@@ -17,6 +17,7 @@ training: {{iterations: 2, micro_batch_size: 2, global_batch_size: 4}}
 data:
   type: indexed
   paths: {paths}
+  split: "1,0,0"  # two documents: no valid or test split (Megatron would loop on an empty one)
   tokenizer: {tokenizer}
 """
 
@@ -56,13 +57,20 @@ def test_paths_are_relative_to_the_recipe_and_fill_placeholders(ids_dataset, mon
     monkeypatch.setenv("IDS_ROOT", str(ids_dataset / "data"))
     paths = (
         '["0.5 ../data/ids_text_document", "0.5 ${IDS_ROOT}/ids_text_document", '
-        '"${NOT_SET_ANYWHERE:-../data}/ids_text_document"]'
+        '"1 ${NOT_SET_ANYWHERE:-../data}/ids_text_document"]'
     )
     assert _problems(ids_dataset, paths) == []
     args = megatron_args(load(ids_dataset / "recipes" / "r.yaml"))
     data_path = args[args.index("--data-path") + 1 : args.index("--split")]
     expected = str(ids_dataset / "recipes" / ".." / "data" / "ids_text_document")
-    assert data_path == ["0.5", expected, "0.5", f"{ids_dataset}/data/ids_text_document", expected]
+    assert data_path == [
+        "0.5",
+        expected,
+        "0.5",
+        f"{ids_dataset}/data/ids_text_document",
+        "1",
+        expected,
+    ]
 
 
 @pytest.mark.parametrize(

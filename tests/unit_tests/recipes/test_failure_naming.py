@@ -52,3 +52,21 @@ def test_the_launcher_names_the_rank_that_reported_first(tmp_path):
     result = local.LaunchResult(returncode=1, failed_rank=0, seconds=1.0, rank_codes={0: 1, 1: 1})
     assert local.failing_rank(job, result) == 1
     assert local.failure_summary(job, result).startswith("rank 1 failed at start-up")
+
+
+def test_a_rank_that_failed_before_the_marker_is_named_by_its_last_log_line(tmp_path):
+    """Megatron's argument check fails before megatron-ext's failure marker exists: the rank's
+    last log line is the error, and the summary says so (issue 33, item 7)."""
+    job = local.LocalJob(module="m", args=[], nproc=2, log_dir=tmp_path)
+    (tmp_path / "rank-0.log").write_text("building...\n")
+    (tmp_path / "rank-1.log").write_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "AssertionError: FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset.\n\n"
+    )
+    result = local.LaunchResult(returncode=1, failed_rank=1, seconds=1.0, rank_codes={0: 1, 1: 1})
+    summary = local.failure_summary(job, result)
+    assert summary.endswith(
+        "(its log ends: AssertionError: FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset.)"
+    ), summary
+    (tmp_path / "rank-1.log").write_text("iteration 3 done\n")
+    assert local.failure_summary(job, result).endswith("(no error reported in its log)")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.recipes import load
 from megatron_ext.runs import lock as run_lock, resume as rsm, runner
@@ -39,7 +40,7 @@ def _stopped_run(tmp_path: Path, saved=(1, 2, 3, 4), tracker: str | None = "3") 
     ckpt = rsm.checkpoint_dir(run_dir)
     for iteration in saved:
         rsm.iteration_dir(ckpt, iteration).mkdir(parents=True)
-        (rsm.iteration_dir(ckpt, iteration) / "common.pt").write_bytes(b"weights")
+        torch.save({"weights": torch.ones(2)}, rsm.iteration_dir(ckpt, iteration) / "common.pt")
     if tracker is not None:
         (ckpt / rsm.TRACKER).write_text(tracker)
     return run_dir

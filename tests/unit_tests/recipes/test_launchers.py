@@ -414,12 +414,16 @@ def test_gpu_sbatch_script_has_one_task_per_gpu_and_the_container(tmp_path):
 def test_slurm_layout_problems(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_tp2_pp2.yaml", "gpu-cluster")
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=3))
-    assert problems == ["8 ranks do not split evenly over 3 node(s)"]
+    assert problems == [
+        "--nodes / launch.nodes: 8 ranks do not split evenly over 3 node(s); give a --nodes "
+        "that divides 8"
+    ]
     _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=2, gpus_per_node=8))
     assert problems[1:] == [
         f"run directory {tmp_path} is node-local" + problems[1].split("local", 1)[1]
     ]
     assert problems[:1] == [
-        "one task per GPU: 8 ranks over 2 node(s) need 4 GPUs per node, not 8 "
-        "(change --nodes or the recipe's parallelism)"
+        "--nodes / launch.nodes: 2 node(s) x 8 task(s) per node = 16 tasks, but the recipe has "
+        "8 ranks; change --nodes or the tasks per node (--gpus-per-node / "
+        "launch.slurm.gpus_per_node)"
     ]

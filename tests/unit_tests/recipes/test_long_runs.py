@@ -147,7 +147,10 @@ def test_resumed_segments_join_from_their_first_step(tmp_path):
 def test_runs_lists_and_compare_plots_two_runs(tmp_path, capsys):
     a = _run_dir(tmp_path / "a", {1: 4.0, 2: 3.5, 3: 3.0})
     _run_dir(tmp_path / "b", {1: 4.0, 2: 3.0}, {3: 2.0})
-    (a / "summary.json").write_text(json.dumps({"status": "passed", "phases": [], "reports": []}))
+    compared = [{"title": "golden values", "passed": True}]
+    (a / "summary.json").write_text(
+        json.dumps({"status": "passed", "phases": [], "reports": compared})
+    )
     assert cli_main(["runs", "--runs-root", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["NAME", "RECIPE", "STATUS", "STEPS", "LAST", "LOSS", "WHEN"]
@@ -174,14 +177,15 @@ def test_compare_and_runs_refuse_bad_input_in_one_line(tmp_path, capsys):
         " iteration 1/10 | lm loss: 4.0E+00 | grad norm: 1.0 |\n"
     )
     assert cli_main(["compare", str(a), str(tmp_path)]) == 2
-    assert cli_main(["compare", str(a), str(other), "--plot", str(tmp_path / "x.png")]) == 2
+    assert cli_main(["compare", str(a), str(other), "--metrics", "grad norm"]) == 2
     assert cli_main(["runs", "show", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == (
         f"megatron-ext compare: golden values {tmp_path} is a directory, not a JSON file"
     )
-    assert err[1].startswith(
-        "megatron-ext compare: the runs logged different metrics: only a: none;"
+    assert err[1] == (
+        "megatron-ext compare: --metrics ['grad norm']: not logged by both runs (both log "
+        "['lm loss'])"
     )
     assert "no such run directory" in err[2] and len(err) == 3
 
@@ -239,3 +243,24 @@ def test_submit_refuses_node_local_run_dirs_and_images_without_megatron_ext(tmp_
 @pytest.mark.parametrize("seconds,text", [(7.4, "7s"), (185, "3m05s"), (7620, "2h07m")])
 def test_eta_format(seconds, text):
     assert runner.format_eta(seconds) == text
+
+
+def test_compare_runs_with_different_metric_sets_compares_the_common_ones(tmp_path, capsys):
+    """An mHC run logs its statistics, a plain run does not (issue 33, item 8; here the extra
+    metric is a grad norm in the log lines): the metrics both logged are compared, the others
+    listed; --metrics selects among the common ones."""
+    plain = _run_dir(tmp_path / "plain", {1: 4.0, 2: 3.0})
+    mhc = _run_dir(tmp_path / "mhc", {1: 4.0, 2: 3.5})
+    (mhc / "logs" / "rank-1.log").write_text(
+        "".join(
+            f" iteration {s}/10 | lm loss: {v:.6E} | grad norm: 0.25 |\n"
+            for s, v in ((1, 4.0), (2, 3.5))
+        )
+    )
+    assert cli_main(["compare", str(mhc), str(plain)]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("lm loss"))
+    assert row[2:4] == ["2", "0.5"], row
+    assert "present in mhc only (not compared): grad-norm" in out
+    assert cli_main(["compare", str(mhc), str(plain), "--metrics", "lm loss"]) == 0
+    assert "lm loss" in capsys.readouterr().out

@@ -1,0 +1,377 @@
+"""`megatron-ext submit --slurm` over two real Slurm nodes, brought up on this machine.
+
+scripts/slurm_cluster.sh starts slurmctld and one slurmd per node, each node in its own UTS and
+mount namespace (hostname node1/node2, its own loopback address 127.0.X.K and slurmd port,
+2 CPUs), so a 4-rank recipe must span both nodes. The default test submits the mHC TP2xPP2+SP
+recipe as one job of 2 nodes x 2 ranks (ckpt-resume: two srun steps) and checks the golden
+values, the resumed run against the uninterrupted one, and where each rank ran, from the
+ranks' own placement lines (hostname, node, rank, TP/PP coordinates). The cluster script is
+checked too: it refuses a second start on a running directory, and stop leaves no daemon, no
+process in the nodes' namespaces and no bind mount behind.
+
+The soak tier (``make test-multinode``: MEGATRON_EXT_SOAK=1, minutes each) adds the faults:
+a node lost mid-run (its slurmd and ranks SIGKILLed) with and without requeue, the stop
+signal to a two-node job (one save, one requeue, the uninterrupted losses), and the
+multi-module recipe with the encoder on one node and the language model on the other.
+
+Run directories are under build/ (not /tmp): a multi-node job refuses a node-local one.
+These tests do not skip: without root or the packages they fail (the path is not exercised).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.launch.nodes import parse_placements
+from megatron_ext.testing import timing
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "scripts" / "slurm_cluster.sh"
+TP2_PP2_SP = "recipes/gpt_mhc_tp2_pp2_sp.yaml"
+GOLDEN = REPO_ROOT / "recipes/golden/gpt_mhc_tp2_pp2_sp/golden_values_cpu.json"
+soak = pytest.mark.skipif(
+    not timing.soak(), reason="soak tier (make test-multinode): a two-node fault, minutes"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _cluster(command: str, state: Path, env: dict, *extra: str, idle_s: float = 120):
+    return subprocess.run(
+        ["bash", str(SCRIPT), command, *extra, "--dir", str(state)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(idle_s),
+    )
+
+
+def _namespace_members(namespaces: set[str]) -> list[int]:
+    members = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if os.readlink(proc / "ns" / "uts") in namespaces:
+                    members.append(int(proc.name))
+            except OSError:
+                continue
+    return members
+
+
+def _mounts_of(path: Path) -> list[str]:
+    """mountinfo lines of any process that mount ``path`` (the nodes' /etc/hosts)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                text = (proc / "mountinfo").read_text()
+            except OSError:
+                continue
+            found += [f"{proc.name}: {line}" for line in text.splitlines() if str(path) in line]
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A two-node Slurm for this module; stopped afterwards, and checked to leave nothing."""
+    assert os.geteuid() == 0, "this test installs Slurm and runs its daemons: run it as root"
+    state = tmp_path_factory.mktemp("slurm2")
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "CUDA_VISIBLE_DEVICES": "",
+        **timing.watchdog_env(),
+    }
+    start = _cluster("start", state, env, "--nodes", "2", idle_s=900)
+    pids, namespaces = [], set()
+    try:
+        assert start.returncode == 0, f"Slurm did not come up:\n{start.stdout}\n{start.stderr}"
+        pids = [int(p) for p in (state / "daemons.pid").read_text().split()]
+        pids.append(int((state / "munged.pid").read_text()))
+        namespaces = {(state / f"node-node{k}.ns").read_text().strip() for k in (1, 2)}
+        assert all(_alive(p) for p in pids) and len(namespaces) == 2, start.stdout
+        yield {"env": env, "state": state}
+    finally:
+        stop = _cluster("stop", state, env)
+        assert stop.returncode == 0, stop.stderr
+        assert not [p for p in pids if _alive(p)], f"daemons still running: {stop.stdout}"
+        assert not _namespace_members(namespaces), "processes left in the nodes' namespaces"
+        assert not _mounts_of(state / "hosts"), "the nodes' /etc/hosts mount is left"
+
+
+@pytest.fixture
+def run_dir(request):
+    """A run directory on the shared (not node-local) file system, removed afterwards."""
+    path = REPO_ROOT / "build" / "slurm-multinode" / f"{request.node.name}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _submit_command(recipe: str, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "megatron_ext.cli",
+        "submit",
+        recipe,
+        *extra,
+        "--slurm",
+        "--platform",
+        "cpu",
+        "--nodes",
+        "2",
+        "--time",  # minutes: 15 idle, scaled to the load now
+        str(math.ceil(timing.bound(15 * 60) / 60)),
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
+def _placements(log_dir: Path) -> dict[int, dict[str, str]]:
+    found = {}
+    for log in log_dir.glob("rank-*.log"):
+        for place in parse_placements(log.read_text(errors="replace")):
+            found[int(place["rank"])] = place
+    return found
+
+
+def test_the_cluster_script_refuses_a_second_start_on_its_directory(cluster):
+    again = _cluster("start", cluster["state"], cluster["env"], "--nodes", "2")
+    assert again.returncode != 0
+    assert "already running in" in again.stderr and "stop --dir" in again.stderr, again.stderr
+    nodes = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %c %T"], env=cluster["env"], capture_output=True, text=True
+    )
+    assert nodes.stdout.split("\n")[:2] == ["node1 2 idle", "node2 2 idle"], nodes.stdout
+
+
+def test_tp2_pp2_sp_over_two_nodes_matches_golden_and_resumes(cluster, run_dir):
+    started = time.monotonic()
+    result = subprocess.run(
+        _submit_command(TP2_PP2_SP, run_dir),
+        cwd=REPO_ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(1200),
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"submit exited {result.returncode}:\n{out[-6000:]}"
+    assert "state COMPLETED, exit code 0" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "passed"
+    titles = [r["title"] for r in summary["reports"]]
+    assert any(t.startswith("golden values") for t in titles), out[-3000:]
+    assert any(t.startswith("ckpt-resume") for t in titles), out[-3000:]
+    slurm_out = next(run_dir.glob("slurm-*.out")).read_text()
+    assert "node layout: node1=0-1 node2=2-3 (batch script on node1, MASTER_ADDR node1)" in (
+        slurm_out
+    )
+    # where every rank ran, in its own words: TP innermost, a TP group inside a node,
+    # pipeline stage k on node k
+    for step in ("logs", "logs/resume"):
+        placed = _placements(run_dir / step)
+        assert sorted(placed) == [0, 1, 2, 3], (step, placed)
+        for rank, place in placed.items():
+            want = {"host": f"node{rank // 2 + 1}", "node": str(rank // 2)}
+            want |= {"local_rank": str(rank % 2), "tp": str(rank % 2), "pp": str(rank // 2)}
+            assert {k: place[k] for k in want} == want, (step, rank, place)
+    print(f"two-node TP2xPP2+SP ckpt-resume job: {time.monotonic() - started:.1f} s")
+
+
+def _wait_for_text(path_glob, text: str, timeout_s: float) -> Path | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in path_glob():
+            if text in path.read_text(errors="replace"):
+                return path
+        time.sleep(0.2)
+    return None
+
+
+def _node_state(env: dict, node: str) -> str:
+    proc = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%T"], env=env, capture_output=True, text=True
+    )
+    return proc.stdout.strip()
+
+
+def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool) -> str:
+    """SIGKILL node2's slurmd and everything on it (its ranks) once rank 3 reached the
+    iteration; with ``bring_back``, start its slurmd again once Slurm declared it down.
+    Returns the latest complete checkpoint's iteration when the node was lost."""
+    env, state = cluster["env"], cluster["state"]
+    reached = _wait_for_text(
+        lambda: (run_dir / "logs").glob("rank-3.log"),
+        f"iteration {at_iteration:8d}/",
+        timing.bound(600),
+    )
+    assert reached is not None, f"the job did not reach iteration {at_iteration}"
+    killed = _cluster("kill-node", state, env, "node2")
+    assert killed.returncode == 0, killed.stderr
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    latest = tracker.read_text().strip() if tracker.exists() else ""
+    deadline = time.monotonic() + timing.bound(180)
+    while "down" not in _node_state(env, "node2") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert "down" in _node_state(env, "node2"), "Slurm never declared node2 down"
+    if bring_back:
+        back = _cluster("start-node", state, env, "node2")
+        assert back.returncode == 0, back.stderr
+    return latest
+
+
+@soak
+def test_a_lost_node_requeues_and_the_job_finishes_with_the_uninterrupted_losses(cluster, run_dir):
+    submit = subprocess.Popen(
+        _submit_command(
+            TP2_PP2_SP,
+            run_dir,
+            "test.type=regular",
+            "checkpoint.save_interval=2",
+            "launch.slurm.max_requeues=1",
+            "--no-compare",
+            "--skip-megatron-checks",
+        ),
+        cwd=REPO_ROOT,
+        env=cluster["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        latest = _lose_node2(cluster, run_dir, at_iteration=3, bring_back=True)
+        out, _ = submit.communicate(timeout=timing.bound(1200))
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 0, out[-5000:]
+    assert "node node2 lost (ranks 2-3)" in out, out[-3000:]
+    slurm_out = next(run_dir.glob("slurm-*.out")).read_text()
+    assert "start 2 (restart count 1)" in slurm_out, slurm_out[-3000:]
+    resumed = (run_dir / "logs/resumed-1/rank-0.log").read_text()
+    assert latest in {"2", "4", "6"}, latest  # saved every 2 iterations, lost before the end
+    assert f"at iteration {latest}" in resumed, resumed[-2000:]  # the last complete one
+    losses = json.loads((run_dir / "metrics.json").read_text())["lm loss"]["values"]
+    golden = json.loads(GOLDEN.read_text())["lm loss"]["values"]
+    assert sorted(map(int, losses)) == list(range(1, 9))
+    for step, value in golden.items():  # the uninterrupted run, to TensorBoard's float32
+        assert abs(losses[step] - value) <= 1e-6 * abs(value), (step, losses[step], value)
+
+
+@soak
+def test_a_lost_node_without_requeue_ends_the_job_naming_the_node_and_ranks(cluster, run_dir):
+    submit = subprocess.Popen(
+        _submit_command(TP2_PP2_SP, run_dir, "--skip-megatron-checks"),
+        cwd=REPO_ROOT,
+        env=cluster["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _lose_node2(cluster, run_dir, at_iteration=2, bring_back=False)
+        out, _ = submit.communicate(timeout=timing.bound(600))
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        # the next test needs both nodes
+        if "down" in _node_state(cluster["env"], "node2"):
+            _cluster("start-node", cluster["state"], cluster["env"], "node2")
+    assert submit.returncode != 0, out[-3000:]
+    assert "state NODE_FAIL" in out, out[-3000:]
+    assert "node node2 lost (ranks 2-3)" in out, out[-3000:]
+    assert "#SBATCH --no-requeue" in (run_dir / "sbatch.sh").read_text()
+
+
+@soak
+def test_a_stop_signal_to_a_two_node_job_saves_once_and_requeues(cluster, run_dir):
+    submit = subprocess.Popen(
+        _submit_command(
+            TP2_PP2_SP,
+            run_dir,
+            "test.type=regular",
+            "launch.slurm.max_requeues=1",
+            "--no-compare",
+            "--skip-megatron-checks",
+        ),
+        cwd=REPO_ROOT,
+        env=cluster["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log = _wait_for_text(
+            lambda: (run_dir / "logs").glob("rank-3.log"), "iteration        3/", timing.bound(600)
+        )
+        assert log is not None, "the job did not reach iteration 3"
+        job_id = next(run_dir.glob("slurm-*.out")).stem.split("-")[1]
+        # what Slurm sends signal_warning_s before the time limit: USR1 to the job's ranks
+        warn = subprocess.run(
+            ["scancel", "--signal=USR1", job_id],
+            env=cluster["env"],
+            capture_output=True,
+            text=True,
+        )
+        assert warn.returncode == 0, warn.stderr
+        out, _ = submit.communicate(timeout=timing.bound(1200))
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 0, out[-5000:]
+    slurm_out = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert slurm_out.count("requeue 1 of 1") == 1, slurm_out[-3000:]  # one save, one requeue
+    assert "start 2 (restart count 1)" in slurm_out
+    stopped_at = int(slurm_out.split("stopped at iteration ")[1].split()[0])
+    assert 3 <= stopped_at < 8
+    # one checkpoint from the stop (and the final one): not one per node
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+    assert saved == [f"iter_{stopped_at:07d}", "iter_0000008"], saved
+    assert f"at iteration {stopped_at}" in (run_dir / "logs/resumed-1/rank-0.log").read_text()
+    last_stage = (run_dir / "logs/resumed-1/rank-3.log").read_text()  # on node2
+    assert f"iteration {stopped_at + 1:8d}/" in last_stage
+    assert f"iteration {stopped_at:8d}/" not in last_stage
+    losses = json.loads((run_dir / "metrics.json").read_text())["lm loss"]["values"]
+    golden = json.loads(GOLDEN.read_text())["lm loss"]["values"]
+    assert sorted(map(int, losses)) == list(range(1, 9))
+    for step, value in golden.items():
+        assert abs(losses[step] - value) <= 1e-6 * abs(value), (step, losses[step], value)
+
+
+@soak
+def test_multimodule_encoder_on_one_node_language_model_on_the_other(cluster, run_dir):
+    result = subprocess.run(
+        _submit_command("recipes/multimodule_encoder_llm_mhc_pp2.yaml", run_dir),
+        cwd=REPO_ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=timing.bound(1200),
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"submit exited {result.returncode}:\n{out[-6000:]}"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "passed"
+    placed = _placements(run_dir / "logs")
+    assert sorted(placed) == [0, 1, 2, 3], placed
+    modules = {p["host"]: set() for p in placed.values()}
+    for place in placed.values():
+        modules[place["host"]].add(place["module"])
+    assert modules == {"node1": {"vision_encoder"}, "node2": {"llm"}}, placed
+    assert [placed[r]["pp"] for r in (2, 3)] == ["0", "1"]
