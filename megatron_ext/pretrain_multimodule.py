@@ -52,16 +52,7 @@ startup.end_entry_imports()
 logger = logging.getLogger(__name__)
 
 # The Megatron flags this entry honours: flag -> (type, the recipe's training field).
-HONOURED_FLAGS = {
-    "--train-iters": (int, "iterations"),
-    "--micro-batch-size": (int, "micro_batch_size"),
-    "--global-batch-size": (int, "global_batch_size"),
-    "--lr": (float, "lr"),
-    "--weight-decay": (float, "weight_decay"),
-    "--clip-grad": (float, "clip_grad"),
-    "--seed": (int, "seed"),
-    "--lr-decay-style": (str, "lr_schedule"),
-}
+HONOURED_FLAGS = recipe_plan.HONOURED_FLAGS
 
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:

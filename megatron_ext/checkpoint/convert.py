@@ -238,9 +238,11 @@ def _save_atomically(obj: Any, target_path: str) -> None:
 
     import torch
 
+    from megatron_ext.files import output_problem
+
     directory = os.path.dirname(os.path.abspath(target_path))
-    if os.path.isdir(target_path):
-        raise ConversionError(f"output {target_path} is a directory; give a file name")
+    if (problem := output_problem(target_path)) is not None:  # never rename over a device
+        raise ConversionError(problem)
     if not os.path.isdir(directory):
         raise ConversionError(f"output directory {directory} does not exist; create it first")
     try:
@@ -281,6 +283,10 @@ def convert_file(
         and os.path.samefile(source_path, target_path)
     ):
         raise ConversionError(f"output {target_path} is the input; give another file name")
+    from megatron_ext.files import output_problem
+
+    if (problem := output_problem(target_path)) is not None:  # before reading the input
+        raise ConversionError(problem)
     checkpoint = load_checkpoint(source_path, trust_pickle)
     if not isinstance(checkpoint, Mapping):
         raise ConversionError(

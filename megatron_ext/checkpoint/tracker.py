@@ -92,3 +92,33 @@ def tracker_problem(load_dir: str) -> str | None:
         f"{path} holds {text[:40]!r}, not an iteration number or 'release': write the iteration "
         "of the newest iter_NNNNNNN directory there (e.g. 4), or remove the file to start afresh"
     )
+
+
+class TrackerUnreadable(ValueError):
+    """A tracker that names no iteration of a run (one line: the file, what it holds, the fix)."""
+
+
+def read_iteration(ckpt_dir: str | os.PathLike) -> int | None:
+    """The iteration ``ckpt_dir``'s tracker names, for resuming a run of our own.
+
+    None when there is no tracker file (no save of the run finished). Anything else that is not
+    an iteration number >= 1 (empty, ``release``, ``0``, text, a directory) raises
+    :class:`TrackerUnreadable`: a run's own saves always write a positive iteration, so such a
+    tracker was written by someone else and nothing can be concluded from it, least of all which
+    saves are incomplete (issue 34, item 2)."""
+    path = os.path.join(str(ckpt_dir), TRACKER_NAME)
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise TrackerUnreadable(f"{path} is not a regular file; remove it or restore the tracker")
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read(64).strip()
+    except OSError as exc:
+        raise TrackerUnreadable(f"{path} cannot be read: {exc.strerror}") from None
+    if text.isascii() and text.isdigit() and len(text) <= 12 and int(text) >= 1:
+        return int(text)
+    raise TrackerUnreadable(
+        f"{path} holds {text[:40]!r}, not the iteration (>= 1) of a checkpoint of this run: "
+        "write the iteration of its newest complete iter_NNNNNNN directory there (e.g. 4)"
+    )

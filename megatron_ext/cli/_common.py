@@ -11,14 +11,34 @@ def split_targets(tokens: list[str]) -> tuple[list[str], list[str]]:
     return [t for t in tokens if t not in overrides], overrides
 
 
-def load(recipe: str, platform: str, overrides: list[str], device: str | None):
-    """Load a recipe; ``--device`` becomes a launch.device override only when it changes it."""
+def load(
+    recipe: str,
+    platform: str,
+    overrides: list[str],
+    device: str | None,
+    allow_env: list[str] | None = None,
+):
+    """Load a recipe; ``--device`` becomes a launch.device override only when it changes it;
+    ``allow_env``: the code-loading launch.env keys allowed with ``--allow-env``."""
     from megatron_ext.recipes import load as load_recipe
 
     loaded = load_recipe(recipe, platform, overrides)
     if device and device != loaded.recipe.launch.device:
         loaded = load_recipe(recipe, platform, [*overrides, f"launch.device={device}"])
+    loaded.allowed_env = tuple(allow_env or ())
     return loaded
+
+
+def add_allow_env(parser: argparse.ArgumentParser) -> None:
+    """``--allow-env KEY`` (repeatable): see :mod:`megatron_ext.launch.env_policy`."""
+    parser.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="let the recipe's launch.env set KEY although it makes the ranks load code "
+        "(PYTHONPATH, LD_PRELOAD, BASH_ENV, ...); refused otherwise; repeat for each key",
+    )
 
 
 def add_recipe_args(
@@ -40,3 +60,4 @@ def add_recipe_args(
         choices=("cpu", "gpu"),
         help="override launch.device (cpu: gloo and the CPU runtime, GPUs hidden)",
     )
+    add_allow_env(parser)

@@ -13,6 +13,9 @@ HELP = "write a Megatron-LM test case (model_config.yaml) as a recipe"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("test_case", help="PATH/model_config.yaml (or its directory)")
     parser.add_argument("-o", "--output", help="recipe file to write (default: print it)")
+    from megatron_ext.cli._common import add_allow_env
+
+    add_allow_env(parser)
 
 
 MAX_TEST_CASE_BYTES = 1 << 20
@@ -80,6 +83,11 @@ def main(args: argparse.Namespace) -> int:
         )
         for name, flag in conversion.unresolved.items()
     ]
+    from megatron_ext.launch.env_policy import env_problems
+
+    conversion.problems += env_problems(
+        conversion.recipe.get("launch", {}).get("env", {}), args.allow_env, "ENV_VARS"
+    )
     for problem in conversion.problems:
         print(f"{source}: {problem}", file=sys.stderr)
     if conversion.problems:

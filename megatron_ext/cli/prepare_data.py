@@ -27,7 +27,12 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         if args.example:
+            from pathlib import Path
+
             from megatron_ext.data.example import make_example
+
+            if Path(args.example).exists() and not Path(args.example).is_dir():
+                raise PrepareDataError(f"--example {args.example}: a file; give a directory")
 
             make_example(args.example, workers=args.workers or 1)
         else:

@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
             compare_golden=not args.no_compare,
             force_compare=args.compare,
             megatron_checks=not args.skip_megatron_checks,
+            allow_env=tuple(args.allow_env),
             trust_pickle=args.trust_pickle,
             overrides=overrides,
         ).exit_code
@@ -92,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-ext run: expected one recipe, got {recipes or 'none'}", file=sys.stderr)
         return runner.EXIT_INVALID
     try:
-        loaded = load(recipes[0], args.platform, overrides, args.device)
+        loaded = load(recipes[0], args.platform, overrides, args.device, args.allow_env)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return runner.EXIT_INVALID

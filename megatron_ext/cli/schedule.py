@@ -18,6 +18,19 @@ def _time(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+SIZE_FLAGS = ("mhc_streams", "hidden", "seq", "micro_batch_size", "dtype_bytes")
+
+
+def _size_flag_problem(args: argparse.Namespace) -> str | None:
+    """A size given on the command line (hidden, sequence, batch, bytes, streams) must be a
+    whole number from 1 to 2**31: -64 or 0 made negative byte counts (issue 34, item 17)."""
+    for name in SIZE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not 1 <= value <= 2**31:
+            return f"--{name.replace('_', '-')} {value}: give a whole number from 1 to 2**31"
+    return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_ext.schedules.schedule import SCHEDULES
 
@@ -150,6 +163,8 @@ def main(args: argparse.Namespace) -> int:
     overrides = list(getattr(args, "targets", None) or [])
     if args.plot and (problem := _plot_problem(args.plot)):
         return _error(problem)
+    if problem := _size_flag_problem(args):
+        return _error(problem)
     if args.schedule is not None and args.schedule not in SCHEDULES:
         return _error(f"--schedule {args.schedule}: use one of {', '.join(SCHEDULES)}")
     weight = args.backward_time / 2 if args.weight_time is None else args.weight_time
@@ -191,6 +206,12 @@ def main(args: argparse.Namespace) -> int:
                 return _error("--mhc-streams needs --hidden, --seq and --micro-batch-size")
         if plan_problems := plan.problems():
             return _error(str(plan_problems[0]))
+        if plan.schedule == "zb-h1" and plan.pp == 1 and not args.recipe:
+            # the library draws it (one stage, nothing to fill); asked for here it is a slip
+            return _error(
+                "--schedule zb-h1 --pp 1: one stage has no pipeline to fill; give --pp 2 or "
+                "more, or --schedule 1f1b"
+            )
         if problem := _size_problem(plan, costs):
             return _error(problem)
         lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs)

@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
             raw = {}
         platform = "gpu-cluster" if "gpu-cluster" in (raw.get("platforms") or {}) else "cpu"
     try:
-        loaded = load(recipes[0], platform, overrides, args.device)
+        loaded = load(recipes[0], platform, overrides, args.device, args.allow_env)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return EXIT_INVALID

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.cli._common import load, split_targets
+from megatron_ext.cli._common import add_allow_env, load, split_targets
 
 NAME = "validate"
 HELP = "check recipes: schema, plan, Megatron's checks, guards"
@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=("cpu", "gpu"), help="override launch.device")
     parser.add_argument("--skip-megatron-checks", action="store_true", help="schema and plan only")
+    add_allow_env(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -40,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
         for platform_name in platforms:
             label = f"{recipe} [{platform_name}]"
             try:
-                loaded = load(recipe, platform_name, overrides, args.device)
+                loaded = load(recipe, platform_name, overrides, args.device, args.allow_env)
             except RecipeError as exc:
                 failed = True
                 for problem in exc.problems:

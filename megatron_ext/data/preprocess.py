@@ -115,6 +115,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise PrepareDataError(f"--input {args.input}: not readable")
     if args.log_interval < 1:
         raise PrepareDataError(f"--log-interval must be positive, got {args.log_interval}")
+    from megatron_ext.data.input_limits import argument_problem
+
+    vocab = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
+    if problem := argument_problem(args.json_keys, args.output_prefix, vocab, args.workers):
+        raise PrepareDataError(problem)
     from megatron_ext.data.checks import tokenizer_problems
 
     problems = tokenizer_problems(
@@ -182,6 +187,10 @@ class Encoder:
             raise PrepareDataError(f"{where}: not UTF-8 text") from None
         except json.JSONDecodeError as e:
             raise PrepareDataError(f"{where}: not a JSON object ({e.msg})") from None
+        except RecursionError:
+            raise PrepareDataError(f"{where}: JSON nested too deeply") from None
+        except ValueError as e:  # an integer past Python's 4300-digit limit
+            raise PrepareDataError(f"{where}: not readable JSON ({e})"[:300]) from None
         if not isinstance(record, dict):
             raise PrepareDataError(f"{where}: not a JSON object (got {type(record).__name__})")
         ids, lengths = {}, {}
@@ -204,6 +213,14 @@ class Encoder:
             except Exception as e:  # e.g. NullTokenizer on text that is not ids
                 message = " ".join(f"{type(e).__name__}: {e}".split())
                 raise PrepareDataError(f"{where}: the tokenizer failed ({message})") from None
+            # NullTokenizer: the text is the ids; one past the vocabulary would not fit the
+            # dtype chosen from its size (other tokenizers only emit their own ids)
+            vocab = self.args.vocab_size if self.args.tokenizer_type == "NullTokenizer" else None
+            if vocab and any(not 0 <= int(i) < vocab for i in sentence_ids):
+                bad = next(i for i in sentence_ids if not 0 <= int(i) < vocab)
+                raise PrepareDataError(
+                    f"{where}: token id {str(bad)[:40]} is outside the vocabulary [0, {vocab})"
+                )
             if len(sentence_ids) > 0:
                 doc_ids.extend(sentence_ids)
                 lengths.append(len(sentence_ids))
@@ -219,8 +236,16 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """Each line, read at most MAX_LINE_BYTES at a time (see data.input_limits)."""
+    from megatron_ext.data.input_limits import MAX_LINE_BYTES, line_too_long
+
     with open(path, "rb") as f:
-        yield from enumerate(f, start=1)
+        line_no = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            line_no += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise PrepareDataError(line_too_long(line_no, len(line), path))
+            yield line_no, line
 
 
 class _Progress:
@@ -249,7 +274,10 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     tokenizer = build_tokenizer(args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     prefixes = output_prefixes(args)
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrepareDataError(f"--output-prefix {args.output_prefix}: {e.strerror}") from None
     tag = f".tmp{os.getpid()}"
     temp = {key: (f"{p}.bin{tag}", f"{p}.idx{tag}") for key, p in prefixes.items()}
     encoder = Encoder(args)

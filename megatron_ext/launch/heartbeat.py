@@ -75,6 +75,10 @@ class _State:
 
 
 _state = _State()
+# One writer at a time: the beating thread and finished() share rank-R.json's temporary file,
+# and a beat built before finished() must not land after it (the launcher reads "finished" to
+# leave a rank that is tearing down alone; issue 34, item 8).
+_write_lock = threading.Lock()
 
 
 def progress(step: int) -> None:
@@ -88,12 +92,13 @@ def progress(step: int) -> None:
 def finished() -> None:
     """Training returned on this rank: what follows is teardown, not a stall. Written at once,
     so the watchdog knows before the next beat."""
-    _state.finished = True
-    if _state.path is not None and _state.rank is not None:
-        try:
-            _write(_state.path, beat_record(_state.rank, threading.main_thread().ident))
-        except OSError:
-            pass
+    with _write_lock:
+        _state.finished = True
+        if _state.path is not None and _state.rank is not None:
+            try:
+                _write(_state.path, beat_record(_state.rank, threading.main_thread().ident))
+            except OSError:
+                pass
 
 
 def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
@@ -145,7 +150,8 @@ def start(rank: int) -> bool:
     def run() -> None:
         while True:
             try:
-                _write(path, beat_record(rank, main_ident))
+                with _write_lock:
+                    _write(path, beat_record(rank, main_ident))
             except OSError:
                 pass  # the run directory went away: the launcher is not watching any more
             time.sleep(BEAT_S)

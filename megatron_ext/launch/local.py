@@ -333,8 +333,11 @@ def launch(
     asked: set[int] = set()  # ranks already sent the save signal
 
     def ask_ranks_to_save() -> None:
+        # A rank whose training returned has no save handler left (Megatron's is gone): the
+        # signal would kill a finished rank and turn success into failure (issue 34, item 8).
+        done = {r for r, beat in watchdog.read().items() if beat.get("finished") is True}
         for rank, proc in procs.items():
-            if rank not in asked and proc.poll() is None:
+            if rank not in asked and rank not in done and proc.poll() is None:
                 asked.add(rank)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, job.save_signal)  # the rank alone, not its writers

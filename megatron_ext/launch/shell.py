@@ -70,20 +70,28 @@ def redact_env(env: dict) -> dict:
 
 
 def redact_override(override: str) -> str:
-    """A KEY=VALUE override with the value hidden when the key names a secret."""
+    """A KEY=VALUE override with the value hidden when the key names a secret.
+
+    The value is judged as YAML reads it, not as typed: ``{"HF_\\x54OKEN": x}`` names
+    HF_TOKEN once unescaped, so every value that may hold a mapping is parsed and redacted on
+    its parsed keys (issue 34, item 7)."""
     key, sep, value = override.partition("=")
     if not sep:
         return override
     if is_secret(key.rsplit(".", 1)[-1]):
         return f"{key}={REDACTED}"
-    if not any(is_secret(word) for word in re.split(r"[^A-Za-z0-9_]+", value)):
-        return override  # no secret name inside: keep the user's text as written
+    if not any(ch in value for ch in "{[:\\\"'!&*"):
+        return override  # a plain scalar: no key of any mapping can hide in it
     import yaml
 
     try:  # the mapping form, launch.env={HF_TOKEN: x} or launch={env: {HF_TOKEN: x}}
         parsed = yaml.safe_load(value)
     except (yaml.YAMLError, RecursionError, ValueError):
-        return f"{key}={REDACTED}"  # unreadable, and it names a secret: show none of it
+        if not any(is_secret(word) for word in re.split(r"[^A-Za-z0-9_]+", value)) and (
+            "\\" not in value
+        ):
+            return override
+        return f"{key}={REDACTED}"  # unreadable, and it may name a secret: show none of it
     redacted, hidden = _redact_tree(parsed)
     if not hidden:
         return override
@@ -107,6 +115,26 @@ def directive_problem(where: str, value: object) -> Problem | None:
             where,
             f"{str(value)!r} holds a line break or NUL, which would end the "
             "#SBATCH line and run the rest as shell; remove it",
+        )
+    return None
+
+
+DIRECTIVE_WORD_BREAKING = re.compile(r"[\s\"'\\]")
+
+
+def directive_word_problem(where: str, value: object) -> Problem | None:
+    """A value that must stay one option on an ``#SBATCH`` line (a path after ``--output=``
+    or ``--chdir=``): sbatch splits the line at whitespace, so ``/shared/a --wrap=x`` would
+    add an option and a plain ``my runs`` breaks the header; quoting there is not read the
+    same by every Slurm version, so such values are refused (issue 34, item 10)."""
+    problem = directive_problem(where, value)
+    if problem is not None or value is None:
+        return problem
+    if DIRECTIVE_WORD_BREAKING.search(str(value)):
+        return Problem(
+            where,
+            f"{str(value)!r} holds whitespace, a quote or a backslash, which would split the "
+            "#SBATCH line into other options; use a path without them",
         )
     return None
 

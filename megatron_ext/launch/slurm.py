@@ -129,7 +129,7 @@ def time_limit_seconds(text: str) -> int:
 
 def _check_directive_values(job: SlurmJob) -> None:
     """#SBATCH lines cannot be quoted for bash (they are comments); refuse line breaks."""
-    from megatron_ext.launch.shell import check_directives
+    from megatron_ext.launch.shell import UnsafeValueError, check_directives
 
     check_directives(
         [
@@ -137,11 +137,22 @@ def _check_directive_values(job: SlurmJob) -> None:
             ("partition", job.partition),
             ("account", job.account),
             ("time", job.time),
-            ("run directory", job.run_dir),
-            ("working directory", job.workdir),
             *((f"sbatch_args[{i}]", a) for i, a in enumerate(job.sbatch_args)),
         ]
     )
+    for problem in path_directive_problems(job.run_dir, job.workdir):
+        raise UnsafeValueError(str(problem))
+
+
+def path_directive_problems(run_dir: Path, workdir: Path) -> list:
+    """The run and working directories go on #SBATCH lines (--output, --chdir) as one word."""
+    from megatron_ext.launch.shell import directive_word_problem
+
+    found = [
+        directive_word_problem("run directory (--run-dir / --runs-root)", run_dir),
+        directive_word_problem("working directory (submit from another one)", workdir),
+    ]
+    return [p for p in found if p is not None]
 
 
 def sbatch_script(job: SlurmJob) -> str:

@@ -16,6 +16,7 @@ import re
 import string
 from typing import Any
 
+from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import (
@@ -67,6 +68,12 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 "a multimodule recipe states its number of ranks (the modules' "
                 "grids decide it, not tp * pp * cp * dp)",
             )
+        # the same field checks as every recipe kind (issue 34, item 9)
+        from megatron_ext.recipes.multimodule import extra_args_problems
+
+        _check_probabilities(r, add)
+        for problem in extra_args_problems(r):
+            add(problem.where, problem.what)
     else:
         _check_model(r, add)
         _check_parallel_plan(r, add)
@@ -78,7 +85,8 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
         add("launch.nodes", f"{r.launch.nodes} nodes cannot split {r.world_size} ranks evenly")
     for name, value in r.launch.env.items():
         if isinstance(value, (dict, list)):
-            add(f"launch.env.{name}", f"must be a string or number, got {value!r}")
+            shown = shell.REDACTED if shell.is_secret(name) else repr(value)  # never echo a secret
+            add(f"launch.env.{name}", f"must be a string or number, got {shown}")
     for name in r.extra_args:
         if not str(name).startswith("--"):
             add(
@@ -89,6 +97,18 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
 
     problems += conflicts(r.extra_args)
     return problems
+
+
+def _check_probabilities(r: Recipe, add) -> None:
+    """Dropout probabilities, for every model type (a multi-module run with 1.5 deadlocked)."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(r.model, name)
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not 0.0 <= value < 1.0
+        ):
+            add(f"model.{name}", f"is a probability in [0, 1), got {value}")
 
 
 def _check_model(r: Recipe, add) -> None:
@@ -163,14 +183,7 @@ def _check_model(r: Recipe, add) -> None:
         add("parallelism.ep", f"ep={p.ep} needs model.num_experts")
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(m, name)
-        if (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and not 0.0 <= value < 1.0
-        ):
-            add(f"model.{name}", f"is a probability in [0, 1), got {value}")
+    _check_probabilities(r, add)
     mhc = m.mhc
     if mhc.enabled:
         _check_mhc_extra_args(r, add)

@@ -160,6 +160,9 @@ class LoadedRecipe:
     notes: list[str] = field(default_factory=list)
     """What reading the file changed or dropped (a Megatron-LM test case: the mapping and the
     cpu overlay), one line each; ``validate`` and ``run`` print them."""
+    allowed_env: tuple[str, ...] = ()
+    """Code-loading launch.env keys the user allowed with ``--allow-env KEY`` (see
+    :mod:`megatron_ext.launch.env_policy`); never read from a recipe file."""
 
     @property
     def name(self) -> str:
@@ -266,7 +269,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
             key_text, value_text = text, None
         elif "=" not in text:
             problems.append(
-                Problem(f"override {override!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY")
+                Problem(f"override {_shown(override)!r}", "expected KEY=VALUE, +KEY=VALUE or ~KEY")
             )
             continue
         else:
@@ -274,19 +277,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
         try:
             parts = schema.split_path(key_text)
         except KeyError as exc:
-            problems.append(Problem(f"override {override!r}", str(exc.args[0])))
+            problems.append(Problem(f"override {_shown(override)!r}", str(exc.args[0])))
             continue
         if parts[0] == "platforms":
             problems.append(
                 Problem(
-                    f"override {override!r}",
+                    f"override {_shown(override)!r}",
                     "platforms are chosen with --platform; override the fields directly",
                 )
             )
             continue
         why = _check_key(parts)
         if why:
-            problems.append(Problem(f"override {override!r}", why))
+            problems.append(Problem(f"override {_shown(override)!r}", why))
             continue
         node = data
         for part in parts[:-1]:
@@ -304,8 +307,27 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
                 value = deep_merge(node[parts[-1]], value)
             node[parts[-1]] = value
         except yaml.YAMLError as exc:
-            problems.append(Problem(f"override {override!r}", f"value is not YAML: {exc}"))
+            problems.append(Problem(f"override {_shown(override)!r}", _not_yaml(override, exc)))
+        except (ValueError, RecursionError):  # a 5000-digit integer, a 100k-deep value
+            problems.append(
+                Problem(f"override {_shown(override)!r}", "value is too long or deep to read")
+            )
     return data, problems
+
+
+def _shown(override: str) -> str:
+    """An override as an error line may show it: a secret's value never (issue 34, item 7)."""
+    from megatron_ext.launch.shell import redact_override
+
+    return redact_override(override)
+
+
+def _not_yaml(override: str, exc: yaml.YAMLError) -> str:
+    """YAML's own message quotes the text around the error; not for an override with a
+    secret in it."""
+    if _shown(override) != override:
+        return "value is not YAML"
+    return f"value is not YAML: {exc}"
 
 
 # extra_args keys that set model.mhc fields: upstream main's flags, upstream dev's flags
@@ -442,6 +464,8 @@ def load(
         ) from None
     except RecursionError:
         raise RecipeError(str(path), [Problem("", "not valid YAML: nested too deeply")]) from None
+    except ValueError as exc:  # Python's 4300-digit limit on integers
+        raise RecipeError(str(path), [Problem("", f"not readable: {exc}"[:200])]) from None
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml

@@ -22,11 +22,39 @@ import os
 
 from megatron_ext.multimodule.plan import ModulePlan, MultiModulePlan
 from megatron_ext.recipes.loader import load
-from megatron_ext.recipes.schema import Module, Recipe, RecipeError
+from megatron_ext.recipes.schema import Module, Problem, Recipe, RecipeError
 
 KINDS = ("vision_encoder", "projector", "language_model")
 PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "first_rank", "output_ndim")
 ENTRY = "megatron_ext.pretrain_multimodule"
+# The Megatron flags the multi-module entry honours: flag -> (type, the recipe's training field).
+HONOURED_FLAGS = {
+    "--train-iters": (int, "iterations"),
+    "--micro-batch-size": (int, "micro_batch_size"),
+    "--global-batch-size": (int, "global_batch_size"),
+    "--lr": (float, "lr"),
+    "--weight-decay": (float, "weight_decay"),
+    "--clip-grad": (float, "clip_grad"),
+    "--seed": (int, "seed"),
+    "--lr-decay-style": (str, "lr_schedule"),
+}
+
+
+def extra_args_problems(recipe: Recipe) -> list[Problem]:
+    """An ``extra_args`` flag the multi-module entry would ignore (it reads only
+    :data:`HONOURED_FLAGS`): refused, as Megatron refuses an unknown flag of the other
+    entries, instead of a run that silently trains without it."""
+    extra = recipe.extra_args if isinstance(recipe.extra_args, dict) else {}
+    honoured = ", ".join(HONOURED_FLAGS)
+    return [
+        Problem(
+            f"extra_args.{flag}",
+            f"the multi-module entry does not read {flag}; it honours only {honoured}; "
+            "remove it (or set the recipe's own field)",
+        )
+        for flag in extra
+        if flag not in HONOURED_FLAGS
+    ]
 
 
 def plan_of(recipe: Recipe, world_size: int | None = None) -> MultiModulePlan:

@@ -764,6 +764,14 @@ def convert(
     mapping = conversion.notes.setdefault("mapping", [])
     tp, pp, cp = (_get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp"))
     dp = _get(full, "parallelism.dp", 1)
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "dp": dp}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    for key, value in bad.items():  # "world size -4" was written (issue 34, item 17)
+        conversion.problems.append(
+            Problem(f"parallelism.{key}", f"{value} is not a parallel size: give 1 or more")
+        )
+    if bad:
+        return conversion
     world = f"world size {tp * pp * cp * dp} = tp * pp * cp * dp"
     if _get(full, "parallelism.ep", 1) > 1:
         world += (

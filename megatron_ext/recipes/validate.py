@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ext import registry
-from megatron_ext.launch import shell
+from megatron_ext.launch import env_policy, shell
 from megatron_ext.recipes import checks, command, entries, safety
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import DEFAULT_ENTRIES, Problem
@@ -120,6 +120,7 @@ UPPER_BOUNDS = {
     "model.mtp_num_layers": 1_000,
     "model.mhc.num_residual_streams": 1_000,
     "model.mhc.sinkhorn_iterations": 100_000,
+    "model.mhc.recompute_layer_num": 10_000,  # a layer count (2**63 validated, issue 34)
     "parallelism.tp": 1 << 16,
     "parallelism.pp": 1 << 16,
     "parallelism.vpp": 1 << 16,
@@ -284,6 +285,7 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
                     "variable name: use letters, digits and _, not starting with a digit",
                 )
             )
+    problems += env_policy.env_problems(recipe.launch.env, loaded.allowed_env)
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(

@@ -210,7 +210,7 @@ def check_metric(
     steps = sorted(golden)
     results = []
     if rule.deterministic and not approximate_only:
-        failing = [s for s in steps if not (_value(actual, s) == golden[s])]
+        failing = [s for s in steps if not _finite_and_equal(_value(actual, s), golden[s])]
         worst = _worst(actual, golden, steps)
         results.append(CheckResult(metric, "exact", not failing, len(steps), failing, 0, worst))
     if rule.rtol is not None:
@@ -220,6 +220,7 @@ def check_metric(
             g, _ = _steady_median(golden, steps)
             # numpy.isclose: asymmetric, the tolerance scales with the golden value; NaN fails.
             ok = bool(numpy.isclose(a, g, rtol=rule.rtol, atol=rule.atol))
+            ok = ok and math.isfinite(a) and math.isfinite(g)  # no steps: inf vs inf
             results.append(
                 CheckResult(
                     metric,
@@ -239,7 +240,12 @@ def check_metric(
                 rtol=rule.rtol,
                 atol=rule.atol,
             )
-            failing = [s for s, ok in zip(steps, close, strict=True) if not ok]
+            # inf matches inf in numpy.isclose; a run that logged inf never passes
+            failing = [
+                s
+                for s, ok in zip(steps, close, strict=True)
+                if not ok or math.isinf(_value(actual, s)) or math.isinf(golden[s])
+            ]
             allowed = (
                 rule.max_failing_steps
                 if rule.max_failing_steps is not None
@@ -259,6 +265,12 @@ def check_metric(
                 )
             )
     return results
+
+
+def _finite_and_equal(actual: float, golden: float) -> bool:
+    """Exactly equal and not infinite: ``inf == inf`` is no pass (a step missing from the run
+    reads as inf, and an overflowed loss is inf), issue 34, item 14."""
+    return actual == golden and not math.isinf(golden)
 
 
 def _worst(actual: dict[int, float], golden: dict[int, float], steps: list[int]) -> Worst | None:

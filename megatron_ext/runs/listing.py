@@ -11,6 +11,7 @@ TensorBoard import: listing stays fast).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ def is_run_dir(path: Path) -> bool:
 def _json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a 100k-deep document is unreadable too
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -47,8 +48,8 @@ def _iterations(run_dir: Path) -> int | None:
     try:
         data = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
         return int(data["training"]["iterations"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
-        return None
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, ArithmeticError):
+        return None  # .inf iterations: OverflowError
 
 
 def quick_metrics(run_dir: Path) -> met.Metrics:
@@ -57,7 +58,7 @@ def quick_metrics(run_dir: Path) -> met.Metrics:
     if finished.is_file():
         try:
             return met.read_golden(finished)
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError, ArithmeticError, RecursionError):
             pass
     joined: met.Metrics = {}
     for segment in rsm.segments(run_dir):
@@ -115,13 +116,13 @@ def info(run_dir: Path) -> RunInfo:
         path=run_dir,
         name=run_dir.name,
         recipe=str(record.get("recipe") or summary.get("recipe") or "?"),
-        status=status,
+        status=str(status)[:80],
         steps=last,
         iterations=_iterations(run_dir),
-        last_loss=losses[last] if last is not None else None,
+        last_loss=_finite(losses[last]) if last is not None else None,
         when=when,
         platform=str(record.get("platform") or summary.get("platform") or ""),
-        overrides=list(record.get("overrides") or summary.get("overrides") or []),
+        overrides=[str(o) for o in _list(record.get("overrides") or summary.get("overrides"))],
         summary=summary,
     )
 
@@ -132,7 +133,38 @@ def find(root: Path) -> list[RunInfo]:
     if not root.is_dir():
         raise RunDirError(f"{root} is not a directory (pass --runs-root DIR)")
     candidates = [root] if is_run_dir(root) else sorted(p for p in root.iterdir() if p.is_dir())
-    return sorted((info(p) for p in candidates if is_run_dir(p)), key=lambda r: -r.when)
+    return sorted((_info_or_why(p) for p in candidates if is_run_dir(p)), key=lambda r: -r.when)
+
+
+def _list(value: object) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _finite(value: object) -> float | None:
+    """A loss as a float, None when it is none (a 400-digit number, inf, NaN, text)."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _info_or_why(run_dir: Path) -> RunInfo:
+    """:func:`info`, or a row saying why this one directory cannot be read: one corrupt run
+    never hides the others (issue 34, item 13)."""
+    try:
+        return info(run_dir)
+    except (OSError, ValueError, TypeError, ArithmeticError, RecursionError) as exc:
+        why = type(exc).__name__
+        return RunInfo(run_dir, run_dir.name, "?", f"unreadable ({why})", None, None, None, 0.0)
+
+
+def printable(text: str) -> str:
+    """Text of a run directory as a terminal may show it: escapes (ANSI colours, title
+    changes, screen clears) and other controls written as ``\\x1b`` etc., never sent raw."""
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
 
 
 def _when(seconds: float) -> str:
@@ -159,6 +191,7 @@ def table(runs: list[RunInfo]) -> list[str]:
         loss = f"{r.last_loss:.6f}" if r.last_loss is not None else "-"
         status = shown_status(r.status, r.summary)
         rows.append((r.name, shown_recipe(r), status, steps, loss, _when(r.when)))
+    rows = [tuple(printable(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
@@ -177,7 +210,7 @@ def resolve(run: str, runs_root: Path) -> Path:
 
 def details(run_dir: Path) -> list[str]:
     """``runs show``: the run, its segments and checkpoints, and what to do next."""
-    r = info(run_dir)
+    r = _info_or_why(run_dir)
     lines = [
         f"run        {r.path}",
         f"recipe     {r.recipe} (platform {r.platform or '?'})"
@@ -205,12 +238,12 @@ def details(run_dir: Path) -> list[str]:
     if saved:
         latest = rsm.latest_complete(ckpt)
         lines.append(f"checkpoints {saved} (latest complete: {latest})")
-    for phase in r.summary.get("phases", []):
+    for phase in (p for p in _list(r.summary.get("phases")) if isinstance(p, dict)):
         parts = [
             f"{k} {v}" for k, v in phase.items() if k in ("returncode", "seconds", "stopped_by")
         ]
         lines.append(f"phase      {phase.get('phase')}: {', '.join(parts)}")
-    for report in r.summary.get("reports", []):
+    for report in (p for p in _list(r.summary.get("reports")) if isinstance(p, dict)):
         lines.append(
             f"report     {report.get('title')}: {'PASSED' if report.get('passed') else 'FAILED'}"
         )
@@ -218,4 +251,4 @@ def details(run_dir: Path) -> list[str]:
         "resumable"
     ):
         lines.append(f"next       megatron-ext run --resume {r.path}")
-    return lines
+    return [printable(line) for line in lines]

@@ -11,7 +11,9 @@ Checkpoints are megatron.training's: ``checkpoints/iter_NNNNNNN/`` and
 ``latest_checkpointed_iteration.txt``, which Megatron writes only once every rank finished a
 save. The tracker therefore names the latest *complete* checkpoint; an ``iter_`` directory
 newer than it is a save that was cut short (a second stop, a killed job) and is removed before
-a resume (:func:`discard_incomplete`).
+a resume (:func:`discard_incomplete`), and only then: a tracker that is not an iteration of this
+run, or an ``iter_`` entry that cannot be one of its saves, is refused with nothing changed
+(:func:`resume_point`).
 
 Every resume writes its logs and TensorBoard events to a segment of its own
 (``logs/resumed-N/``, ``tensorboard/resumed-N/``). :func:`read_metrics` joins the segments: a
@@ -63,6 +65,30 @@ def read_run_record(run_dir: Path) -> dict:
     return record
 
 
+def existing_run_problem(run_dir: Path) -> str | None:
+    """Why a new run may not start in ``run_dir`` (None: it may): it already holds a run.
+
+    A second run into the same directory would print its own losses while ``metrics.json``,
+    the summary and the golden comparison still read the first one's files (TensorBoard keeps
+    both event files and the older wins), so the directory is refused and the message says how
+    to continue the old run or where to start afresh (issue 34, item 4)."""
+    run_dir = Path(run_dir)
+    if not any((run_dir / name).exists() for name in (RUN_FILE, "summary.json", "metrics.json")):
+        return None
+    status = "unknown"
+    try:
+        status = str(json.loads((run_dir / "summary.json").read_text()).get("status"))[:40]
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    fresh = f"give another --run-dir to start afresh (or move {run_dir} away first)"
+    if status in ("stopped", "interrupted", "unknown") and (run_dir / RUN_FILE).is_file():
+        return (
+            f"run directory {run_dir} already holds a run (status {status}); continue it with "
+            f"megatron-ext run --resume {run_dir}, or {fresh}"
+        )
+    return f"run directory {run_dir} already holds a finished run (status {status}); {fresh}"
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
@@ -89,12 +115,44 @@ def iteration_dir(ckpt_dir: Path, iteration: int) -> Path:
     return Path(ckpt_dir) / f"iter_{iteration:07d}"
 
 
-def discard_incomplete(ckpt_dir: Path) -> list[int]:
-    """Remove saves newer than the tracker (cut short); returns their iterations."""
-    latest = latest_complete(ckpt_dir) or 0
-    cut = [i for i in saved_iterations(ckpt_dir) if i > latest]
+def resume_point(ckpt_dir: Path, final_iteration: int) -> tuple[int | None, list[int]]:
+    """Where a resume continues from and which saves were cut short, touching nothing.
+
+    Returns (the tracker's iteration or None when no save finished, the iterations of saves cut
+    short). A save counts as cut short only when it is provably one of this run's: a real
+    ``iter_`` directory (not a link) newer than the tracker and within the run's iterations.
+    Anything else (a tracker that is not an iteration, one naming a missing checkpoint, a link,
+    a save past the run's end) raises :class:`ResumeError` with the run left as it is."""
+    from megatron_ext.checkpoint import tracker
+
+    try:
+        latest = tracker.read_iteration(ckpt_dir)
+    except tracker.TrackerUnreadable as exc:
+        raise ResumeError(f"{exc}; nothing was changed") from None
+    saved = saved_iterations(ckpt_dir)
+    if latest is not None and latest not in saved:
+        raise ResumeError(
+            f"{Path(ckpt_dir) / TRACKER} names iteration {latest} but "
+            f"{iteration_dir(ckpt_dir, latest)} does not exist; write the iteration of the "
+            "newest complete checkpoint there; nothing was changed"
+        )
+    newer = [i for i in saved if latest is None or i > latest]
+    for iteration in newer:
+        path = iteration_dir(ckpt_dir, iteration)
+        if path.is_symlink() or iteration > final_iteration:
+            raise ResumeError(
+                f"{path} is newer than the tracker but not a save of this run (a link, or past "
+                f"its {final_iteration} iterations); move it away; nothing was changed"
+            )
+    return latest, newer
+
+
+def discard_incomplete(ckpt_dir: Path, final_iteration: int) -> list[int]:
+    """Remove saves cut short (see :func:`resume_point`, which refuses anything else); returns
+    their iterations."""
+    _, cut = resume_point(ckpt_dir, final_iteration)
     for iteration in cut:
-        shutil.rmtree(iteration_dir(ckpt_dir, iteration), ignore_errors=True)
+        shutil.rmtree(iteration_dir(ckpt_dir, iteration))
     return cut
 
 

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext import files
 from megatron_ext.checkpoint import preload
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
@@ -399,7 +400,7 @@ def cannot_write(exc: OSError, run_dir: Path) -> str:
     """One line for a failed write under the run directory (disk full, read-only, not a dir)."""
     where = exc.filename or run_dir
     return (
-        f"cannot write {where}: {exc.strerror or exc}; free space there or choose another "
+        f"cannot write {where}: {files.failure_reason(exc)}; free space there or choose another "
         "directory with --run-dir / --runs-root"
     )
 
@@ -463,10 +464,11 @@ def run(
         return Outcome(EXIT_INVALID, None, message=why)
 
     run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
+    from megatron_ext.launch.local import stop_signals_interrupt
     from megatron_ext.runs import lock as run_lock
 
-    try:
-        with run_lock.holding(run_dir):
+    try:  # a SIGTERM before the ranks start is reported and summarised too (issue 34, item 16)
+        with run_lock.holding(run_dir), stop_signals_interrupt():
             return _run_in(
                 loaded, run_dir, started, compare_golden, force_compare, write_golden, echo, trace
             )
@@ -486,14 +488,20 @@ def _run_in(
     trace: bool,
 ) -> Outcome:
     """:func:`run` once the run directory is held."""
+    if (why := rsm.existing_run_problem(run_dir)) is not None:
+        echo(f"cannot run: {why}")
+        return Outcome(EXIT_INVALID, None, message=why)
+    results: list[dict] = []
     try:
         write_run_files(loaded, run_dir)
     except OSError as exc:
         why = cannot_write(exc, run_dir)
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    except KeyboardInterrupt as exc:  # stopped while the run directory was being written
+        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        raise
     echo(f"  run directory {run_dir}")
-    results: list[dict] = []
     try:
         return _run_phases(
             loaded,
@@ -611,7 +619,9 @@ def _run_phases(
         ):
             results[-1]["stopped_by"] = signal.Signals(result.stopped_by).name
             return _stopped(loaded, run_dir, results, started, result, echo)
-        if not result.ok:
+        if _stopped_after_the_end(result, rsm.latest_complete(ckpt), recipe.training.iterations):
+            echo("  the stop signal came after the final checkpoint: the run is complete")
+        elif not result.ok:
             named = local.failing_rank(job, result)
             rank = named if named is not None else recipe.world_size - 1
             reason = local.failure_summary(job, result)
@@ -665,6 +675,17 @@ def _run_phases(
     )
 
 
+def _stopped_after_the_end(result, latest: int | None, iterations: int) -> bool:
+    """A stop signal that came once training was over: the final checkpoint is complete and a
+    rank that did not exit 0 was ended by the save signal while tearing down (Megatron's
+    handler gone). The run finished; the stop must not make it a failure (issue 34, item 8)."""
+    from megatron_ext.launch import stop_signals
+
+    if result.stopped_by is None or result.ok or result.timed_out or latest != iterations:
+        return False
+    return all(code in (0, -stop_signals.SAVE_SIGNAL) for code in result.rank_codes.values())
+
+
 STOPPED_RESUMABLE = "stopped, resumable"
 """What a run stopped by SIGTERM / SIGUSR1 reports (exit status 75, summary status 'stopped')."""
 
@@ -697,18 +718,55 @@ def resume_run(
     echo: Echo = _default_echo,
     trust_pickle: bool = False,
     overrides: list[str] = (),
+    allow_env: tuple[str, ...] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
     overrides applied) from its latest complete checkpoint, in a new segment of the run.
     ``overrides``: parallelism.* and training.iterations only (another layout, a longer run:
-    :mod:`megatron_ext.checkpoint.layout`)."""
+    :mod:`megatron_ext.checkpoint.layout`). Holds the run directory's lock (as ``run`` does)
+    before it reads or changes anything there. ``allow_env``: the code-loading launch.env keys
+    allowed again with ``--allow-env`` (a run directory never allows them by itself)."""
+    from megatron_ext.launch.local import stop_signals_interrupt
+    from megatron_ext.runs import lock as run_lock
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():  # the lock would create it
+        echo(f"cannot resume: {run_dir}: not a directory")
+        return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
+    try:
+        with run_lock.holding(run_dir), stop_signals_interrupt():
+            return _resume_in(
+                run_dir,
+                compare_golden,
+                force_compare,
+                megatron_checks,
+                echo,
+                trust_pickle,
+                list(overrides),
+                allow_env,
+            )
+    except run_lock.RunDirectoryBusy as exc:
+        echo(f"cannot resume: {exc}")
+        return Outcome(EXIT_INVALID, None, message=str(exc))
+
+
+def _resume_in(
+    run_dir: Path,
+    compare_golden: bool,
+    force_compare: bool,
+    megatron_checks: bool,
+    echo: Echo,
+    trust_pickle: bool,
+    overrides: list[str],
+    allow_env: tuple[str, ...],
+) -> Outcome:
+    """:func:`resume_run` once the run directory is held."""
     from megatron_ext.checkpoint import layout
+    from megatron_ext.launch import env_policy
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
-    run_dir = Path(run_dir)
-    overrides = list(overrides)
     try:
         if why := layout.override_problem(overrides):
             raise rsm.ResumeError(why)
@@ -729,6 +787,15 @@ def resume_run(
                 "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
             )
         before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
+        env = resolved.recipe.launch.env
+        try:  # secrets were never written there: the caller's environment has them
+            resolved.recipe.launch.env = env_policy.restore_secrets(env, os.environ)
+        except ValueError as exc:
+            raise rsm.ResumeError(str(exc)) from None
+        ckpt = rsm.checkpoint_dir(run_dir)
+        # nothing is changed before this: a tracker that is not an iteration of this run, or
+        # an iter_ entry that cannot be its save, is refused (issue 34, item 2)
+        latest, cut = rsm.resume_point(ckpt, resolved.recipe.training.iterations)
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
@@ -737,26 +804,31 @@ def resume_run(
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
         list(record.get("overrides", [])) + overrides,
+        allowed_env=tuple(allow_env),
     )
-    ckpt = rsm.checkpoint_dir(run_dir)
-    cut = rsm.discard_incomplete(ckpt)
-    latest = rsm.latest_complete(ckpt)
     segment = rsm.next_segment(run_dir)
     echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
     echo(f"  {command.describe(loaded)}")
-    if cut:
-        echo(f"  removed checkpoint(s) cut short while saving: iteration(s) {cut}")
-    echo(
-        f"  resuming from the checkpoint at iteration {latest}"
-        if latest is not None
-        else "  no complete checkpoint: training starts over"
-    )
+    # every pickle of the checkpoint a rank will load, checked before anything is removed
     why = preload.pickle_problem(loaded.recipe, ckpt if latest is not None else None, trust_pickle)
     if why is None:
         why = preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
+    if cut:
+        try:
+            rsm.discard_incomplete(ckpt, loaded.recipe.training.iterations)
+        except OSError as exc:
+            why = cannot_write(exc, run_dir)
+            echo(f"cannot resume: {why}")
+            return Outcome(EXIT_INVALID, None, message=why)
+        echo(f"  removed checkpoint(s) cut short while saving: iteration(s) {cut}")
+    echo(
+        f"  resuming from the checkpoint at iteration {latest}"
+        if latest is not None
+        else "  no complete checkpoint: training starts over"
+    )
     run_phases = phases(loaded, run_dir, segment, load=latest is not None)
     if before is not None:
         run_phases[0].args.extend(layout.apply(run_dir, before, loaded, latest, echo))
@@ -1090,6 +1162,6 @@ def _write_summary(
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline
     try:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        files.write_text_atomically(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     except OSError as exc:  # disk full: the verdict still reaches the console and exit status
         print(f"megatron-ext run: no summary.json: {cannot_write(exc, run_dir)}", file=sys.stderr)

@@ -64,6 +64,7 @@ def build_job(
         return None, problems
     image = options.container_image or cfg.container_image
     problems += _shared_run_dir_problems(run_dir, nodes)
+    problems += [str(p) for p in slurm.path_directive_problems(run_dir, Path.cwd())]
     image_problem = container_image_problem(image)
     if image_problem:
         problems.append(image_problem)

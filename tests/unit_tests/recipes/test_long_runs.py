@@ -112,7 +112,7 @@ def _checkpoints(ckpt: Path, iterations: list[int], tracker: int) -> None:
 def test_cut_short_saves_are_dropped_and_old_checkpoints_pruned(tmp_path):
     ckpt = tmp_path / "checkpoints"
     _checkpoints(ckpt, [2, 4, 6, 8], tracker=6)  # iteration 8's save was cut short
-    assert rsm.discard_incomplete(ckpt) == [8]
+    assert rsm.discard_incomplete(ckpt, 8) == [8]
     assert rsm.saved_iterations(ckpt) == [2, 4, 6] and rsm.latest_complete(ckpt) == 6
     assert rsm.prune(ckpt, most_recent_k=2, keep_final=True, final=6) == [2]
     assert rsm.prune(ckpt, most_recent_k=None, keep_final=False, final=6) == [6]

@@ -152,7 +152,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     overrides += [f"extra_args.--hostile-{i}={p}" for i, p in enumerate(hostile)]
     overrides += [f"description=line one\ntouch {canary}\n", "test.type=ckpt-resume"]
     loaded = load(_write_minimal(tmp_path), overrides=overrides)
-    run_dir = tmp_path / f"run $(touch {canary}) `touch {canary}`;x"
+    # No whitespace: a run directory with it is refused for #SBATCH lines (issue 34, item 10;
+    # recipes/test_hostile_use.py); ${IFS} runs the same payload when unquoted.
+    run_dir = tmp_path / f"run$(touch${{IFS}}{canary})`touch${{IFS}}{canary}`;x"
     image = f"nvcr.io/img:1$(touch {canary})"
     mount = f"/data:/data;touch {canary}"
     monkeypatch.chdir(tmp_path)
