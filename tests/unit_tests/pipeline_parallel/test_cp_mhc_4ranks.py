@@ -4,7 +4,7 @@ single-rank run. GPT at CP=2 (x DP=2), CP=2 x PP=2 and CP=2 x TP=2 with sequence
 Hybrid (rotary positions, learned contraction) at CP=2 x PP=2 with MTP; each with Sinkhorn and
 birkhoff H_res. Every run also checks the mHC statistics against the single rank's: at 16
 tokens a CP=2 rank holds chunks of 4, so the 8 sampled positions lie on both CP ranks (and on
-two TP ranks' SP slices). Pipelined runs also check that every P2P tensor is [s/cp (/tp under
+two TP ranks' SP slices); mhc_variant deepseek-v4 and glm5 at CP=2 x PP=2. Pipelined runs also check that every P2P tensor is [s/cp (/tp under
 SP), b, n*h]. A negative control shows the harness catches wrong global positions."""
 
 import pytest
@@ -36,8 +36,8 @@ PER_TOKEN = dict(calculate_per_token_loss=True)
 SMALL = dict(steps=2, num_layers=2, global_batch_size=4)
 
 
-def cp_plan(method: str = "sinkhorn", **layout):
-    overrides = dict(PER_TOKEN, mhc_h_res_method=method)
+def cp_plan(method: str = "sinkhorn", variant: str = "megatron", **layout):
+    overrides = dict(PER_TOKEN, mhc_h_res_method=method, mhc_variant=variant)
     return mhc_plan(config_overrides=overrides, **SMALL, **layout)
 
 
@@ -49,8 +49,18 @@ def cp_plan(method: str = "sinkhorn", **layout):
         ("sinkhorn", dict(cp=2, tp=2, sequence_parallel=True)),
         ("birkhoff", dict(cp=2, pp=2)),
         ("birkhoff", dict(cp=2, tp=2, sequence_parallel=True)),
+        ("sinkhorn", dict(cp=2, pp=2, variant="deepseek-v4")),
+        ("sinkhorn", dict(cp=2, pp=2, variant="glm5")),
     ],
-    ids=["cp2_dp2", "cp2_pp2", "cp2_tp2_sp", "birkhoff_cp2_pp2", "birkhoff_cp2_tp2_sp"],
+    ids=[
+        "cp2_dp2",
+        "cp2_pp2",
+        "cp2_tp2_sp",
+        "birkhoff_cp2_pp2",
+        "birkhoff_cp2_tp2_sp",
+        "cp2_pp2_deepseek_v4",
+        "cp2_pp2_glm5",
+    ],
 )
 def test_gpt_mhc_context_parallel_matches_reference(monkeypatch, method, layout):
     plan = cp_plan(method, **layout)

@@ -50,6 +50,15 @@ def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatc
     assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
 
 
+@pytest.mark.parametrize("variant", ["deepseek-v4", "glm5"])
+def test_pp2_vpp2_interleaved_variant_matches_reference(monkeypatch, variant):
+    """mhc_variant's maps on every virtual stage (deepseek-v4's learned head on the last)."""
+    plan = mhc_plan(pp=2, vpp=2, steps=2, config_overrides=dict(mhc_variant=variant))
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc_and_stats(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
 def test_pp2_standalone_embedding_and_loss_stages_match_reference(monkeypatch):
     """Layout E|tt|tt|L: rank 0's first chunk only embeds (and expands), rank 1's last chunk
     only contracts, normalises and computes the loss."""

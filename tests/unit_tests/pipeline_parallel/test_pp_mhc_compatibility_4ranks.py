@@ -1,6 +1,7 @@
 """mHC under pipeline parallelism on 4 ranks: PP=4, and TP=2 x PP=2 (x VPP=2) with sequence
 parallelism (the exchanged sequence is divided by TP); TP=2 x PP=2 runs mHC-lite's birkhoff
-H_res, the others Sinkhorn."""
+H_res, the others Sinkhorn; mhc_variant deepseek-v4 at DP=2 x PP=2 with the distributed optimizer
+and at PP=4 under ZB-H1, glm5 at TP=2 x PP=2."""
 
 import pytest
 from mhc_pipeline_cases import (
@@ -25,8 +26,19 @@ pytestmark = [
         dict(tp=2, pp=2, sequence_parallel=True, h_res_method="birkhoff"),
         dict(tp=2, pp=2, vpp=2, sequence_parallel=True),
         dict(tp=2, pp=2, sequence_parallel=True, variant="glm5"),
+        # Each DP rank reduces and steps its own shard of the variant's weights.
+        dict(pp=2, use_distributed_optimizer=True, variant="deepseek-v4"),
+        # ZB-H1's deferred weight gradients, the learned head's on the last stage among them.
+        dict(pp=4, schedule="zb-h1", global_batch_size=16, steps=1, variant="deepseek-v4"),
     ],
-    ids=["pp4", "tp2_pp2_sp_birkhoff", "tp2_pp2_vpp2_sp", "tp2_pp2_sp_glm5"],
+    ids=[
+        "pp4",
+        "tp2_pp2_sp_birkhoff",
+        "tp2_pp2_vpp2_sp",
+        "tp2_pp2_sp_glm5",
+        "dp2_pp2_distopt_deepseek_v4",
+        "pp4_zb_h1_deepseek_v4",
+    ],
 )
 def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layout):
     layout = dict(layout)
