@@ -41,7 +41,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,6 +176,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
+        assert recipe.entry is not None  # a recipe without one fails validation
         head = [
             sys.executable,
             "-m",
@@ -579,6 +580,7 @@ def _run_phases(
             from megatron_ext.runs import trace as run_trace
 
             env.update(run_trace.environment(run_dir))
+        assert recipe.entry is not None  # preflight refused a recipe without one
         job = local.LocalJob(
             module=recipe.entry,
             args=phase.args,
@@ -696,7 +698,7 @@ def resume_run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trust_pickle: bool = False,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
     overrides applied) from its latest complete checkpoint, in a new segment of the run.
@@ -732,6 +734,7 @@ def resume_run(
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
+    assert resolved is not None  # None only for a finished run, refused above
     loaded = LoadedRecipe(
         resolved.recipe,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
@@ -839,6 +842,7 @@ def finalize(
     golden = None
     if write_golden:
         if all(r.passed for r in reports):
+            assert golden_path is not None  # run() refuses --write-golden without one
             met.write_golden(golden_path, run_metrics, names)
             echo(f"  golden values written: {golden_path}")
         else:
