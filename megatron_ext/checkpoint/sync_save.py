@@ -41,6 +41,7 @@ def results_queue_for_sync_saves(original: Callable[..., Any]) -> Callable[..., 
             return queue.Queue()
         return original(*args, **kwargs)
 
-    get_write_results_queue.__wrapped__ = original
+    # a function takes attributes; mypy's type for a def has no __wrapped__
+    get_write_results_queue.__wrapped__ = original  # type: ignore[attr-defined]
     get_write_results_queue.__doc__ = results_queue_for_sync_saves.__doc__
     return get_write_results_queue

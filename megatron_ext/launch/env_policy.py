@@ -17,6 +17,7 @@ that import, run or relocate code), ld.so(8) (LD_* and the audit/preload interfa
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from megatron_ext.errors import Problem
 
@@ -66,7 +67,7 @@ def loads_code(key: object) -> bool:
 
 
 def env_problems(
-    env: Mapping[object, object], allowed: Iterable[str] = (), where: str = "launch.env"
+    env: Mapping[Any, Any], allowed: Iterable[str] = (), where: str = "launch.env"
 ) -> list[Problem]:
     """A problem for each key of ``env`` that loads code and was not allowed with
     ``--allow-env KEY``, and for each key or value holding a NUL."""

@@ -198,6 +198,7 @@ def _check_model(r: Recipe, add) -> None:
 def _check_hybrid_pattern(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
     pattern = m.hybrid_layer_pattern
+    assert pattern is not None  # _check_model calls this only when the pattern is set
     segments, mtp = hybrid_segments(pattern)
     bad = sorted(
         {ch for ch in pattern.replace("|", "").replace("/", "") if ch not in HYBRID_SYMBOLS}

@@ -8,7 +8,8 @@ It reads only the recipe; the checks that a recipe can fail are in
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.schedules.schedule import ONE_F_ONE_B
@@ -37,6 +38,12 @@ def _number(value: Any) -> str:
     return str(value)
 
 
+@overload
+def path_for_ranks(loaded: LoadedRecipe, text: str) -> str: ...
+@overload
+def path_for_ranks(loaded: LoadedRecipe, text: None) -> None: ...
+@overload
+def path_for_ranks(loaded: LoadedRecipe, text: str | None) -> str | None: ...
 def path_for_ranks(loaded: LoadedRecipe, text: str | None) -> str | None:
     """A data or tokenizer path as the ranks get it: ``${VAR}``/``${VAR:-default}`` filled,
     relative to the recipe's directory (left as written when a variable is unset: the
@@ -65,7 +72,7 @@ def _blend_words(loaded: LoadedRecipe, entries: list[str]) -> list[str]:
     return [w for ws in words for w in ws[:-1] + [path_for_ranks(loaded, ws[-1])] if ws]
 
 
-def megatron_args(loaded: LoadedRecipe, extra: list[str] = ()) -> list[str]:
+def megatron_args(loaded: LoadedRecipe, extra: Sequence[str] = ()) -> list[str]:
     """The flags every rank's ``python -m ENTRY`` receives for this recipe (one run; the
     ckpt-resume phases append :func:`save_args` / :func:`load_args`)."""
     r = loaded.recipe

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,6 +300,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
         if delete:
             node.pop(parts[-1], None)
             continue
+        assert value_text is not None  # None only for ~KEY, handled above
         try:
             value = _override_value(parts, value_text)
             # A mapping merges into the mapping already there, as Hydra's overrides do
@@ -377,7 +379,7 @@ def fold_mhc_flag_aliases(data: dict) -> tuple[dict, list[Problem]]:
 
 
 def resolve(
-    raw: Any, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()
+    raw: Any, platform: str = DEFAULT_PLATFORM, overrides: Sequence[str] = ()
 ) -> tuple[Recipe, list[Problem]]:
     """Platform overlay, overrides and schema over a parsed recipe mapping."""
     if not isinstance(raw, dict):
@@ -441,7 +443,7 @@ def resolve(
 
 
 def load(
-    path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: list[str] = ()
+    path: str | Path, platform: str = DEFAULT_PLATFORM, overrides: Sequence[str] = ()
 ) -> LoadedRecipe:
     """Read, overlay, override and type-check a recipe file; RecipeError lists every problem."""
     path = Path(path)

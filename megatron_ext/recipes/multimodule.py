@@ -19,6 +19,7 @@ without starting anything, what the plan accepts but the entry
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from megatron_ext.multimodule.plan import ModulePlan, MultiModulePlan
 from megatron_ext.recipes.loader import load
@@ -100,7 +101,7 @@ def num_microbatches(recipe: Recipe, plan: MultiModulePlan) -> int:
 
 
 def validate_recipe(
-    path: str, overrides: list[str] = (), world_size: int | None = None
+    path: str, overrides: Sequence[str] = (), world_size: int | None = None
 ) -> list[str]:
     """Every problem of a multimodule recipe file, found without starting anything."""
     try:

@@ -526,7 +526,8 @@ def field_type(path: str) -> Any:
     for part in split_path(path):
         tp = _strip_optional(tp)
         if dataclasses.is_dataclass(tp):
-            hints = _hints(tp)
+            # is_dataclass also admits instances; a schema annotation is always the class
+            hints = _hints(typing.cast(type, tp))
             if part not in hints:
                 raise KeyError(part)
             tp = hints[part]
@@ -584,7 +585,8 @@ def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:
         problems.append(Problem(where, f"must be {_type_name(tp)}, got null"))
         return None
     if dataclasses.is_dataclass(tp):
-        return _build_dataclass(tp, value, where, problems)
+        # is_dataclass also admits instances; a schema annotation is always the class
+        return _build_dataclass(typing.cast(type, tp), value, where, problems)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -659,7 +661,8 @@ def documented_fields(cls: type = Recipe, prefix: str = "") -> list[tuple[str, s
         tp = _hints(cls)[f.name]
         inner = _strip_optional(tp)
         if dataclasses.is_dataclass(inner):
-            rows.extend(documented_fields(inner, path + "."))
+            # is_dataclass also admits instances; a schema annotation is always the class
+            rows.extend(documented_fields(typing.cast(type, inner), path + "."))
             continue
         rows.append((path, _type_name(tp), getattr(instance, f.name), f.metadata.get("doc", "")))
     return rows

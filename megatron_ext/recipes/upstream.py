@@ -184,7 +184,9 @@ def golden_files(case_dir: Path) -> dict[str, list[str]]:
             found.setdefault(match["platform"], []).append(path.name)
 
     def rank(name: str) -> int:
-        env = GOLDEN_FILE.match(name)["env"]
+        match = GOLDEN_FILE.match(name)
+        assert match is not None  # only names GOLDEN_FILE matched were collected
+        env = match["env"]
         return (
             PREFERRED_ENVIRONMENTS.index(env)
             if env in PREFERRED_ENVIRONMENTS

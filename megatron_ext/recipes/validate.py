@@ -334,6 +334,7 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     if result.problems or not megatron_checks:
         return result
     module = entry if entry_importable(entry) else FALLBACK_ENTRY
+    assert module is not None  # gpt and hybrid always have a default entry
     if module != entry:
         result.notes.append(f"Megatron's checks used {module}'s arguments instead")
     result.problems += megatron_problems(loaded, module, result.notes)
@@ -526,12 +527,12 @@ def argv_problems(
                 try:
                     args = megatron_arguments.parse_args(extra)
                 except SystemExit:
-                    message = [line for line in sink.getvalue().splitlines() if "error:" in line]
+                    errors = [line for line in sink.getvalue().splitlines() if "error:" in line]
                     return [
                         Problem(
                             stage,
-                            _with_close_flags(message[-1].split("error:", 1)[1].strip(), provider)
-                            if message
+                            _with_close_flags(errors[-1].split("error:", 1)[1].strip(), provider)
+                            if errors
                             else "Megatron's parser rejected the command line",
                         )
                     ]

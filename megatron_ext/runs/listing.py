@@ -185,7 +185,7 @@ def shown_recipe(r: RunInfo) -> str:
 
 
 def table(runs: list[RunInfo]) -> list[str]:
-    rows = [("NAME", "RECIPE", "STATUS", "STEPS", "LAST LOSS", "WHEN")]
+    rows: list[tuple[str, ...]] = [("NAME", "RECIPE", "STATUS", "STEPS", "LAST LOSS", "WHEN")]
     for r in runs:
         steps = f"{r.steps if r.steps is not None else '-'}/{r.iterations or '?'}"
         loss = f"{r.last_loss:.6f}" if r.last_loss is not None else "-"

@@ -41,7 +41,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +177,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
+        assert recipe.entry is not None  # a recipe without one fails validation
         head = [
             sys.executable,
             "-m",
@@ -587,6 +588,7 @@ def _run_phases(
             from megatron_ext.runs import trace as run_trace
 
             env.update(run_trace.environment(run_dir))
+        assert recipe.entry is not None  # preflight refused a recipe without one
         job = local.LocalJob(
             module=recipe.entry,
             args=phase.args,
@@ -717,7 +719,7 @@ def resume_run(
     megatron_checks: bool = True,
     echo: Echo = _default_echo,
     trust_pickle: bool = False,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     allow_env: tuple[str, ...] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
@@ -786,6 +788,8 @@ def _resume_in(
                 f"{run_dir}: the run already finished (status {status}); to train it further, "
                 "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
             )
+        # resolved is None only for a finished run without overrides, refused just above
+        assert resolved is not None
         before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
         env = resolved.recipe.launch.env
         try:  # secrets were never written there: the caller's environment has them
@@ -799,6 +803,7 @@ def _resume_in(
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
+    assert resolved is not None  # None only for a finished run, refused above
     loaded = LoadedRecipe(
         resolved.recipe,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
@@ -911,6 +916,7 @@ def finalize(
     golden = None
     if write_golden:
         if all(r.passed for r in reports):
+            assert golden_path is not None  # run() refuses --write-golden without one
             met.write_golden(golden_path, run_metrics, names)
             echo(f"  golden values written: {golden_path}")
         else:

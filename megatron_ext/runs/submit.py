@@ -78,6 +78,7 @@ def build_job(
         # a resumable job's restarts write below logs/ (the srun output names the segment)
         logs = run_dir / "logs" if resumable else phase.log_dir
         name = "train" if resumable else phase.name
+        assert recipe.entry is not None  # a recipe without one fails validation
         steps.append(slurm.Step(name, recipe.entry, phase.args, logs, before))
     job = slurm.SlurmJob(
         name=loaded.name,

@@ -104,7 +104,7 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
     ]
     measured = {i: measured_timeline(events, i).bubble() for i in trained}
     steady = trained[1:] or trained  # the first iteration also warms up allocators and caches
-    entry = {
+    entry: dict[str, Any] = {
         "trace": "trace.json",
         "timeline": "timeline.png",
         "iterations_traced": len(trained),
