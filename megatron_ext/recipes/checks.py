@@ -27,6 +27,7 @@ from megatron_ext.recipes.schema import (
     hybrid_segments,
     layout_stages,
 )
+from megatron_ext.recipes.upstream import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.schedules.schedule import ZB_H1
 
 KNOWN_METRICS = (
@@ -184,6 +185,8 @@ def _check_model(r: Recipe, add) -> None:
     if m.num_experts is not None and m.num_experts % p.ep:
         add("model.num_experts", f"{m.num_experts} experts do not split over ep={p.ep}")
     _check_probabilities(r, add)
+    _check_attention_variant(r, add)
+    _check_layer_lists(r, add)
     mhc = m.mhc
     if mhc.enabled:
         _check_mhc_extra_args(r, add)
@@ -289,6 +292,9 @@ def _check_parallel_plan(r: Recipe, add) -> None:
                     f"places {sum(s.count('m') for s in stages)} MTP "
                     f"layers ('m'), but mtp_num_layers is {m.mtp_num_layers}",
                 )
+        elif pipeline_split_flags(r.extra_args):
+            if split_problem := accounted_split_problem(r):
+                add("model.num_layers", split_problem)
         else:
             if layers_problem := plan.layers_problem(m.num_layers):
                 add("model.num_layers", layers_problem)
@@ -394,6 +400,79 @@ def _check_mhc_extra_args(r: Recipe, add) -> None:
                 "mHC layers are not qualified with CUDA graphs (their static inputs would be "
                 "single-stream); remove it",
             )
+
+
+def pipeline_split_flags(extra_args: dict) -> list[str]:
+    """The accounting flags a recipe sets (they count as a layer each in the split)."""
+    return [flag for flag in PIPELINE_SPLIT_FLAGS if extra_args.get(flag) not in (None, False)]
+
+
+def accounted_split_problem(r: Recipe) -> str | None:
+    """Why the layers do not split with the embedding/loss counted as layers (None when they
+    do). megatron-core 0.19.2 (TransformerConfig.__post_init__) adds one layer per flag, needs
+    the sum divisible by pp and, with virtual stages, each stage's share divisible by vpp; the
+    first/last stage then build one layer fewer (transformer_block.get_num_layers_to_build)."""
+    p = r.parallelism
+    flags = pipeline_split_flags(r.extra_args)
+    counted = (r.model.num_layers or 0) + len(flags)
+    vpp = p.vpp or 1
+    what = " and ".join(PIPELINE_SPLIT_FLAGS[f] for f in flags)
+    if counted % p.pp == 0 and (counted // p.pp) % vpp == 0:
+        return None
+    return (
+        f"{r.model.num_layers} layers + {len(flags)} for {what} ({', '.join(flags)}) = "
+        f"{counted} do not split over pp({p.pp}) * vpp({vpp}) = {p.pp * vpp} model chunks "
+        "(megatron counts them as layers): make num_layers + "
+        f"{len(flags)} a multiple of {p.pp * vpp}"
+    )
+
+
+# megatron-core 0.19.2's experimental attention variants (TransformerConfig.
+# experimental_attention_variant); both build their layers from Transformer Engine modules
+# (core/models/gpt/experimental_attention_variant_module_specs.py).
+ATTENTION_VARIANTS = {"gated_delta_net": "gated delta net", "dsa": "DeepSeek sparse attention"}
+
+
+def _check_layer_lists(r: Recipe, add) -> None:
+    """A per-layer list (``--moe-layer-freq "([0]+[1]*3)"``) has one entry per layer
+    (megatron-core 0.19.2 asserts it when it builds the layers)."""
+    layers = r.model.num_layers
+    if r.model.type != "gpt" or not layers:
+        return
+    for flag in PATTERN_LIST_FLAGS:
+        entries = layer_list(r.extra_args.get(flag))
+        if entries is not None and len(entries) != layers:
+            add(
+                f"extra_args.{flag}",
+                f"lists {len(entries)} layers but model.num_layers is {layers}: give one "
+                "entry per layer",
+            )
+
+
+def _check_attention_variant(r: Recipe, add) -> None:
+    variant = r.extra_args.get("--experimental-attention-variant")
+    if variant in (None, False):
+        return
+    where = "extra_args.--experimental-attention-variant"
+    if variant not in ATTENTION_VARIANTS:
+        add(
+            where,
+            f"{variant!r} does not exist in megatron-core 0.19.2 (it has "
+            f"{', '.join(ATTENTION_VARIANTS)}): the case needs a newer Megatron-LM",
+        )
+        return
+    if r.launch.device == "cpu" or importlib.util.find_spec("transformer_engine") is None:
+        add(
+            where,
+            f"{variant!r} ({ATTENTION_VARIANTS[variant]}) layers need Transformer Engine"
+            + (" and a GPU; they do not run on CPU" if r.launch.device == "cpu" else "")
+            + (
+                ", which this machine lacks"
+                if importlib.util.find_spec("transformer_engine") is None
+                else ""
+            )
+            + ": remove the flag, or run on a GPU platform with transformer_engine installed",
+        )
 
 
 def _check_context_parallel(r: Recipe, add) -> None:

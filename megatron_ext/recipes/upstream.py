@@ -33,6 +33,7 @@ listed in the notes that ``validate``/``run`` print.
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import math
@@ -123,6 +124,22 @@ PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 MHC_FLAGS = {
     flag: alias.recipe_field for alias in MHC_ALIASES for flag in (alias.dev_flag, alias.main_flag)
 }
+
+# The hybrid pattern flag in both spellings: megatron-core 0.19.2 reads the deprecated
+# --hybrid-override-pattern as --hybrid-layer-pattern (training/arguments.py, validate_args).
+HYBRID_PATTERN_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+
+# Flags that count the embedding / the loss as one more layer when the layers are split over
+# the pipeline stages (megatron-core 0.19.2, TransformerConfig.__post_init__ and
+# transformer_block.get_num_layers_to_build).
+PIPELINE_SPLIT_FLAGS = {
+    "--account-for-embedding-in-pipeline-split": "the embedding",
+    "--account-for-loss-in-pipeline-split": "the loss",
+}
+
+# Flags whose value is a per-layer list expression ("([0]+[1]*3)"; megatron-core 0.19.2's
+# training/arguments.py moe_freq_type / la_freq_type): one value, one entry per layer.
+PATTERN_LIST_FLAGS = ("--moe-layer-freq", "--linear-attention-freq")
 
 # Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory
 # counters of the CUDA allocator): the cpu overlay leaves them out.
@@ -333,7 +350,9 @@ def model_args_to_sections(
                 )
             )
             continue
-        value = _listed(_substitute(raw_value, flag, env, conversion.unresolved))
+        value = _substitute(raw_value, flag, env, conversion.unresolved)
+        if flag not in PATTERN_LIST_FLAGS:  # a per-layer list is one value, never split
+            value = _listed(value)
         if value is None or value is False:
             continue  # an unset flag: the field's (or Megatron's) default
         if flag in MHC_FLAGS:
@@ -348,12 +367,14 @@ def model_args_to_sections(
             layers_per_virtual_stage = _integer(value, where, conversion)
         elif flag == "--group-query-attention":
             continue  # implied by model.num_query_groups
-        elif flag == "--hybrid-layer-pattern":
+        elif flag in HYBRID_PATTERN_FLAGS:
             _set(data, "model.type", "hybrid")
             _set(data, "model.hybrid_layer_pattern", value)
-        elif flag == "--num-layers" and (
-            args.get("--hybrid-layer-pattern") or case.startswith("hybrid")
-        ):
+            if flag != "--hybrid-layer-pattern":
+                notes.append(f"{flag} -> model.hybrid_layer_pattern (its deprecated spelling)")
+        elif flag == "--is-hybrid-model":
+            continue  # the pattern flag makes the model hybrid
+        elif flag == "--num-layers" and any(args.get(f) for f in HYBRID_PATTERN_FLAGS):
             continue  # a hybrid model's layers come from its pattern
         elif flag in FIELD_FLAGS:
             path, field_value = _field_value(flag, value)
@@ -485,9 +506,20 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     tp = _get(cpu, "parallelism.tp", 1)
     layers = _get(cpu, "model.num_layers")
     if _get(cpu, "model.type") == "gpt" and layers and not _get(cpu, "model.pipeline_layout"):
-        target = 2 * pp * vpp
+        # The embedding/loss counted as layers in the split take a layer's place each.
+        counted = [f for f in PIPELINE_SPLIT_FLAGS if _get(cpu, f"extra_args.{f}")]
+        target = 2 * pp * vpp - len(counted)
         if layers > target:
-            change("model.num_layers", target, f"two per model chunk (pp {pp} x vpp {vpp})")
+            change(
+                "model.num_layers",
+                target,
+                f"two per model chunk (pp {pp} x vpp {vpp})"
+                + (f", {', '.join(counted)} counted as layers" if counted else ""),
+            )
+    new_layers = _get(cpu, "model.num_layers")
+    if layers and new_layers != layers:
+        for flag in PATTERN_LIST_FLAGS:
+            changes += _shrunk_layer_list(cpu.get("extra_args", {}), flag, layers, new_layers)
     if (_get(cpu, "model.hidden_size") or 0) > CPU["hidden_size"]:
         change("model.hidden_size", CPU["hidden_size"], "CPU size")
     heads = max(CPU["num_attention_heads"], tp)
@@ -576,6 +608,69 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     if "--moe-grouped-gemm" in dropped:
         changes += _without_moe_act_recompute(cpu.get("extra_args", {}))
     return cpu, changes
+
+
+def layer_list(text: Any) -> list[int] | None:
+    """The per-layer list a ``--moe-layer-freq`` expression stands for ("([0]*1+[1]*3)*2",
+    "[0,1,1]"), None for a plain number or anything else. Read from its syntax tree: only
+    list displays of integers, ``+`` and ``*`` are understood; nothing is evaluated."""
+    if not isinstance(text, str) or "[" not in text:
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(item) for item in node.elts]
+            if all(isinstance(item, int) for item in items):
+                return items  # type: ignore[return-value]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                count = right if isinstance(left, list) else left
+                if isinstance(count, int) and 0 <= count <= 100_000:
+                    return (left if isinstance(left, list) else right) * count
+        raise ValueError(ast.dump(node)[:40])
+
+    try:
+        result = value(tree)
+    except (ValueError, RecursionError):
+        return None
+    return result if isinstance(result, list) else None
+
+
+def layer_list_text(layers: list[int]) -> str:
+    """A per-layer list in upstream's run-length spelling: [0, 1, 1] -> "([0]*1+[1]*2)"."""
+    runs: list[list[int]] = []
+    for entry in layers:
+        if runs and runs[-1][0] == entry:
+            runs[-1][1] += 1
+        else:
+            runs.append([entry, 1])
+    return "(" + "+".join(f"[{entry}]*{count}" for entry, count in runs) + ")"
+
+
+def _shrunk_layer_list(extra: dict, flag: str, layers: int, new_layers: int) -> list[str]:
+    """A per-layer list of ``layers`` entries shrunk with the model to ``new_layers``: layer i
+    of the CPU model takes the entry of layer i * layers // new_layers (the first layer's and
+    the spread of the others kept); a list of another length is left for validate to refuse."""
+    old = layer_list(extra.get(flag))
+    if old is None or len(old) != layers:
+        return []
+    new = [old[i * layers // new_layers] for i in range(new_layers)]
+    if 1 in old and 1 not in new:  # keep at least one layer of the kind the list marks
+        new[-1] = 1
+    extra[flag] = layer_list_text(new)
+    return [
+        f"extra_args.{flag}: {layers} entries -> {extra[flag]!r} (one per layer of the "
+        f"{new_layers}-layer CPU model)"
+    ]
 
 
 def _without_moe_act_recompute(extra: dict) -> list[str]:

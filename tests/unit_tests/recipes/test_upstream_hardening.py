@@ -144,3 +144,163 @@ def test_the_cpu_overlay_drops_what_only_dropped_flags_needed(tmp_path):
     assert any("left out moe_act" in n for n in loaded.notes)
     gpu = load(write_case(tmp_path, args), "dgx_h100").recipe.extra_args
     assert "moe_act" in gpu["--recompute-modules"] and gpu["--moe-grouped-gemm"] is True
+
+
+# ---- attention variants (issue 33, items 6 and 7) ----------------------------------------------
+def _variant_recipe(write_recipe, variant, device="cpu"):
+    return load(
+        write_recipe(
+            "version: 1\n"
+            "model: {type: gpt, num_layers: 2, hidden_size: 32, num_attention_heads: 4, "
+            "seq_length: 16}\n"
+            f"launch: {{device: {device}}}\n"
+            f"extra_args: {{--experimental-attention-variant: {variant}}}\n"
+        )
+    )
+
+
+def test_te_only_attention_variants_are_refused_on_cpu(write_recipe):
+    for variant in ("gated_delta_net", "dsa"):
+        problems = [str(p) for p in plan_problems(_variant_recipe(write_recipe, variant))]
+        assert any(
+            p.startswith(f"extra_args.--experimental-attention-variant: {variant!r}")
+            and "need Transformer Engine" in p
+            and "do not run on CPU" in p
+            for p in problems
+        ), problems
+
+
+def test_te_only_attention_variants_without_te_are_refused_on_gpu(write_recipe, monkeypatch):
+    from megatron_ext.recipes import checks
+
+    real = checks.importlib.util.find_spec
+    monkeypatch.setattr(
+        checks.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformer_engine" else real(name, *a),
+    )
+    recipe = _variant_recipe(write_recipe, "gated_delta_net", device="gpu")
+    problems = [str(p) for p in plan_problems(recipe)]
+    assert any("need Transformer Engine, which this machine lacks" in p for p in problems)
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name, *a: object())
+    problems = [str(p) for p in plan_problems(recipe)]
+    assert not any("--experimental-attention-variant" in p for p in problems), problems
+
+
+def test_an_attention_variant_megatron_core_lacks_is_named(tmp_path):
+    """A DeepSeek-V4-style hybrid case (written here: pattern, spec and variant flags)."""
+    case = tmp_path / "hybrid" / "hybrid_v4_like"
+    case.mkdir(parents=True)
+    args = {
+        "--hidden-size": 64,
+        "--num-attention-heads": 4,
+        "--hybrid-layer-pattern": "*-*-",
+        "--experimental-attention-variant": "dsv4_hybrid",
+        "--seq-length": 32,
+        "--max-position-embeddings": 32,
+        "--micro-batch-size": 2,
+        "--global-batch-size": 8,
+        "--train-iters": 8,
+        "--mock-data": True,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 128,
+    }
+    path = case / "model_config.yaml"
+    path.write_text(yaml.safe_dump({"MODEL_ARGS": args, "TEST_TYPE": "regular"}))
+    problems = [str(p) for p in plan_problems(load(path))]
+    assert (
+        "extra_args.--experimental-attention-variant: 'dsv4_hybrid' does not exist in "
+        "megatron-core 0.19.2 (it has gated_delta_net, dsa): the case needs a newer Megatron-LM"
+    ) in problems, problems
+
+
+# ---- hybrid cases with the deprecated pattern flag (issue 33, item 7) --------------------------
+def test_a_case_with_the_override_pattern_imports_as_hybrid(tmp_path):
+    case = tmp_path / "hybrid" / "hybrid_flex_like"
+    case.mkdir(parents=True)
+    args = {
+        "--num-layers": 4,
+        "--hidden-size": 64,
+        "--num-attention-heads": 4,
+        "--hybrid-override-pattern": "*-*-",
+        "--is-hybrid-model": True,
+        "--seq-length": 32,
+        "--max-position-embeddings": 32,
+        "--micro-batch-size": 2,
+        "--global-batch-size": 8,
+        "--train-iters": 8,
+        "--mock-data": True,
+        "--tokenizer-type": "NullTokenizer",
+        "--vocab-size": 128,
+    }
+    path = case / "model_config.yaml"
+    path.write_text(yaml.safe_dump({"MODEL_ARGS": args, "TEST_TYPE": "regular"}))
+    conversion = _convert(path)
+    assert conversion.problems == []
+    model = conversion.recipe["model"]
+    assert model["type"] == "hybrid" and model["hybrid_layer_pattern"] == "*-*-", model
+    extra = conversion.recipe["extra_args"]
+    assert "--hybrid-override-pattern" not in extra and "--is-hybrid-model" not in extra
+    assert plan_problems(load(path)) == []
+
+
+# ---- per-layer MoE lists under the cpu overlay (issue 33, item 6) ------------------------------
+def test_the_cpu_overlay_shrinks_a_per_layer_moe_list_with_the_layers(tmp_path):
+    args = {"--num-layers": 12, "--num-experts": 4, "--moe-layer-freq": "([0]*1+[1]*11)"}
+    loaded = load(write_case(tmp_path, args))
+    assert loaded.recipe.model.num_layers == 4
+    assert loaded.recipe.extra_args["--moe-layer-freq"] == "([0]*1+[1]*3)"
+    assert plan_problems(loaded) == []
+    gpu = load(write_case(tmp_path, args), "dgx_h100").recipe
+    assert gpu.extra_args["--moe-layer-freq"] == "([0]*1+[1]*11)"
+
+
+def test_a_per_layer_list_of_another_length_is_refused(write_recipe):
+    path = write_recipe(
+        "version: 1\n"
+        "model: {type: gpt, num_layers: 4, hidden_size: 32, num_attention_heads: 4, "
+        "seq_length: 16, num_experts: 4}\n"
+        "extra_args: {--moe-layer-freq: '([1]*6)'}\n"
+    )
+    assert [str(p) for p in plan_problems(load(path))] == [
+        "extra_args.--moe-layer-freq: lists 6 layers but model.num_layers is 4: give one "
+        "entry per layer"
+    ]
+
+
+def test_layer_lists_are_read_never_evaluated():
+    assert upstream.layer_list("([1]*3+[0]*1)*2") == [1, 1, 1, 0] * 2
+    assert upstream.layer_list("[0,1,1]") == [0, 1, 1]
+    assert upstream.layer_list("2") is None
+    assert upstream.layer_list("[__import__('os').getpid()]") is None
+    assert upstream.layer_list("[1]*10**9") is None
+    assert upstream.layer_list_text([0, 1, 1, 0]) == "([0]*1+[1]*2+[0]*1)"
+
+
+# ---- the embedding/loss counted in the pipeline split (issue 33, item 7) -----------------------
+SPLIT = {
+    "--num-layers": 14,
+    "--tensor-model-parallel-size": 1,
+    "--pipeline-model-parallel-size": 4,
+    "--account-for-embedding-in-pipeline-split": True,
+    "--account-for-loss-in-pipeline-split": True,
+}
+
+
+def test_layers_split_with_the_embedding_and_loss_counted(tmp_path):
+    """14 layers + embedding + loss = 16 over pp 4, as megatron-core 0.19.2 counts them."""
+    gpu = load(write_case(tmp_path, SPLIT), "dgx_h100")
+    assert not any(p.where == "model.num_layers" for p in plan_problems(gpu)), plan_problems(gpu)
+    cpu = load(write_case(tmp_path, SPLIT))
+    assert cpu.recipe.model.num_layers == 6  # + 2 counted = 8: two per stage
+    assert not any(p.where == "model.num_layers" for p in plan_problems(cpu))
+
+
+def test_a_split_that_does_not_count_out_names_the_flags(tmp_path):
+    args = {**SPLIT, "--account-for-loss-in-pipeline-split": False}
+    problems = [str(p) for p in plan_problems(load(write_case(tmp_path, args), "dgx_h100"))]
+    assert (
+        "model.num_layers: 14 layers + 1 for the embedding "
+        "(--account-for-embedding-in-pipeline-split) = 15 do not split over pp(4) * vpp(1) = 4 "
+        "model chunks (megatron counts them as layers): make num_layers + 1 a multiple of 4"
+    ) in problems, problems
