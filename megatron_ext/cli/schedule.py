@@ -18,6 +18,11 @@ def _time(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+def _count(number: int) -> str:
+    """A count for a message: 1e308 / 2 is a 300-digit number (issue 34, item 17)."""
+    return str(number) if number < 10**9 else "over 10**9"
+
+
 SIZE_FLAGS = ("mhc_streams", "hidden", "seq", "micro_batch_size", "dtype_bytes")
 
 
@@ -121,7 +126,7 @@ def _size_problem(plan, costs) -> str | None:
     times = costs.describe(plan.schedule == "zb-h1")
     if (width := columns_per_step(plan, costs)) > MAX_COLUMNS_PER_STEP:
         return (
-            f"step times {times} make one step {width} grid columns wide (more than "
+            f"step times {times} make one step {_count(width)} grid columns wide (more than "
             f"{MAX_COLUMNS_PER_STEP}): use times in small whole ratios, such as --forward-time 1 "
             "--backward-time 2 --weight-time 1"
         )
@@ -129,7 +134,7 @@ def _size_problem(plan, costs) -> str | None:
     if cells > MAX_GRID_CELLS:
         return (
             f"--pp {plan.pp} x --microbatches {plan.microbatches} with step times {times} make a "
-            f"grid of about {cells} cells, more than the {MAX_GRID_CELLS} this tool draws: try "
+            f"grid of about {_count(cells)} cells, more than the {MAX_GRID_CELLS} this tool draws: try "
             "fewer stages or micro-batches"
         )
     return None

@@ -139,7 +139,13 @@ def build_tokenizer(args: argparse.Namespace):
     from megatron_ext.data.tokenizer_files import offline
 
     try:
-        with offline(args.tokenizer_model):  # a local directory needs no hub (nor its retries)
+        # local files need no hub (nor its retries)
+        with offline(
+            args.tokenizer_model,
+            args.tokenizer_type,
+            getattr(args, "vocab_file", None),
+            getattr(args, "merge_file", None),
+        ):
             tokenizer = build(tokenizer_namespace(args))
     except Exception as e:  # megatron wraps every library's failure differently
         message = " ".join(str(e).split())

@@ -36,11 +36,30 @@ def is_local(model: str | None) -> bool:
     return bool(model) and Path(str(model)).exists()
 
 
+def gpt2_files_local(tokenizer_type: str, vocab_file: str | None, merge_file: str | None) -> bool:
+    """GPT2BPETokenizer with both files local and ``gpt2``'s configuration in the HuggingFace
+    cache: megatron's MegatronHFTokenizer reads only that configuration from the hub, so the
+    hub can stay off (its offline retries took 50-60 s; issue 34, item 12)."""
+    from megatron_ext.data.checks import hub_cached
+
+    return (
+        tokenizer_type == "GPT2BPETokenizer"
+        and is_local(vocab_file)
+        and is_local(merge_file)
+        and hub_cached("gpt2")
+    )
+
+
 @contextlib.contextmanager
-def offline(model: str | None) -> Iterator[None]:
+def offline(
+    model: str | None,
+    tokenizer_type: str = "",
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> Iterator[None]:
     """The HuggingFace hub switched off while a local tokenizer is built (it reads the switch
     from the environment at import, so an imported hub client is switched too)."""
-    if not is_local(model):
+    if not (is_local(model) or gpt2_files_local(tokenizer_type, vocab_file, merge_file)):
         yield
         return
     saved = {name: os.environ.get(name) for name in OFFLINE_VARIABLES}
@@ -61,9 +80,17 @@ def offline(model: str | None) -> Iterator[None]:
             constants.HF_HUB_OFFLINE = saved_constant
 
 
-def run_environment(tokenizer_type: str, model: str | None) -> dict[str, str]:
-    """Variables the ranks get: the hub off for a local HuggingFace tokenizer."""
-    if tokenizer_type == "HuggingFaceTokenizer" and is_local(model):
+def run_environment(
+    tokenizer_type: str,
+    model: str | None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> dict[str, str]:
+    """Variables the ranks get: the hub off for a local HuggingFace tokenizer, and for
+    GPT2BPETokenizer's local files when the hub's ``gpt2`` configuration is cached."""
+    if (tokenizer_type == "HuggingFaceTokenizer" and is_local(model)) or gpt2_files_local(
+        tokenizer_type, vocab_file, merge_file
+    ):
         return dict.fromkeys(OFFLINE_VARIABLES, "1")
     return {}
 

@@ -170,11 +170,22 @@ class Stall:
     limit_s: float
     where: str
     waiting: tuple[int, ...]
+    logged_step: int | None = None
+    """The last training step the ranks' logs show (their iteration lines), for a rank whose
+    heartbeat carries no step: a run that printed step 3 did not stall during start-up."""
+
+    @property
+    def at(self) -> str:
+        """Where training was: the heartbeat's step, else the logs' last step, else start-up."""
+        if self.step is not None:
+            return f"at step {self.step}"
+        if self.logged_step is not None:
+            return f"after step {self.logged_step} (the last iteration line in the logs)"
+        return "during start-up (before step 1)"
 
     def __str__(self) -> str:
-        at = f"at step {self.step}" if self.step is not None else "during start-up (before step 1)"
         text = (
-            f"rank {self.rank} stalled {at}: no progress on any rank for {self.idle_s:.0f} s "
+            f"rank {self.rank} stalled {self.at}: no progress on any rank for {self.idle_s:.0f} s "
             f"(stall limit {self.limit_s:.0f} s), its main thread in {self.where}"
         )
         if self.waiting:

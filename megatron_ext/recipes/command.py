@@ -250,7 +250,10 @@ def run_environment(loaded: LoadedRecipe) -> dict[str, str]:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"  # not 1 (the CPU runtime's default); inert
     tokenizer = loaded.recipe.data.tokenizer
     model = path_for_ranks(loaded, tokenizer.model)
-    env.update(tokenizer_files.run_environment(tokenizer.type, model))
+    vocab, merges = (
+        path_for_ranks(loaded, f) for f in (tokenizer.vocab_file, tokenizer.merge_file)
+    )
+    env.update(tokenizer_files.run_environment(tokenizer.type, model, vocab, merges))
     env.update({k: env_value(v) for k, v in loaded.recipe.launch.env.items()})
     return env
 

@@ -630,7 +630,7 @@ def _run_phases(
             what = (
                 f"timed out after {recipe.launch.timeout_s} s"
                 if result.timed_out
-                else f"rank {rank} stalled (no progress for {result.stall.idle_s:.0f} s)"
+                else f"rank {rank} stalled {result.stall.at} (no progress for {result.stall.idle_s:.0f} s)"
                 if result.stall
                 else reason or f"rank {rank} exited with {result.returncode}"
             )

@@ -184,10 +184,14 @@ def kind_of(plan: SchedulePlan) -> str:
     return "1F1B (forward_backward_pipelining_without_interleaving)"
 
 
+_CAP = 1e18  # a column or cell count beyond every limit: still a finite whole number
+
+
 def columns_per_step(plan: SchedulePlan, costs: Costs) -> int:
     """The widest step's columns in the grid."""
     split = plan.schedule == ZB_H1
-    return round(max(costs.step_times(split).values()) / costs.unit(split))
+    # capped: 1 over 1e-308 is infinite as a float (issue 34, item 17); far above any limit
+    return round(min(max(costs.step_times(split).values()) / costs.unit(split), _CAP))
 
 
 def grid_cells(plan: SchedulePlan, costs: Costs) -> int:
@@ -199,7 +203,7 @@ def grid_cells(plan: SchedulePlan, costs: Costs) -> int:
     chunks = max(plan.vpp or 1, 1)
     ranks = max(plan.pp, 1)
     row = (max(plan.microbatches, 1) * chunks + ranks * chunks) * per_microbatch
-    return math.ceil(ranks * row / costs.unit(split))
+    return math.ceil(min(ranks * row / costs.unit(split), _CAP))
 
 
 def report(

@@ -289,3 +289,54 @@ def test_workers_default_to_one(tmp_path, capsys):
     assert (tmp_path / "ids_text_document.idx").exists()
     help_text = build_parser()._subparsers._group_actions[0].choices["prepare-data"].format_help()
     assert "default 1" in " ".join(help_text.split())
+
+
+def test_gpt2_bpe_local_files_load_with_the_hub_off(tmp_path, monkeypatch):
+    """GPT2BPETokenizer with local vocab/merges and gpt2's configuration cached: built with the
+    hub off, no network connection is attempted (offline it spent 50-60 s on retries; issue 34
+    item 12); the ranks get the same switch."""
+    import argparse
+    import json
+    import socket
+
+    from megatron_ext.data import preprocess, tokenizer_files
+
+    snapshot = tmp_path / "hub" / "models--gpt2" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "hub" / "models--gpt2" / "refs" / "main").write_text("0" * 40)
+    (snapshot / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    (snapshot / "config.json").write_text('{"model_type": "gpt2"}')
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(
+        json.dumps({t: i for i, t in enumerate(["<|endoftext|>", "a", "b", "Ġ", "ab"])})
+    )
+    merges.write_text("#version: 0.2\na b\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for name in tokenizer_files.OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    attempts = []
+
+    def no_network(sock, address):
+        attempts.append(address)
+        raise OSError("the test allows no network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    # a machine without network fails at the name lookup, before any connect
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: no_network(None, host))
+    args = argparse.Namespace(
+        tokenizer_type="GPT2BPETokenizer",
+        tokenizer_model=None,
+        vocab_file=str(vocab),
+        merge_file=str(merges),
+        append_eod=True,
+        vocab_size=None,
+    )
+    tokenizer = preprocess.build_tokenizer(args)
+    assert tokenizer.tokenize("ab a") == [4, 3, 1] and tokenizer.eod == 0
+    assert attempts == [], f"network attempted: {attempts}"
+    env = tokenizer_files.run_environment("GPT2BPETokenizer", None, str(vocab), str(merges))
+    assert env == dict.fromkeys(tokenizer_files.OFFLINE_VARIABLES, "1")

@@ -70,3 +70,19 @@ def test_a_rank_that_failed_before_the_marker_is_named_by_its_last_log_line(tmp_
     ), summary
     (tmp_path / "rank-1.log").write_text("iteration 3 done\n")
     assert local.failure_summary(job, result).endswith("(no error reported in its log)")
+
+
+def test_a_ranks_own_refusal_is_named_by_its_last_log_line(tmp_path):
+    """A rank refuses with ``SystemExit("error: --load: ...")`` (megatron_ext.launch.training)
+    before the failure marker: the summary quotes it, not "no error reported" (issue 34 item 16)."""
+    job = local.LocalJob(module="m", args=[], nproc=2, log_dir=tmp_path)
+    (tmp_path / "rank-0.log").write_text("building...\n")
+    (tmp_path / "rank-1.log").write_text(
+        "error: --load: latest_checkpointed_iteration.txt says 99, but iter_0000099 is missing\n"
+    )
+    result = local.LaunchResult(returncode=1, failed_rank=1, seconds=1.0, rank_codes={0: 1, 1: 1})
+    summary = local.failure_summary(job, result)
+    assert summary.endswith(
+        "(its log ends: error: --load: latest_checkpointed_iteration.txt says 99, but "
+        "iter_0000099 is missing)"
+    ), summary

@@ -52,6 +52,17 @@ if mode == "stop":  # rank 1 stops itself (SIGSTOP) inside a communication call 
                 p2p_communication.stop_self() if rank == 1 else p2p_communication.recv()
 
     faults.run_failing_fast(work)
+if mode == "freeze":  # rank 0 prints three iteration lines (no heartbeat step), then stops
+    # itself (SIGSTOP); rank 1 waits on it in communication
+    from megatron_ext.launch import faults
+    import p2p_communication
+
+    def work():
+        for step in range(1, 4):
+            print(f" iteration {step}/40 | lm loss: 1.0E+00 |", flush=True)
+        p2p_communication.stop_self() if rank == 0 else p2p_communication.recv()
+
+    faults.run_failing_fast(work)
 if mode == "teardown":  # training finishes, then teardown outlasts the stall limit
     from megatron_ext.launch import faults
 
@@ -148,6 +159,18 @@ def test_a_stopped_rank_is_named_by_its_stale_heartbeat(job):
     assert "heartbeat stopped" in result.stall.where, result.stall
     assert all(code is not None for code in result.rank_codes.values()), "every rank stopped"
     print(f"stopped rank named in {time.monotonic() - start:.1f} s")
+
+
+def test_a_rank_frozen_after_step_3_is_not_reported_during_start_up(job):
+    """Rank 0 froze after its logs showed step 3 (issue 34 item 16): the stall names the step
+    from the iteration lines, never "during start-up"."""
+    result = local.launch(
+        job("freeze", stall_timeout_s=6.0, startup_timeout_s=6.0, timeout_s=120.0, grace_s=0.5)
+    )
+    assert result.stall is not None and result.stall.rank == 0, result.stall
+    summary = local.failure_summary(job("freeze"), result)
+    assert "start-up" not in summary, summary
+    assert summary.startswith("rank 0 stalled after step 3 (the last iteration line"), summary
 
 
 def test_a_rank_tearing_down_after_its_last_step_is_not_stalled(job):

@@ -168,3 +168,17 @@ def test_readme_shows_the_real_zb_h1_output(capsys):
     printed = "\n".join(line.rstrip() for line in capsys.readouterr().out.strip().splitlines())
     assert printed in readme
     assert (RECIPES.parent / "docs" / "schedule_zb_h1_pp4_m8.png").is_file()
+
+
+def test_extreme_step_times_are_one_short_line(capsys):
+    """1e308 printed a 309-digit column count; 1e-308 was an OverflowError (issue 34 item 17)."""
+    for argv in (
+        "--pp 2 --microbatches 4 --forward-time 1e308",
+        "--pp 2 --microbatches 4 --forward-time 1e-308",
+        "--pp 2 --microbatches 4 --forward-time 1e-308 --backward-time 1e308",
+        "--schedule zb-h1 --pp 2 --microbatches 4 --weight-time 1e-308",
+    ):
+        assert cli.main(["schedule", *argv.split()]) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "small whole ratios" in err, (argv, err)
+        assert len(err) < 300, (argv, err)
