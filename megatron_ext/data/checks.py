@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.data.tokenizer_files import hub_cached
 from megatron_ext.errors import MegatronExtError
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -66,18 +67,6 @@ def resolve_path(text: str, base_dir: Path) -> str:
     """A recipe's path with placeholders filled, relative ones made relative to ``base_dir``."""
     path = Path(expand(text)).expanduser()
     return str(path if path.is_absolute() else base_dir / path)
-
-
-def hub_cached(name: str) -> bool:
-    """Whether the HuggingFace cache has ``name``'s tokenizer configuration."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
-    for filename in ("tokenizer_config.json", "config.json"):
-        if isinstance(try_to_load_from_cache(name, filename), str):
-            return True
-    return False
 
 
 def hub_offline() -> bool:

@@ -36,12 +36,22 @@ def is_local(model: str | None) -> bool:
     return bool(model) and Path(str(model)).exists()
 
 
+def hub_cached(name: str) -> bool:
+    """Whether the HuggingFace cache has ``name``'s tokenizer configuration."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    for filename in ("tokenizer_config.json", "config.json"):
+        if isinstance(try_to_load_from_cache(name, filename), str):
+            return True
+    return False
+
+
 def gpt2_files_local(tokenizer_type: str, vocab_file: str | None, merge_file: str | None) -> bool:
     """GPT2BPETokenizer with both files local and ``gpt2``'s configuration in the HuggingFace
     cache: megatron's MegatronHFTokenizer reads only that configuration from the hub, so the
     hub can stay off (its offline retries took 50-60 s; issue 34, item 12)."""
-    from megatron_ext.data.checks import hub_cached
-
     return (
         tokenizer_type == "GPT2BPETokenizer"
         and is_local(vocab_file)
