@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_ext.errors import MegatronExtError
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 
 
@@ -94,7 +96,7 @@ def tracker_problem(load_dir: str) -> str | None:
     )
 
 
-class TrackerUnreadable(ValueError):
+class TrackerUnreadable(MegatronExtError, ValueError):
     """A tracker that names no iteration of a run (one line: the file, what it holds, the fix)."""
 
 

@@ -117,7 +117,13 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def run_dir(request):
     """A run directory on the shared (not node-local) file system, removed afterwards."""
-    path = REPO_ROOT / "build" / "slurm-multinode" / f"{request.node.name}-{os.getpid()}"
+    from megatron_ext.runs.submit import _shared_run_dir_problems
+
+    # build/ unless the clone sits in a node-local place (CI may clone into /tmp)
+    root = REPO_ROOT / "build"
+    if _shared_run_dir_problems(root, 2):
+        root = Path.home() / ".cache" / "megatron-ext-tests"
+    path = root / "slurm-multinode" / f"{request.node.name}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     yield path
     shutil.rmtree(path, ignore_errors=True)

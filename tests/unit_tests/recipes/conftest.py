@@ -31,3 +31,15 @@ platforms:
     parallelism: {dp: 2}
     launch: {device: gpu}
 """
+
+
+def shared_build_dir() -> Path:
+    """Where a test puts a multi-node job's run directory: the repository's build/ unless the
+    clone itself sits in a node-local place (CI may clone into /tmp), which submit refuses for a
+    job over several nodes; then a directory under the home directory."""
+    from megatron_ext.runs.submit import _shared_run_dir_problems
+
+    build = REPO_ROOT / "build"
+    if not _shared_run_dir_problems(build, 2):
+        return build
+    return Path.home() / ".cache" / "megatron-ext-tests"

@@ -10,7 +10,7 @@ from megatron_ext.launch import nodes
 from megatron_ext.recipes import load
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, shared_build_dir
 
 TP2_PP2_SP = REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml"
 
@@ -75,7 +75,7 @@ def test_refusals_name_the_field_and_the_fix(tmp_path):
     assert count.startswith("--nodes / launch.nodes: 2 node(s) x 2 task(s) per node = 4 tasks")
     # through submit, before anything is written: the recipe's own field, one line
     loaded = load(TP2_PP2_SP, overrides=["launch.slurm.tp_within_node=true"])
-    job, problems = build_job(loaded, REPO_ROOT / "build" / "x", SlurmOptions(nodes=4))
+    job, problems = build_job(loaded, shared_build_dir() / "x", SlurmOptions(nodes=4))
     assert job is None and len(problems) == 1 and "tp_within_node" in problems[0], problems
     job, problems = build_job(loaded, tmp_path / "run", SlurmOptions(nodes=2))
     assert job is None and problems[0].startswith(f"run directory {tmp_path}/run is node-local")
@@ -85,7 +85,7 @@ def test_submit_dry_run_prints_the_node_layout():
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ext.cli", "submit", str(TP2_PP2_SP), "--slurm"]
         + ["--platform", "cpu", "--nodes", "2", "--dry-run", "--skip-megatron-checks"]
-        + ["--run-dir", str(REPO_ROOT / "build" / "dry")],
+        + ["--run-dir", str(shared_build_dir() / "dry")],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
