@@ -472,6 +472,8 @@ def load(
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
         conversion = upstream.convert(raw, path.resolve().parent, duplicates=tuple(duplicates))
+        if conversion.refused:  # not a case megatron-ext trains: its one line, nothing more
+            raise RecipeError(str(path), conversion.problems)
         raw = conversion.recipe
         problems += conversion.problems + upstream.platform_problems(conversion, platform)
         notes = upstream.notes_for(conversion, platform)

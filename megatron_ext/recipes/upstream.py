@@ -62,6 +62,12 @@ RUN_ARGS_KEY = re.compile(r"MODEL_ARGS_([2-5])")
 IGNORED_KEYS = {
     "TEST_EVALUATION": "read by Megatron-LM's CI around the job; megatron-ext evaluates with "
     "training.eval_interval and compares test.metrics: the key is not used",
+    # run_ci_test.sh: a checkpoint-consistency test reads each run's GPUS_PER_NODE here.
+    "MODEL_ENV_VARS": "the GPU count of each MODEL_ARGS_N run, read by Megatron-LM's CI; "
+    "megatron-ext takes the world size from the parallel sizes: the key is not used",
+    # python_test_utils/compute_golden_statistics.py: the step a throughput test starts at.
+    "THROUGHPUT_TEST_PARAMS": "the settings of upstream's throughput statistics; megatron-ext "
+    "does not measure throughput against golden values: the key is not used",
 }
 SUPPORTED_MODES = ("pretraining",)
 REFUSED_MODES = {
@@ -111,6 +117,10 @@ REFUSED_TEST_TYPES = {
     "does not do",
 }
 
+# Values upstream's CI gives per job that do not name a path (run_ci_test.sh): REPEAT is the
+# repeat number (1..N_REPEAT); a megatron-ext run is one repeat, the first.
+CI_VALUES = {"REPEAT": 1}
+
 RUN_DIR_PLACEHOLDERS = {
     "CHECKPOINT_SAVE_PATH": "@RUN_DIR@/checkpoints",
     "CHECKPOINT_LOAD_PATH": "@RUN_DIR@/checkpoints",
@@ -157,7 +167,17 @@ GPU_ONLY_FLAGS = (
     "--tp-comm-overlap",
     "--enable-cuda-graph",
     "--external-cuda-graph",
+    # Deferred weight gradients: the embedding's rides on the fused gradient accumulation (a
+    # CUDA kernel), the layers' on Transformer Engine (megatron-core 0.19.2 refuses both
+    # without them: TransformerConfig.__post_init__, validate_args).
+    "--defer-embedding-wgrad-compute",
+    "--wgrad-deferral-limit",
+    "--delay-wgrad-compute",
 )
+
+# The fill-in-the-middle data set: a transformation of an indexed corpus with the tokenizer's
+# FIM tokens (megatron-core 0.19.2's validate_args refuses it with mock data).
+FIM_FLAGS = "--fim-"
 
 CPU = {
     "hidden_size": 64,
@@ -184,6 +204,9 @@ class Conversion:
     unresolved: dict[str, str] = field(default_factory=dict)
     """Placeholder variable -> the flag that uses it, for variables the environment lacks."""
     gpu_platforms: list[str] = field(default_factory=list)
+    refused: bool = False
+    """The case is not one megatron-ext trains (its family, mode or test type, or no flags):
+    its one problem says why, and nothing else of it is read."""
 
 
 def is_test_case(raw: Any) -> bool:
@@ -243,11 +266,16 @@ def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[
         return [_substitute(v, flag, env, unresolved) for v in value]
     if not isinstance(value, str):
         return value
+    whole = PLACEHOLDER.fullmatch(value)
+    if whole and whole.group(1) in CI_VALUES:  # "--seed: ${REPEAT}" is the number itself
+        return CI_VALUES[whole.group(1)]
 
     def fill(match: re.Match) -> str:
         name = match.group(1)
         if name in RUN_DIR_PLACEHOLDERS:
             return RUN_DIR_PLACEHOLDERS[name]
+        if name in CI_VALUES:
+            return str(CI_VALUES[name])
         if name in env:
             return env[name]
         unresolved.setdefault(name, flag)
@@ -556,6 +584,7 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     if _get(cpu, "data.type") == "indexed":
         change("data.type", "mock", "upstream's data sets are not here")
         change("data.paths", [], "mock data")
+        changes += _without_fim(cpu.get("extra_args", {}))
     for key in ("model", "vocab_file", "merge_file"):
         if _get(cpu, f"data.tokenizer.{key}"):
             change(f"data.tokenizer.{key}", None, "NullTokenizer")
@@ -673,6 +702,19 @@ def _shrunk_layer_list(extra: dict, flag: str, layers: int, new_layers: int) -> 
     ]
 
 
+def _without_fim(extra: dict) -> list[str]:
+    """The FIM data set's flags, left out with the corpus they transform."""
+    fim = [flag for flag in extra if flag.startswith(FIM_FLAGS)]
+    for flag in fim:
+        del extra[flag]
+    if not fim:
+        return []
+    return [
+        f"extra_args: left out {', '.join(fim)} (the fill-in-the-middle data set reorders an "
+        "indexed corpus with its tokenizer's FIM tokens; the CPU run trains on mock data)"
+    ]
+
+
 def _without_moe_act_recompute(extra: dict) -> list[str]:
     """The ``moe_act`` recompute module runs on grouped GEMM's experts (megatron's
     TEGroupedMLP/GroupedMLP); with grouped GEMM left out it goes too."""
@@ -718,28 +760,65 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
 
 
 # ---- the whole case ------------------------------------------------------------------------------
-def _launcher_and_mode(raw: dict, conversion: Conversion) -> None:
-    """LAUNCHER: a note; MODE: pretraining, or a problem saying why not."""
-    mapping = conversion.notes.setdefault("mapping", [])
-    if "LAUNCHER" in raw:
-        launcher = str(raw["LAUNCHER"])
-        what = LAUNCHERS.get(launcher, "upstream's CI launcher")
-        mapping.append(
-            f"LAUNCHER {launcher}: upstream starts the ranks with {what}; megatron-ext starts "
-            "them itself (torchrun locally, srun under Slurm)"
-        )
+def _refusal(raw: dict, case_dir: Path, args: Any) -> Problem | None:
+    """Why the case is not one megatron-ext trains, checked before anything else is read: its
+    family, its MODE, its TEST_TYPE, or no flags at all. One line: the rest of such a case
+    (inference flags, NeMo's keys, a frozen checkpoint's path) would only add noise."""
+    other = _other_family(case_dir, args if isinstance(args, dict) else {})
+    if other:
+        return Problem("test case", f"not a GPT/Hybrid case ({other})")
     if "MODE" in raw:
         mode = str(raw["MODE"])
         if mode in REFUSED_MODES:
-            conversion.problems.append(
-                Problem("MODE", f"{mode!r} is not supported: {REFUSED_MODES[mode]}")
+            return Problem("MODE", f"{mode!r} is not supported: {REFUSED_MODES[mode]}")
+        if mode not in SUPPORTED_MODES:
+            return Problem(
+                "MODE", f"unknown mode {mode!r}; megatron-ext runs {', '.join(SUPPORTED_MODES)}"
             )
-        elif mode not in SUPPORTED_MODES:
-            conversion.problems.append(
-                Problem(
-                    "MODE", f"unknown mode {mode!r}; megatron-ext runs {', '.join(SUPPORTED_MODES)}"
-                )
-            )
+    test_type = _test_type(raw)
+    if test_type in REFUSED_TEST_TYPES:
+        return Problem(
+            "TEST_TYPE", f"{test_type!r} is not supported: {REFUSED_TEST_TYPES[test_type]}"
+        )
+    if test_type not in SUPPORTED_TEST_TYPES:
+        return Problem(
+            "TEST_TYPE",
+            f"unknown test type {test_type!r}; megatron-ext runs {', '.join(SUPPORTED_TEST_TYPES)}",
+        )
+    if args is None or args == {}:
+        return Problem(
+            "MODEL_ARGS",
+            "empty: the case gives no Megatron flags (upstream's CI runs such a case with a "
+            "script of its own, not a training entry); nothing to train",
+        )
+    return None
+
+
+def _test_type(raw: dict) -> str:
+    """TEST_TYPE without a trailing comment (absent: regular)."""
+    return str(raw.get("TEST_TYPE", "regular")).split("#")[0].strip()
+
+
+def _merged_into_model_args(value: Any, args: Any) -> bool:
+    """Whether a key holds flags that MODEL_ARGS merges in (``BASE_MODEL_ARGS: &BASE`` then
+    ``MODEL_ARGS: {<<: *BASE, ...}``): YAML resolves the merge, so each of its flags is in
+    MODEL_ARGS, and upstream's CI reads them there."""
+    if not isinstance(value, dict) or not value or not isinstance(args, dict):
+        return False
+    return all(isinstance(flag, str) and flag.startswith("--") for flag in value) and all(
+        flag in args for flag in value
+    )
+
+
+def _launcher_note(raw: dict, conversion: Conversion) -> None:
+    """LAUNCHER: a note (megatron-ext starts the ranks itself)."""
+    if "LAUNCHER" in raw:
+        launcher = str(raw["LAUNCHER"])
+        what = LAUNCHERS.get(launcher, "upstream's CI launcher")
+        conversion.notes.setdefault("mapping", []).append(
+            f"LAUNCHER {launcher}: upstream starts the ranks with {what}; megatron-ext starts "
+            "them itself (torchrun locally, srun under Slurm)"
+        )
 
 
 def _other_family(case_dir: Path, args: dict) -> str | None:
@@ -764,6 +843,12 @@ def convert(
     env = os.environ if env is None else env
     case_dir = Path(case_dir)
     conversion = Conversion(recipe={})
+    args = raw.get("MODEL_ARGS")
+    refusal = _refusal(raw, case_dir, args)
+    if refusal is not None:
+        conversion.problems.append(refusal)
+        conversion.refused = True
+        return conversion
     for key in duplicates:
         conversion.notes.setdefault("mapping", []).append(
             f"{key} is given twice: the last value is used, as upstream's loader (yaml.safe_load) "
@@ -776,6 +861,11 @@ def convert(
             conversion.notes.setdefault("mapping", []).append(f"{key}: {IGNORED_KEYS[key]}")
         elif isinstance(key, str) and RUN_ARGS_KEY.fullmatch(key):
             _run_args_key(raw, key, conversion)
+        elif _merged_into_model_args(raw.get(key), args):
+            conversion.notes.setdefault("mapping", []).append(
+                f"{key}: its flags are merged into MODEL_ARGS (a YAML anchor merged with '<<'), "
+                "and read there"
+            )
         elif key not in UPSTREAM_KEYS:
             from megatron_ext.recipes.schema import suggestion
 
@@ -785,16 +875,12 @@ def convert(
                     "not a Megatron-LM test-case key" + suggestion(str(key), list(UPSTREAM_KEYS)),
                 )
             )
-    args = raw.get("MODEL_ARGS")
     if not isinstance(args, dict):
         conversion.problems.append(
             Problem("MODEL_ARGS", "must be a mapping of Megatron flags to values")
         )
         args = {}
-    other = _other_family(case_dir, args)
-    if other:
-        conversion.problems.append(Problem("test case", f"not a GPT/Hybrid case ({other})"))
-    _launcher_and_mode(raw, conversion)
+    _launcher_note(raw, conversion)
     case = case_dir.parent.name if case_dir.parent.name else ""
     full = model_args_to_sections(args, case, env, conversion)
 
@@ -808,21 +894,7 @@ def convert(
         str(k): (str(v).lower() if isinstance(v, bool) else v) for k, v in env_vars.items()
     }
 
-    test_type = str(raw.get("TEST_TYPE", "regular")).split("#")[0].strip()
-    if test_type in REFUSED_TEST_TYPES:
-        conversion.problems.append(
-            Problem("TEST_TYPE", f"{test_type!r} is not supported: {REFUSED_TEST_TYPES[test_type]}")
-        )
-    elif test_type not in SUPPORTED_TEST_TYPES:
-        conversion.problems.append(
-            Problem(
-                "TEST_TYPE",
-                f"unknown test type {test_type!r}; megatron-ext "
-                f"runs {', '.join(SUPPORTED_TEST_TYPES)}",
-            )
-        )
-    else:
-        full["test"]["type"] = test_type
+    full["test"]["type"] = _test_type(raw)
     metrics = raw.get("METRICS", DEFAULT_METRICS)
     if not isinstance(metrics, list):
         conversion.problems.append(Problem("METRICS", "must be a list of metric names"))
