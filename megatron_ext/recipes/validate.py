@@ -252,6 +252,39 @@ def optimizer_problems(loaded: LoadedRecipe) -> list[Problem]:
     ]
 
 
+# Megatron-FSDP (megatron-core 0.19.2, distributed/fsdp/mcore_fsdp_adapter.py) lays out its
+# device meshes with einops, asserted when the model is wrapped (after every rank has built
+# its model), and builds them as DeviceMesh(device_type="cuda").
+MEGATRON_FSDP_FLAG = "--use-megatron-fsdp"
+EINOPS_PACKAGE = "einops"
+
+
+def megatron_fsdp_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """Megatron-FSDP on a CPU platform, or where einops is not importable."""
+    extra_args = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
+    if not extra_args.get(MEGATRON_FSDP_FLAG):
+        return []
+    where = f"extra_args.{MEGATRON_FSDP_FLAG}"
+    if loaded.recipe.launch.device == "cpu":
+        return [
+            Problem(
+                where,
+                "Megatron-FSDP builds its device meshes for CUDA (and with einops): it does not "
+                "run on CPU; run it on a GPU platform, or train without it (the distributed "
+                "optimizer, --use-distributed-optimizer, shards the optimizer state on CPU)",
+            )
+        ]
+    if _module_importable(EINOPS_PACKAGE):
+        return []
+    return [
+        Problem(
+            where,
+            "Megatron-FSDP lays out its device meshes with einops, which is not importable here "
+            "(every rank would fail wrapping its model): pip install einops",
+        )
+    ]
+
+
 def golden_notes(loaded: LoadedRecipe) -> list[str]:
     golden = loaded.golden_path()
     if golden is None:
@@ -311,6 +344,7 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         + checks.plan_problems(loaded)
         + logging_problems(loaded)
         + optimizer_problems(loaded)
+        + megatron_fsdp_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)

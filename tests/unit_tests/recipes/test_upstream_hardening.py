@@ -304,3 +304,86 @@ def test_a_split_that_does_not_count_out_names_the_flags(tmp_path):
         "(--account-for-embedding-in-pipeline-split) = 15 do not split over pp(4) * vpp(1) = 4 "
         "model chunks (megatron counts them as layers): make num_layers + 1 a multiple of 4"
     ) in problems, problems
+
+
+# ---- what the sweep of every upstream case found (issue 33, item 6) -----------------------------
+def test_megatron_fsdp_is_refused_on_cpu_and_without_einops(write_recipe, monkeypatch):
+    """Megatron-FSDP validated, then every rank failed wrapping its model (einops; its device
+    meshes are CUDA ones): upstream's deepseek_proxy_fsdp_ep2_fsdp2 on CPU."""
+    from megatron_ext.recipes import validate as validation
+
+    text = (
+        "version: 1\n"
+        "model: {type: gpt, num_layers: 2, hidden_size: 32, num_attention_heads: 4, "
+        "seq_length: 16}\n"
+        "launch: {device: cpu}\n"
+        "extra_args: {--use-megatron-fsdp: true, --ckpt-format: fsdp_dtensor}\n"
+    )
+    (cpu,) = validation.megatron_fsdp_problems(load(write_recipe(text)))
+    assert cpu.where == "extra_args.--use-megatron-fsdp" and "does not run on CPU" in cpu.what
+    gpu = load(write_recipe(text.replace("device: cpu", "device: gpu")))
+    monkeypatch.setattr(validation, "_module_importable", lambda name: name != "einops")
+    (missing,) = validation.megatron_fsdp_problems(gpu)
+    assert "einops, which is not importable here" in missing.what
+    monkeypatch.setattr(validation, "_module_importable", lambda name: True)
+    assert validation.megatron_fsdp_problems(gpu) == []
+    plain = load(write_recipe(text.replace("--use-megatron-fsdp: true, ", "")))
+    assert validation.megatron_fsdp_problems(plain) == []
+
+
+def test_the_cpu_overlay_leaves_out_the_deferred_weight_gradients(tmp_path):
+    """The embedding's deferred wgrad needs the CUDA fused accumulation, the layers' TE:
+    megatron-core refused the cpu overlay's own command line before."""
+    args = {
+        "--defer-embedding-wgrad-compute": True,
+        "--wgrad-deferral-limit": 2,
+        "--delay-wgrad-compute": True,
+    }
+    loaded = load(write_case(tmp_path, args))
+    assert not set(args) & set(loaded.recipe.extra_args)
+    assert any("left out --defer-embedding-wgrad-compute" in n for n in loaded.notes)
+    gpu = load(write_case(tmp_path, args), "dgx_h100").recipe.extra_args
+    assert {flag: gpu[flag] for flag in args} == args
+
+
+def test_the_cpu_overlay_leaves_out_fim_with_the_corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATA_PATH", str(tmp_path))
+    args = {
+        "--mock-data": None,
+        "--data-path": "${DATA_PATH}/corpus",
+        "--fim-data": True,
+        "--fim-rate": 0.5,
+    }
+    loaded = load(write_case(tmp_path, args))
+    assert loaded.recipe.data.type == "mock"
+    assert "--fim-data" not in loaded.recipe.extra_args
+    assert "--fim-rate" not in loaded.recipe.extra_args
+    assert any("left out --fim-data, --fim-rate (the fill-in-the-middle" in n for n in loaded.notes)
+    gpu = load(write_case(tmp_path, args), "dgx_h100").recipe.extra_args
+    assert gpu["--fim-data"] is True and gpu["--fim-rate"] == 0.5
+
+
+def test_a_refused_case_is_its_reason_alone(tmp_path):
+    """An inference case's flags (an inference-only --transformer-impl, yarn) and NeMo's dotted
+    keys were each a problem line of their own beside the real reason."""
+    path = write_case(
+        tmp_path, {"--transformer-impl": "inference_optimized"}, MODE="inference", MAGIC=1
+    )
+    conversion = _convert(path)
+    assert conversion.refused and [p.where for p in conversion.problems] == ["MODE"]
+
+
+def test_keys_and_placeholders_of_upstreams_ci_are_read(tmp_path):
+    path = write_case(tmp_path, {"--seed": "${REPEAT}"}, MODEL_ENV_VARS={"MODEL_ARGS": {}})
+    text = path.read_text().replace(
+        "MODEL_ARGS:\n", "BASE: &BASE\n  --hidden-size: 64\nMODEL_ARGS:\n  <<: *BASE\n", 1
+    )
+    path.write_text(text)
+    conversion = _convert(path)
+    assert conversion.problems == [], conversion.problems
+    assert any(
+        n.startswith("BASE: its flags are merged into MODEL_ARGS")
+        for n in conversion.notes["mapping"]
+    )
+    assert any(n.startswith("MODEL_ENV_VARS: the GPU count") for n in conversion.notes["mapping"])
+    assert load(path).recipe.training.seed == 1  # the CI's first repeat
