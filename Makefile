@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo lint mypy test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode wheelhouse doctor clean
+.PHONY: setup run demo lint mypy test test-upstream-cases test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -52,6 +52,12 @@ test-4ranks:
 # two-node job, the multi-module recipe split over the nodes. make test runs the golden one.
 test-multinode: setup
 	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests/test_slurm_multinode.py --durations=0
+
+# Every case of a Megatron-LM checkout through import, validate and run --dry-run (issue 33):
+# make test-upstream-cases MEGATRON_LM_CASES=/path/to/Megatron-LM/tests/functional_tests/test_cases
+test-upstream-cases:
+	@test -n "$(MEGATRON_LM_CASES)" || { echo "give MEGATRON_LM_CASES=/path/to/Megatron-LM/tests/functional_tests/test_cases"; exit 2; }
+	MEGATRON_LM_CASES=$(MEGATRON_LM_CASES) $(PY) -m pytest tests/unit_tests/recipes/test_upstream_case_tree.py -k upstream_case
 
 # Build the wheel and install it, as a user would, beside the megatron-core already installed
 # (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.
