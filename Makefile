@@ -20,13 +20,15 @@ demo: setup
 
 # Two lanes side by side (make -j2; each target's output is printed whole when it ends):
 # the end-to-end runs of tests/functional_tests keep about 1.3 of the 2 cores busy (ranks wait
-# on each other and on the launcher), and the unit tests fill the rest. The unit lane runs
+# on each other and on the launcher), and the lint and unit tests fill the rest. The unit lane runs
 # one process, then one pytest session per rank under torchrun: each session runs the tests
-# marked for its world size (tests/conftest.py); then the wheel and the GPU preparation.
-test: setup lint
+# marked for its world size (tests/conftest.py); then the wheel and the GPU preparation. The
+# lint (ruff, mypy) opens that lane.
+test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional test-lanes
 
 test-lanes:
+	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-2ranks
 	@$(MAKE) --no-print-directory test-4ranks
