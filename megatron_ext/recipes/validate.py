@@ -252,37 +252,42 @@ def optimizer_problems(loaded: LoadedRecipe) -> list[Problem]:
     ]
 
 
-# Megatron-FSDP (megatron-core 0.19.2, distributed/fsdp/mcore_fsdp_adapter.py) lays out its
-# device meshes with einops, asserted when the model is wrapped (after every rank has built
-# its model), and builds them as DeviceMesh(device_type="cuda").
+# Both FSDP flavours of megatron-core 0.19.2 build CUDA device meshes: Megatron-FSDP
+# (distributed/fsdp/mcore_fsdp_adapter.py: DeviceMesh(device_type="cuda"), laid out with einops,
+# which it asserts when the model is wrapped) and torch FSDP2
+# (distributed/torch_fully_sharded_data_parallel.py: DeviceMesh.from_group(group, "cuda")).
+# On CPU, or for Megatron-FSDP without einops, every rank fails wrapping its model.
+FSDP_NAMES = {"--use-megatron-fsdp": "Megatron-FSDP", "--use-torch-fsdp2": "torch FSDP2"}
 MEGATRON_FSDP_FLAG = "--use-megatron-fsdp"
 EINOPS_PACKAGE = "einops"
 
 
-def megatron_fsdp_problems(loaded: LoadedRecipe) -> list[Problem]:
-    """Megatron-FSDP on a CPU platform, or where einops is not importable."""
+def fsdp_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """FSDP on a CPU platform, or Megatron-FSDP where einops is not importable."""
     extra_args = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
-    if not extra_args.get(MEGATRON_FSDP_FLAG):
-        return []
-    where = f"extra_args.{MEGATRON_FSDP_FLAG}"
-    if loaded.recipe.launch.device == "cpu":
-        return [
-            Problem(
-                where,
-                "Megatron-FSDP builds its device meshes for CUDA (and with einops): it does not "
-                "run on CPU; run it on a GPU platform, or train without it (the distributed "
-                "optimizer, --use-distributed-optimizer, shards the optimizer state on CPU)",
+    problems = []
+    for flag, name in FSDP_NAMES.items():
+        if not extra_args.get(flag):
+            continue
+        if loaded.recipe.launch.device == "cpu":
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"{name} builds its device mesh for CUDA (megatron-core 0.19.2): it does not "
+                    "run on CPU; run it on a GPU platform, or train without it (on CPU the "
+                    "distributed optimizer, --use-distributed-optimizer, shards the optimizer "
+                    "state)",
+                )
             )
-        ]
-    if _module_importable(EINOPS_PACKAGE):
-        return []
-    return [
-        Problem(
-            where,
-            "Megatron-FSDP lays out its device meshes with einops, which is not importable here "
-            "(every rank would fail wrapping its model): pip install einops",
-        )
-    ]
+        elif flag == MEGATRON_FSDP_FLAG and not _module_importable(EINOPS_PACKAGE):
+            problems.append(
+                Problem(
+                    f"extra_args.{flag}",
+                    f"{name} lays out its device meshes with einops, which is not importable "
+                    "here (every rank would fail wrapping its model): pip install einops",
+                )
+            )
+    return problems
 
 
 def golden_notes(loaded: LoadedRecipe) -> list[str]:
@@ -344,7 +349,7 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         + checks.plan_problems(loaded)
         + logging_problems(loaded)
         + optimizer_problems(loaded)
-        + megatron_fsdp_problems(loaded)
+        + fsdp_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded)

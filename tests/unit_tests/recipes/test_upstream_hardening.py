@@ -308,9 +308,10 @@ def test_a_split_that_does_not_count_out_names_the_flags(tmp_path):
 
 
 # ---- what the sweep of every upstream case found (issue 33, item 6) -----------------------------
-def test_megatron_fsdp_is_refused_on_cpu_and_without_einops(write_recipe, monkeypatch):
-    """Megatron-FSDP validated, then every rank failed wrapping its model (einops; its device
-    meshes are CUDA ones): upstream's deepseek_proxy_fsdp_ep2_fsdp2 on CPU."""
+def test_fsdp_is_refused_on_cpu_and_megatron_fsdp_without_einops(write_recipe, monkeypatch):
+    """Both FSDP flavours validated, then every rank failed wrapping its model on CPU:
+    upstream's deepseek_proxy_fsdp_ep2_fsdp2 (Megatron-FSDP: einops, CUDA meshes) and
+    gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist (torch FSDP2: a CUDA mesh)."""
     from megatron_ext.recipes import validate as validation
 
     text = (
@@ -318,18 +319,27 @@ def test_megatron_fsdp_is_refused_on_cpu_and_without_einops(write_recipe, monkey
         "model: {type: gpt, num_layers: 2, hidden_size: 32, num_attention_heads: 4, "
         "seq_length: 16}\n"
         "launch: {device: cpu}\n"
-        "extra_args: {--use-megatron-fsdp: true, --ckpt-format: fsdp_dtensor}\n"
+        "extra_args: {FLAG: true}\n"
     )
-    (cpu,) = validation.megatron_fsdp_problems(load(write_recipe(text)))
-    assert cpu.where == "extra_args.--use-megatron-fsdp" and "does not run on CPU" in cpu.what
-    gpu = load(write_recipe(text.replace("device: cpu", "device: gpu")))
+    for flag, name in (
+        ("--use-megatron-fsdp", "Megatron-FSDP"),
+        ("--use-torch-fsdp2", "torch FSDP2"),
+    ):
+        (cpu,) = validation.fsdp_problems(load(write_recipe(text.replace("FLAG", flag))))
+        assert cpu.where == f"extra_args.{flag}"
+        assert cpu.what.startswith(f"{name} builds its device mesh for CUDA")
+        assert "it does not run on CPU" in cpu.what
+    gpu = text.replace("device: cpu", "device: gpu")
+    megatron_fsdp = load(write_recipe(gpu.replace("FLAG", "--use-megatron-fsdp")))
+    torch_fsdp2 = load(write_recipe(gpu.replace("FLAG", "--use-torch-fsdp2")))
     monkeypatch.setattr(validation, "_module_importable", lambda name: name != "einops")
-    (missing,) = validation.megatron_fsdp_problems(gpu)
+    (missing,) = validation.fsdp_problems(megatron_fsdp)
     assert "einops, which is not importable here" in missing.what
+    assert validation.fsdp_problems(torch_fsdp2) == []
     monkeypatch.setattr(validation, "_module_importable", lambda name: True)
-    assert validation.megatron_fsdp_problems(gpu) == []
-    plain = load(write_recipe(text.replace("--use-megatron-fsdp: true, ", "")))
-    assert validation.megatron_fsdp_problems(plain) == []
+    assert validation.fsdp_problems(megatron_fsdp) == []
+    plain = load(write_recipe(text.replace("FLAG", "--use-distributed-optimizer")))
+    assert validation.fsdp_problems(plain) == []
 
 
 def test_the_cpu_overlay_leaves_out_the_deferred_weight_gradients(tmp_path):
