@@ -253,6 +253,30 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
                 )
 
 
+OPTIMIZER_INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+
+
+def smallest_instances_dp(instances: int, cp: int) -> int:
+    """The smallest dp whose dp * cp the optimizer instances divide (megatron-core 0.19.2's
+    initialize_model_parallel asserts it when the ranks start)."""
+    return instances // math.gcd(cp, instances)
+
+
+def _check_optimizer_instances(r: Recipe, add) -> None:
+    """--num-distributed-optimizer-instances must divide dp * cp (every rank failed at start)."""
+    instances = r.extra_args.get(OPTIMIZER_INSTANCES_FLAG)
+    if not isinstance(instances, int) or isinstance(instances, bool) or instances <= 1:
+        return
+    dp, cp = r.parallel_plan.dp, r.parallelism.cp
+    if (dp * cp) % instances:
+        add(
+            "parallelism.dp",
+            f"dp({dp}) * cp({cp}) = {dp * cp} is not divisible by {OPTIMIZER_INSTANCES_FLAG} "
+            f"({instances}); set parallelism.dp to a multiple of "
+            f"{smallest_instances_dp(instances, cp)}, or lower the instances",
+        )
+
+
 def _check_parallel_plan(r: Recipe, add) -> None:
     m, p = r.model, r.parallelism
     plan = r.parallel_plan
@@ -261,6 +285,7 @@ def _check_parallel_plan(r: Recipe, add) -> None:
             "launch.nproc" if problem.where == "world_size" else f"parallelism.{problem.where}",
             problem.what,
         )
+    _check_optimizer_instances(r, add)
     if p.cp > 1:
         _check_context_parallel(r, add)
     elif seq_problem := plan.seq_length_problem(m.seq_length):

@@ -854,9 +854,9 @@ def convert(
         )
 
     _drop_non_numbers(full, conversion)
-    expert_dp = _expert_dp(full)
-    if expert_dp > 1:  # both grids divide the world only with these replicas
-        _set(full, "parallelism.dp", expert_dp)
+    dp = math.lcm(_expert_dp(full), _instances_dp(full))
+    if dp > 1:  # the expert grid / the optimizer instances divide the world only so
+        _set(full, "parallelism.dp", dp)
     cpu, changes = cpu_overlay(full)
     goldens = golden_files(case_dir)
     conversion.gpu_platforms = [p for p in goldens if p != DEFAULT_PLATFORM] or [
@@ -895,6 +895,12 @@ def convert(
             f" (dp {dp}: the smallest whose world the expert grid etp * ep * pp divides; "
             "upstream takes the GPU count from its job)"
         )
+    elif _instances_dp(full) > 1:
+        world += (
+            f" (dp {dp}: the smallest whose dp * cp the "
+            f"{_get(full, 'extra_args.--num-distributed-optimizer-instances')} distributed "
+            "optimizer instances divide; upstream takes the GPU count from its job)"
+        )
     mapping.append(world)
     conversion.notes[DEFAULT_PLATFORM] = [f"cpu overlay: {c}" for c in changes]
     return conversion
@@ -930,6 +936,17 @@ def _expert_dp(full: dict) -> int:
         return 1
     etp = etp if isinstance(etp, int) and not isinstance(etp, bool) and etp >= 1 else None
     return ParallelPlan(**sizes, etp=etp).smallest_expert_dp
+
+
+def _instances_dp(full: dict) -> int:
+    """The smallest dp whose dp * cp --num-distributed-optimizer-instances divides (1 without)."""
+    from megatron_ext.recipes.checks import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
+
+    instances = _get(full, f"extra_args.{OPTIMIZER_INSTANCES_FLAG}", 1)
+    cp = _get(full, "parallelism.cp", 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (instances, cp)):
+        return 1
+    return smallest_instances_dp(instances, cp)
 
 
 def platform_problems(conversion: Conversion, platform: str) -> list[Problem]:

@@ -72,3 +72,27 @@ def test_a_recipe_with_too_small_a_world_is_refused_in_one_line(tmp_path):
         "pp(2) = 8 (megatron's expert tensor parallelism defaults to tp); set parallelism.dp to "
         "a multiple of 2 (world size 8), or change ep"
     ]
+
+
+def test_distributed_optimizer_instances_get_a_dp_they_divide(tmp_path):
+    """Upstream's gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances validated at dp 1, then
+    every rank failed: megatron-core asserts dp * cp divisible by the optimizer instances."""
+    args = {
+        "--tensor-model-parallel-size": 2,
+        "--pipeline-model-parallel-size": 1,
+        "--use-distributed-optimizer": True,
+        "--num-distributed-optimizer-instances": 2,
+    }
+    loaded = load(write_case(tmp_path, args))
+    assert loaded.recipe.parallelism.dp == 2 and loaded.recipe.world_size == 4
+    assert any("distributed optimizer instances divide" in n for n in loaded.notes)
+    assert not plan_problems(loaded)
+    too_few = [
+        str(p)
+        for p in plan_problems(load(write_case(tmp_path, args), overrides=["parallelism.dp=1"]))
+    ]
+    assert too_few == [
+        "parallelism.dp: dp(1) * cp(1) = 1 is not divisible by "
+        "--num-distributed-optimizer-instances (2); set parallelism.dp to a multiple of 2, or "
+        "lower the instances"
+    ], too_few
