@@ -275,6 +275,13 @@ def _check_optimizer_instances(r: Recipe, add) -> None:
             f"({instances}); set parallelism.dp to a multiple of "
             f"{smallest_instances_dp(instances, cp)}, or lower the instances",
         )
+    if importlib.util.find_spec("einops") is None:  # parallel_state.create_hierarchical_groups
+        add(
+            f"extra_args.{OPTIMIZER_INSTANCES_FLAG}",
+            f"{instances} instances: megatron-core lays out their groups with einops, which is "
+            "not importable here (every rank would fail at start-up): pip install einops, or "
+            "use 1",
+        )
 
 
 def _check_parallel_plan(r: Recipe, add) -> None:

@@ -74,7 +74,7 @@ def test_a_recipe_with_too_small_a_world_is_refused_in_one_line(tmp_path):
     ]
 
 
-def test_distributed_optimizer_instances_get_a_dp_they_divide(tmp_path):
+def test_distributed_optimizer_instances_get_a_dp_they_divide(tmp_path, monkeypatch):
     """Upstream's gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances validated at dp 1, then
     every rank failed: megatron-core asserts dp * cp divisible by the optimizer instances."""
     args = {
@@ -83,6 +83,11 @@ def test_distributed_optimizer_instances_get_a_dp_they_divide(tmp_path):
         "--use-distributed-optimizer": True,
         "--num-distributed-optimizer-instances": 2,
     }
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    with_einops = lambda name, *a: object() if name == "einops" else real_find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", with_einops)
     loaded = load(write_case(tmp_path, args))
     assert loaded.recipe.parallelism.dp == 2 and loaded.recipe.world_size == 4
     assert any("distributed optimizer instances divide" in n for n in loaded.notes)
@@ -96,3 +101,12 @@ def test_distributed_optimizer_instances_get_a_dp_they_divide(tmp_path):
         "--num-distributed-optimizer-instances (2); set parallelism.dp to a multiple of 2, or "
         "lower the instances"
     ], too_few
+    # and megatron-core builds the instances' groups with einops (every rank failed without)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "einops" else real_find_spec(name, *a),
+    )
+    (missing,) = plan_problems(loaded)
+    assert missing.where == "extra_args.--num-distributed-optimizer-instances"
+    assert "einops, which is not importable here" in missing.what
