@@ -225,3 +225,12 @@ def cp_token_positions(local_seq_length: int, cp_size: int, cp_rank: int) -> lis
         for index in load_balanced_chunks(cp_size, cp_rank)
         for position in range(index * chunk, (index + 1) * chunk)
     ]
+
+
+OPTIMIZER_INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+
+
+def smallest_instances_dp(instances: int, cp: int) -> int:
+    """The smallest dp whose dp * cp the distributed optimizer instances divide (megatron-core
+    0.19.2's initialize_model_parallel asserts it when the ranks start)."""
+    return instances // math.gcd(cp, instances)

@@ -17,7 +17,11 @@ import string
 from typing import Any
 
 from megatron_ext.launch import shell
-from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.parallel_plan import (
+    OPTIMIZER_INSTANCES_FLAG,
+    ParallelPlan,
+    smallest_instances_dp,
+)
 from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import (
@@ -251,15 +255,6 @@ def _check_hybrid_pattern(r: Recipe, add) -> None:
                     f"{what} layers ('{symbol}') need mamba_ssm's "
                     "CUDA kernels; on CPU use '*', '-' and 'E'",
                 )
-
-
-OPTIMIZER_INSTANCES_FLAG = "--num-distributed-optimizer-instances"
-
-
-def smallest_instances_dp(instances: int, cp: int) -> int:
-    """The smallest dp whose dp * cp the optimizer instances divide (megatron-core 0.19.2's
-    initialize_model_parallel asserts it when the ranks start)."""
-    return instances // math.gcd(cp, instances)
 
 
 def _check_optimizer_instances(r: Recipe, add) -> None:

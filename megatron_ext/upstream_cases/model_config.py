@@ -940,7 +940,7 @@ def _expert_dp(full: dict) -> int:
 
 def _instances_dp(full: dict) -> int:
     """The smallest dp whose dp * cp --num-distributed-optimizer-instances divides (1 without)."""
-    from megatron_ext.recipes.checks import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
+    from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
 
     instances = _get(full, f"extra_args.{OPTIMIZER_INSTANCES_FLAG}", 1)
     cp = _get(full, "parallelism.cp", 1)
