@@ -69,7 +69,6 @@ def prepare(
         iterations=recipe.training.iterations,
         test_type=recipe.test.type,
         golden_path=loaded.golden_path(),
-        recipe_yaml=dump(loaded),
         problems=tuple(problems),
         refusal=refusal,
         **derived,
@@ -109,9 +108,11 @@ def _derived(loaded: LoadedRecipe, ok: bool, trace: bool) -> dict[str, Any]:
         "environment": MappingProxyType({}),
         "plan": MappingProxyType({}),
         "schedule_plan": None,
+        "recipe_yaml": "",
     }
     try:
         derived = {
+            "recipe_yaml": dump(loaded),
             "megatron_args": tuple(command.megatron_args(loaded)),
             "save_args": tuple(command.save_args(loaded, ckpt)),
             "load_args": tuple(command.load_args(loaded, ckpt)),

@@ -94,7 +94,7 @@ def differences(rendered: dict[str, str], stored: Path) -> list[str]:
             continue
         new_lines, old_lines = text.splitlines(), old.splitlines()
         line = next(
-            (k for k, (a, b) in enumerate(zip(new_lines, old_lines)) if a != b),
+            (k for k, (a, b) in enumerate(zip(new_lines, old_lines, strict=False)) if a != b),
             min(len(new_lines), len(old_lines)),
         )
         was = old_lines[line] if line < len(old_lines) else "(end)"
@@ -107,9 +107,7 @@ def differences(rendered: dict[str, str], stored: Path) -> list[str]:
 def rendered(tmp_path_factory) -> dict[str, dict[str, str]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO_ROOT)
-        return {
-            path.stem: render(path, tmp_path_factory.mktemp(path.stem)) for path in RECIPES
-        }
+        return {path.stem: render(path, tmp_path_factory.mktemp(path.stem)) for path in RECIPES}
 
 
 def test_every_shipped_recipe_has_a_snapshot():
