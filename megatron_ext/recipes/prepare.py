@@ -111,7 +111,7 @@ def _derived(loaded: LoadedRecipe, ok: bool, trace: bool) -> dict[str, Any]:
         "recipe_yaml": "",
     }
     try:
-        derived = {
+        derived: dict[str, Any] = {
             "recipe_yaml": dump(loaded),
             "megatron_args": tuple(command.megatron_args(loaded)),
             "save_args": tuple(command.save_args(loaded, ckpt)),
