@@ -281,8 +281,8 @@ class Progress:
             return
         if "successfully saved checkpoint from iteration" in text:
             self.echo(f"  checkpoint saved at iteration {text.split('iteration')[1].split()[0]}")
-        elif "successfully request checkpoint" in text:
-            self.echo(f"  checkpoint request (iteration {text.rsplit('iteration', 1)[1].strip()})")
+        elif "successfully loaded checkpoint" in text:
+            self.echo(f"  checkpoint loaded (iteration {text.rsplit('iteration', 1)[1].strip()})")
         elif "validation loss at iteration" in text and "lm loss value" in text:
             self.echo("  " + text.strip(" |"))
 
