@@ -49,7 +49,7 @@ def prepare(
 
         problems = list(validate(loaded, megatron_checks=megatron_checks).problems)
     ok = refusal is None and not problems
-    derived = _derived(loaded, ok, trace)
+    derived = _derived(loaded, ok, trace, refused=refusal is not None)
     return RunRequest(
         recipe=recipe,
         source=loaded.source,
@@ -91,8 +91,10 @@ def _shown_overrides(overrides: list[str]) -> list[str]:
     return [shell.redact_override(o) for o in overrides]
 
 
-def _derived(loaded: LoadedRecipe, ok: bool, trace: bool) -> dict[str, Any]:
-    """The flags, environment and plans; for a refused recipe, what can be derived of them."""
+def _derived(loaded: LoadedRecipe, ok: bool, trace: bool, refused: bool) -> dict[str, Any]:
+    """The flags, environment and plans; for a recipe with problems, what can be derived of
+    them (``run --dry-run`` never shows them, but its files can be written); nothing at all for
+    one refused before its checks (a checkpoint it names is not to be read)."""
     from megatron_ext.recipes.golden_paths import golden_write_problem
     from megatron_ext.recipes.validate import entry_importable
 
@@ -110,6 +112,8 @@ def _derived(loaded: LoadedRecipe, ok: bool, trace: bool) -> dict[str, Any]:
         "schedule_plan": None,
         "recipe_yaml": "",
     }
+    if refused:
+        return empty
     try:
         derived: dict[str, Any] = {
             "recipe_yaml": dump(loaded),

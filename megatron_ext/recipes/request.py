@@ -34,8 +34,9 @@ CHECKPOINTS_PLACEHOLDER = f"{RUN_DIR_PLACEHOLDER}/checkpoints"
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One recipe, checked and answered for a run. ``problems`` (and ``refusal``) non-empty:
-    it may not start, and the flags are left empty."""
+    """One recipe, checked and answered for a run. Not :attr:`ok` (``refusal`` or
+    ``problems``): it may not start; its flags are what could be derived of them (none when
+    refused, or when deriving them failed)."""
 
     recipe: Recipe
     """The typed recipe (its sizes, launch, training, test and checkpoint sections)."""
