@@ -303,9 +303,9 @@ def check_mhc_single_pass(config: Any) -> None:
             "coefficients and has no hc_head; set mhc_learned_output_contract=False",
         ),
         (
-            bool(config.mtp_num_layers),
-            f"mtp_num_layers={config.mtp_num_layers}: the MTP block would need the running "
-            "coefficients; set mtp_num_layers=None",
+            getattr(config, "recompute_granularity", None) == "full",
+            "recompute_granularity='full': the recomputed layers would not see the running "
+            "coefficients (they live for one forward); use selective recompute or none",
         ),
         (
             getattr(config, "mhc_variant", "megatron") != "megatron",
@@ -317,16 +317,6 @@ def check_mhc_single_pass(config: Any) -> None:
     for refused, reason in refusals:
         if refused:
             raise UnsupportedCombinationError(f"mhc_single_pass=True does not support {reason}")
-
-
-def check_hybrid_single_pass(config: Any) -> None:
-    """The Hybrid stack's mHC layers (HyperConnectionHybridLayer) are two-pass only."""
-    if getattr(config, "mhc_single_pass", False):
-        raise UnsupportedCombinationError(
-            "mhc_single_pass=True is implemented for GPT's transformer layers only; the Hybrid "
-            "stack's mHC layers aggregate with their own coefficients. Use a GPT model or set "
-            "mhc_single_pass=False"
-        )
 
 
 def check_hybrid_mhc_mtp(config: Any) -> None:
@@ -424,13 +414,8 @@ GUARDS: tuple[Guard, ...] = (
     Guard(
         "megatron_ext.guards:check_mhc_single_pass",
         "config",
-        "mhc_single_pass without mHC, or with fused kernels, 'mhc' recompute, the learned "
-        "contraction or MTP",
-    ),
-    Guard(
-        "megatron_ext.guards:check_hybrid_single_pass",
-        "config",
-        "mhc_single_pass with a HybridModel (validate; HybridModel at construction)",
+        "mhc_single_pass without mHC, or with fused kernels, 'mhc' or full recompute, the "
+        "learned contraction or a DeepSeek variant",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",
