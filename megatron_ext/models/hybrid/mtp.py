@@ -196,7 +196,8 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
 
     def single_pass_layers(self) -> list:
         """The depth's mHC sites (its inner stack's layers), in order."""
-        return [l for l in self.mtp_model_layer.layers if hasattr(l, "single_pass_state")]
+        layers = self.mtp_model_layer.layers
+        return [layer for layer in layers if hasattr(layer, "single_pass_state")]
 
     def contract_for_loss(self, streams: Tensor, state: SinglePassState | None = None) -> Tensor:
         """``[s, b, n*h] -> [s, b, h]``: this depth's learned contraction (single pass: by the
