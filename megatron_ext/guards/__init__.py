@@ -303,11 +303,6 @@ def check_mhc_single_pass(config: Any) -> None:
             "coefficients and has no hc_head; set mhc_learned_output_contract=False",
         ),
         (
-            getattr(config, "recompute_granularity", None) == "full",
-            "recompute_granularity='full': the recomputed layers would not see the running "
-            "coefficients (they live for one forward); use selective recompute or none",
-        ),
-        (
             getattr(config, "mhc_variant", "megatron") != "megatron",
             f"mhc_variant={getattr(config, 'mhc_variant', None)!r}: single-pass is built on the "
             "megatron maps only (the DeepSeek maps under single pass are not implemented); "
@@ -414,8 +409,8 @@ GUARDS: tuple[Guard, ...] = (
     Guard(
         "megatron_ext.guards:check_mhc_single_pass",
         "config",
-        "mhc_single_pass without mHC, or with fused kernels, 'mhc' or full recompute, the "
-        "learned contraction or a DeepSeek variant",
+        "mhc_single_pass without mHC, or with fused kernels, 'mhc' recompute, the learned "
+        "contraction or a DeepSeek variant",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",

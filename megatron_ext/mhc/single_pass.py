@@ -35,9 +35,8 @@ Choices where the sources are silent or differ from megatron-ext's mHC:
   a stage without layers (a standalone embedding stage) forwards e_0.
 
 :func:`megatron_ext.guards.check_mhc_single_pass` refuses what this does not do yet, each with
-its reason: the fused kernels, the "mhc" selective recompute and full recompute (a recomputed
-layer would not see the coefficients, which live for one forward), the learned contraction and
-a DeepSeek variant.
+its reason: the fused kernels, the "mhc" selective recompute, the learned contraction and a
+DeepSeek variant (full recompute is refused for every mHC model).
 
 Where it runs: GPT's :class:`~megatron_ext.mhc.transformer_block.HyperConnectionTransformerBlock`
 and the Hybrid stack (:class:`~megatron_ext.models.hybrid.hybrid_stack.HybridStack`: attention,

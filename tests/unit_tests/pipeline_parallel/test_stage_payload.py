@@ -259,7 +259,6 @@ def test_single_pass_differs_from_two_pass():
             "'mhc' in recompute_modules",
         ),
         (dict(mhc_learned_output_contract=True), "mhc_learned_output_contract"),
-        (dict(recompute_granularity="full", recompute_method="uniform"), "'full'"),
         (dict(mhc_variant="deepseek-v4"), "mhc_variant='deepseek-v4'"),
     ],
 )
