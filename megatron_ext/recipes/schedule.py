@@ -48,7 +48,7 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
     # megatron's arguments turn overlap_p2p_comm on for every interleaved run (off without
     # virtual stages) unless --no-overlap-p2p-communication is given.
     overlap = p.vpp is not None and "--no-overlap-p2p-communication" not in r.extra_args
-    plan = SchedulePlan(
+    schedule_plan = SchedulePlan(
         pp=p.pp, vpp=p.vpp, microbatches=microbatches, schedule=schedule, overlap_p2p_comm=overlap
     )
-    return plan, size
+    return schedule_plan, size
