@@ -115,16 +115,20 @@ def moe_mla_link(name: str, **layout) -> Link:
     )
 
 
-def test_moe_mla_mhc_n3_moves_from_ep2_to_ep1_and_tp2():
-    """MoE+MLA EP2xPP2 -> EP1xPP2 -> TP2xPP2+SP (EP1), 3 streams."""
-    check_chain(
-        [
-            moe_mla_link("EP2xPP2", ep=2, pp=2),
-            moe_mla_link("EP1xPP2", pp=2),
-            moe_mla_link("TP2xPP2+SP (EP1)", tp=2, pp=2, sequence_parallel=True),
-        ],
-        "moe-mla",
-    )
+def test_moe_mla_mhc_n3_moves_between_expert_layouts():
+    """MoE+MLA, 3 streams: EP2xPP2 -> EP2 (PP1, DP4) with its optimizer; EP2xPP2 -> EP1xPP2
+    with the weights only (the first loss equals): megatron-core gives the expert parameters
+    an optimizer of their own only when EP > 1, and 0.19.2 cannot load two chained
+    optimizers' state into one (`run --resume` refuses that change). MoE under TP is not
+    run here: gloo cannot all-gather the uneven token counts megatron's dispatcher sends."""
+    with shared_directory("megatron-ext-resharding-moe-") as root:
+        results = run_chain(
+            [moe_mla_link("EP2xPP2", ep=2, pp=2), moe_mla_link("EP2 (DP4)", ep=2)], root
+        )
+        check_pairs(results)
+        weights = fresh_optimizer_losses(moe_mla_link("EP1xPP2", pp=2), root / "0", range(1, 2))
+    same = results[0].continued
+    assert abs(weights[0] - same[0]) <= LOSS_RTOL * same[0], (weights, same)
 
 
 # CP: megatron's exact loss sums the token count over DP x CP (calculate_per_token_loss).
