@@ -791,6 +791,8 @@ def _resume_in(
         # resolved is None only for a finished run without overrides, refused just above
         assert resolved is not None
         before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
+        if before is not None and (why := layout.change_problem(before, resolved.recipe)):
+            raise rsm.ResumeError(why)
         env = resolved.recipe.launch.env
         try:  # secrets were never written there: the caller's environment has them
             resolved.recipe.launch.env = env_policy.restore_secrets(env, os.environ)
