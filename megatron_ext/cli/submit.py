@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.cli._common import add_recipe_args, load, split_targets
+from megatron_ext.cli._common import add_recipe_args, add_trust_pickle, load, split_targets
 
 NAME = "submit"
 HELP = "run a recipe as a Slurm job, wait and compare"
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="validate the plan only (skip Megatron's argument checks and the guards)",
     )
+    add_trust_pickle(parser, "the job reads")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,5 +102,6 @@ def main(args: argparse.Namespace) -> int:
         compare_golden=not args.no_compare,
         force_compare=args.compare,
         megatron_checks=not args.skip_megatron_checks,
+        trust_pickle=args.trust_pickle,
     )
     return outcome.exit_code

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.checkpoint import preload
 from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
@@ -204,6 +205,7 @@ def submit(
     force_compare: bool = False,
     megatron_checks: bool = True,
     echo=runner._default_echo,
+    trust_pickle: bool = False,
 ) -> Outcome:
     started = time.monotonic()
     if dry_run:  # stdout is the script alone; everything else goes to stderr
@@ -211,7 +213,10 @@ def submit(
         def echo(text: str) -> None:
             print(text, file=sys.stderr)
 
-    why = runner.preflight(loaded, echo, megatron_checks)
+    # first, as for run: nothing may read a checkpoint whose pickles could run code
+    why = preload.pickle_problem(loaded.recipe, trust_pickle=trust_pickle)
+    if why is None:
+        why = runner.preflight(loaded, echo, megatron_checks)
     if why is not None:
         echo(f"cannot submit: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
