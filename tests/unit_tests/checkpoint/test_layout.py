@@ -4,6 +4,7 @@ what a layout change adds to Megatron's flags, and how it is recorded and shown.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -74,8 +75,23 @@ def test_an_expert_parallel_change_across_one_is_refused_in_one_line():
 
 
 def _recipe_ep(recipe, ep: int):
-    import copy
-
     changed = copy.deepcopy(recipe)
     changed.parallelism.ep = ep
     return changed
+
+
+def test_a_hybrid_pipeline_change_is_refused_in_one_line_naming_the_way_out():
+    """The '|' marks of a Hybrid pattern are its stages: a resume at another PP would need
+    another pattern (a model change), so it is refused naming the field and checkpoint.load
+    (which accepts the re-split pattern: start_from compares patterns without '|')."""
+    hybrid = Path(RECIPE).parent / "hybrid_mhc_tp2_pp2_mtp.yaml"
+    before = load(hybrid, "cpu", ["test.type=regular"]).recipe
+    after = copy.deepcopy(before)
+    after.parallelism.pp = 4
+    problem = layout.change_problem(before, after)
+    assert problem and "\n" not in problem and problem.startswith("parallelism.pp 2 -> 4")
+    assert "model.hybrid_layer_pattern" in problem and "checkpoint.load" in problem
+    after = copy.deepcopy(before)
+    after.parallelism.tp = 1
+    after.parallelism.sp = False
+    assert layout.change_problem(before, after) is None
