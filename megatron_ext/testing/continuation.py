@@ -65,7 +65,8 @@ class Link:
 @dataclass
 class Continued:
     """What one layout of a chain measured: the losses of the steps it trained after loading
-    (``loaded``, None for the first layout) and of those after its own save (``continued``)."""
+    (``loaded``; None for the first layout) and, for the first layout only, those of every
+    later step after its save (``continued``: the same-layout continuation)."""
 
     name: str
     loaded: list[float] | None
@@ -166,7 +167,9 @@ def _metadata() -> dict:
 def trainer_at(link: Link, seed: int, perturb: bool) -> Iterator[Trainer]:
     plan = link.plan
     if plan.use_distributed_optimizer:
-        raise ValueError(f"{link.name}: use_distributed_optimizer cannot load on CPU (see above)")
+        raise ValueError(
+            f"{link.name}: use_distributed_optimizer cannot load on CPU (module docstring)"
+        )
     forget_moe_metrics()
     _forget_mtp_losses()
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=seed):
@@ -225,8 +228,8 @@ def fresh_optimizer_losses(link: Link, checkpoint: Path, steps: range) -> list[f
 
 
 def max_difference(results: list[Continued], span: int = 2) -> list[tuple[str, float]]:
-    """For each layout after the first: ('A -> B', max |B's losses after loading B's
-    checkpoint - the first layout's same steps|), A being the layout that saved it."""
+    """For each layout B after the first: ('A -> B', max |B's losses after loading A's
+    checkpoint - the same-layout continuation's same steps|), A the layout before B."""
     reference = results[0].continued
     pairs = []
     for i, (before, after) in enumerate(zip(results, results[1:], strict=False)):
