@@ -60,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.prepare import prepare
     from megatron_ext.runs.runner import EXIT_INVALID
     from megatron_ext.runs.submit import SlurmOptions, submit
 
@@ -82,6 +83,11 @@ def main(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return EXIT_INVALID
+    # the pickles of the checkpoints the job will load, checked here first as run does (the
+    # files are on a file system this machine shares with the nodes); --trust-pickle skips it
+    request = prepare(
+        loaded, megatron_checks=not args.skip_megatron_checks, trust_pickle=args.trust_pickle
+    )
     options = SlurmOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -93,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
         python=args.python,
     )
     outcome = submit(
-        loaded,
+        request,
         options,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         runs_root=Path(args.runs_root),
@@ -101,7 +107,5 @@ def main(args: argparse.Namespace) -> int:
         wait=not args.no_wait,
         compare_golden=not args.no_compare,
         force_compare=args.compare,
-        megatron_checks=not args.skip_megatron_checks,
-        trust_pickle=args.trust_pickle,
     )
     return outcome.exit_code
