@@ -210,7 +210,8 @@ def submit(
         def echo(text: str) -> None:
             print(text, file=sys.stderr)
 
-    why = runner.preflight(request, echo)
+    # first, as for run: the request refuses a checkpoint whose pickles could run code
+    why = request.refusal or runner.preflight(request, echo)
     if why is not None:
         echo(f"cannot submit: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
