@@ -98,6 +98,7 @@ class BaseRun:
     seen: list[str] = field(default_factory=list)
     latest: int = 0
     output: str = ""
+    paused: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -114,6 +115,18 @@ class BaseRun:
             return int((self.run_dir / "checkpoints" / TRACKER).read_text())
         except (OSError, ValueError):
             return 0
+
+    def pause(self) -> None:
+        """Hold the run's ranks (each the leader of its own process group) with SIGSTOP: the
+        run stays live (its launcher holds the run directory; a save may be in progress) for
+        as long as a test takes, on a machine of any speed (40 iterations take seconds). Its
+        start-up allowance (300 s) is the stall limit at this point: nothing is cancelled."""
+        self.paused = _children(self.process.pid)
+        _signal_groups(self.paused, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        _signal_groups(self.paused, signal.SIGCONT)
+        self.paused = []
 
     def wait_until_saved(self, iteration: int) -> None:
         while self.saved() < iteration:
@@ -132,27 +145,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@contextlib.contextmanager
-def _ranks_paused(launcher: subprocess.Popen) -> Iterator[None]:
-    """The run's ranks (each the leader of its own process group) held with SIGSTOP: the run
-    stays live (its launcher holds the run directory, a save may be in progress) however long
-    the block takes, on a machine of any speed (40 iterations take a few seconds here). Far
-    below the launcher's 30 s stall watchdog."""
-    groups = _children(launcher.pid)
+def _signal_groups(groups: list[int], sig: signal.Signals) -> None:
     for group in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, signal.SIGCONT)
+            os.killpg(group, sig)
 
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory) -> Iterator[BaseRun]:
-    """The issue's base run, live: yielded once iteration 1 is saved."""
+    """The issue's base run, live: yielded with its ranks paused once iteration 1 is saved."""
     run_dir = tmp_path_factory.mktemp("base") / "R"
     cli = subprocess.Popen(
         [sys.executable, "-m", "megatron_ext.cli", "run", *BASE, "--run-dir", str(run_dir)]
@@ -166,8 +167,10 @@ def live_run(tmp_path_factory) -> Iterator[BaseRun]:
     base = BaseRun(run_dir, cli)
     try:
         base.wait_until_saved(1)
+        base.pause()
         yield base
     finally:
+        base.resume()
         if cli.poll() is None:
             cli.kill()
             cli.wait()
@@ -176,6 +179,7 @@ def live_run(tmp_path_factory) -> Iterator[BaseRun]:
 @pytest.fixture(scope="module")
 def stopped_run(live_run: BaseRun) -> BaseRun:
     """The base run stopped with SIGTERM after iteration 3, as the issue's reproductions start."""
+    live_run.resume()
     live_run.wait_until_saved(3)
     live_run.process.send_signal(signal.SIGTERM)
     live_run.process.wait(timeout=300)
@@ -190,17 +194,16 @@ def stopped_run(live_run: BaseRun) -> BaseRun:
 def test_a_resume_of_the_live_run_is_refused_and_the_run_keeps_its_saves(live_run, capsys):
     """Item 3: a resume started while the run trains used to remove the live run's save in
     progress (newer than the tracker) and the live run failed; now the lock refuses it."""
-    with _ranks_paused(live_run.process):
-        assert live_run.process.poll() is None, "".join(live_run.seen)[-3000:]
-        saves_before = _saves(live_run.run_dir)
-        status, out = _cli_here(capsys, "run", "--resume", str(live_run.run_dir), "--no-compare")
-        saves_after = _saves(live_run.run_dir)
+    assert live_run.process.poll() is None and live_run.paused, "".join(live_run.seen)[-3000:]
+    saves_before = _saves(live_run.run_dir)
+    status, out = _cli_here(capsys, "run", "--resume", str(live_run.run_dir), "--no-compare")
+    saves_after = _saves(live_run.run_dir)
     assert status == EXIT_INVALID, out[-3000:]
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cannot resume: run directory"), out[-3000:]
     assert f"in use by another megatron-ext run (pid {live_run.process.pid})" in lines[0]
     assert saves_after == saves_before
-    # the live run goes on: stopped_run (next) stops it and checks it ends as a stopped run
+    # the live run goes on: stopped_run (next) lets it, stops it and checks it ends "stopped"
 
 
 @pytest.mark.parametrize("tracker", ["banana", "release", "0", ""])
