@@ -4,7 +4,7 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run demo lint mypy test test-single test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode wheelhouse doctor clean
+.PHONY: setup run demo lint mypy test test-single test-unit test-functional test-lanes test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode test-soak wheelhouse doctor clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -18,16 +18,29 @@ run: setup
 demo: setup
 	$(PY) -m megatron_ext.launch.demo
 
-# Unit tests first in one process, then as one pytest session per rank under torchrun:
-# each session runs the tests marked for its world size (tests/conftest.py).
-test: setup lint test-single test-2ranks test-4ranks test-install test-gpu-prep
+# Two lanes side by side (make -j2; each target's output is printed whole when it ends):
+# the end-to-end runs of tests/functional_tests keep about 1.3 of the 2 cores busy (ranks wait
+# on each other and on the launcher), and the lint and unit tests fill the rest. The unit lane runs
+# one process, then one pytest session per rank under torchrun: each session runs the tests
+# marked for its world size (tests/conftest.py); then the wheel and the GPU preparation. The
+# lint (ruff, mypy) opens that lane.
+test: setup
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional test-lanes
+
+test-lanes:
+	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory test-unit
+	@$(MAKE) --no-print-directory test-2ranks
+	@$(MAKE) --no-print-directory test-4ranks
+	@$(MAKE) --no-print-directory test-install
+	@$(MAKE) --no-print-directory test-gpu-prep
 
 # ruff and mypy (configured in pyproject.toml): the tree is formatted and lint-clean
 # (`.venv/bin/ruff format .` fixes the first), and the typed core type-checks.
 # .pre-commit-config.yaml runs the same commands (its mypy hook is `make mypy`).
 MYPY_PATHS := megatron_ext/mhc megatron_ext/pipeline megatron_ext/schedules megatron_ext/parallel_plan.py \
 	megatron_ext/registry.py megatron_ext/declarations.py megatron_ext/config megatron_ext/errors.py \
-	megatron_ext/mhc_flags.py megatron_ext/launch/shell.py megatron_ext/recipes megatron_ext/runs \
+	megatron_ext/mhc_flags.py megatron_ext/launch/shell.py megatron_ext/recipes megatron_ext/runs megatron_ext/upstream_cases \
 	megatron_ext/checkpoint megatron_ext/cli/_quiet.py
 lint:
 	.venv/bin/ruff format --check .
@@ -38,8 +51,13 @@ mypy:
 	.venv/bin/mypy $(MYPY_PATHS)
 
 # --durations: the log shows where the time goes (make test must stay under 20 minutes).
-test-single:
-	$(PY) -m pytest tests --durations=15
+test-single: test-unit test-functional
+
+test-unit:
+	$(PY) -m pytest tests --ignore=tests/functional_tests --durations=15
+
+test-functional:
+	$(PY) -m pytest tests/functional_tests --durations=15
 
 test-2ranks:
 	$(TORCHRUN) --nproc_per_node 2 -m pytest tests/unit_tests --durations=10
@@ -52,6 +70,13 @@ test-4ranks:
 # two-node job, the multi-module recipe split over the nodes. make test runs the golden one.
 test-multinode: setup
 	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests/test_slurm_multinode.py --durations=0
+
+# The whole soak tier (root, about an hour on 2 cores): every functional test with
+# MEGATRON_EXT_SOAK=1, i.e. besides make test's runs the shipped recipes make test leaves to
+# this tier (tests/functional_tests/test_recipes.py: SOAK_RECIPES), the ZB-H1 twin of the
+# TP2xPP2+SP recipe, the racing and fault variants, the two-node faults and the checkpoint moves.
+test-soak: setup
+	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests --durations=0
 
 # Build the wheel and install it, as a user would, beside the megatron-core already installed
 # (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.

@@ -694,8 +694,10 @@ declare(
     Seam(
         "atexit:_run_exitfuncs",
         "private_function",
-        "The megatron-ext program runs the exit handlers itself, then leaves through os._exit "
-        "to skip the interpreter teardown of megatron's ~2,900 modules (issue 25 item 18); "
+        "The megatron-ext program and the training entries (after a returned training, "
+        "launch.startup.end_rank) run the exit handlers themselves, then leave through "
+        "os._exit to skip the interpreter teardown of megatron's ~2,900 modules (issue 25 "
+        "item 18); "
         "Python has no public way to run the atexit handlers early. A C function without a "
         "text signature: only its presence is checked.",
         None,

@@ -3,9 +3,9 @@
 One declaration for what several readers need: :class:`megatron_ext.config.MHCTransformerConfig`
 takes its field defaults from :data:`MHC_DEFAULTS`, and so does the recipe schema's ``model.mhc``
 section (a test checks the two agree); the command line (``training_steps``), a recipe's
-``extra_args`` (``recipes.loader``), an imported Megatron-LM test case (``recipes.upstream``) and
-the detection of a Megatron-LM that declares mHC itself (``checkout``) all read
-:data:`MHC_ALIASES`. Upstream main spells the two fields ``enable_mhc_connections`` /
+``extra_args`` (``recipes.loader``), an imported Megatron-LM test case
+(``upstream_cases.model_config``) and the detection of a Megatron-LM that declares mHC itself
+(``checkout``) all read :data:`MHC_ALIASES`. Upstream main spells the two fields ``enable_mhc_connections`` /
 ``mhc_num_residual_streams``; upstream dev (and DeepSeek-V4 configs) ``enable_hyper_connections``
 / ``num_residual_streams``; each has a flag of the same name.
 

@@ -126,3 +126,4 @@ def main(
 
 if __name__ == "__main__":
     main()
+    startup.end_rank()

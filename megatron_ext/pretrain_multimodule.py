@@ -353,5 +353,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from megatron_ext.launch.faults import run_failing_fast
+    from megatron_ext.launch.startup import end_rank
 
-    sys.exit(run_failing_fast(main))
+    end_rank(run_failing_fast(main))

@@ -7,11 +7,9 @@ The text below ``--help`` shows is ``DESCRIPTION``.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
-from megatron_ext import registry
 from megatron_ext.cli import (
     _quiet,
     compare,
@@ -26,7 +24,7 @@ from megatron_ext.cli import (
     submit,
     validate,
 )
-from megatron_ext.launch.startup import torch_compile_deferred
+from megatron_ext.launch.startup import exit_now, torch_compile_deferred
 
 COMMANDS = (
     doctor,
@@ -144,22 +142,6 @@ def _run_command(argv: list[str] | None) -> int:
         signum = getattr(exc, "signum", None)  # SIGTERM/SIGHUP (launch.local.Interrupted)
         print(f"megatron-ext: {exc or 'interrupted'}", file=sys.stderr)
         return 128 + signum if signum else 130
-
-
-def exit_now(status: int | None) -> None:
-    """End the process with ``status`` once the work is done: the exit handlers run and the
-    output is flushed, then ``os._exit`` skips the interpreter's teardown. After megatron is
-    imported (~2,900 modules) that teardown - clearing every module and a last garbage
-    collection - took 3.5-5.6 s of a 19-26 s ``validate`` on a loaded 2-core machine and did
-    nothing anyone waits for: files are written through ``with`` blocks, children are reaped,
-    and ``atexit`` work (logging, tempfile cleanup) still runs here."""
-    registry.private("atexit:_run_exitfuncs")()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing left to deliver
-            pass
-    os._exit(status or 0)
 
 
 def console_main() -> None:

@@ -40,8 +40,8 @@ def main(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from megatron_ext.recipes import upstream
     from megatron_ext.recipes.loader import parse_document, yaml_error_line
+    from megatron_ext.upstream_cases import model_config as upstream
 
     source = Path(args.test_case)
     if source.is_dir():

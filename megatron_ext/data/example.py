@@ -79,17 +79,27 @@ def builder_key() -> str:
     return h.hexdigest()[:16]
 
 
+def _built_by(manifest: Path, key: str) -> bool:
+    try:
+        return json.loads(manifest.read_text()).get("builder") == key
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def ensure_example(directory: str) -> Path:
     """The example under ``directory``, built unless one with the same :func:`builder_key` is
     there. Built beside it and renamed, so concurrent callers never see half an example."""
     root = Path(directory).resolve()
     key = builder_key()
     manifest = root / "example.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("builder") == key:
+    if _built_by(manifest, key):
         return root
     staging = root.with_name(f"{root.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     make_example(str(staging))
+    if _built_by(manifest, key):  # another process finished first: it may be reading it now
+        shutil.rmtree(staging, ignore_errors=True)
+        return root
     if root.exists():
         shutil.rmtree(root, ignore_errors=True)
     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import (
     HYBRID_SYMBOLS,
@@ -27,7 +28,6 @@ from megatron_ext.recipes.schema import (
     hybrid_segments,
     layout_stages,
 )
-from megatron_ext.recipes.upstream import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.schedules.schedule import ZB_H1
 
 KNOWN_METRICS = (

@@ -4,13 +4,14 @@
 so the same flag in ``extra_args`` would silently win or lose (Megatron's parser takes the
 last one): ``extra_args={--pipeline-model-parallel-size: 1}`` would validate as pp2 and run
 PP=1. :func:`conflicts` names the field to use instead, and the Megatron-LM test-case importer
-(:mod:`megatron_ext.recipes.upstream`) uses the same table to place each ``MODEL_ARGS`` flag.
+(:mod:`megatron_ext.upstream_cases`) uses the same table to place each ``MODEL_ARGS`` flag.
 
 Nothing here imports torch or megatron.
 """
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from megatron_ext.recipes.schema import Problem
@@ -95,6 +96,18 @@ RUNNER_FLAGS: dict[str, str] = {
 }
 """Flag -> why the runner, not the recipe, sets it."""
 
+# Flags that count the embedding / the loss as one more layer when the layers are split over
+# the pipeline stages (megatron-core 0.19.2, TransformerConfig.__post_init__ and
+# transformer_block.get_num_layers_to_build).
+PIPELINE_SPLIT_FLAGS = {
+    "--account-for-embedding-in-pipeline-split": "the embedding",
+    "--account-for-loss-in-pipeline-split": "the loss",
+}
+
+# Flags whose value is a per-layer list expression ("([0]+[1]*3)"; megatron-core 0.19.2's
+# training/arguments.py moe_freq_type / la_freq_type): one value, one entry per layer.
+PATTERN_LIST_FLAGS = ("--moe-layer-freq", "--linear-attention-freq")
+
 
 def conflicts(extra_args: dict[str, Any]) -> list[Problem]:
     """One problem per ``extra_args`` flag that a schema field or the runner owns."""
@@ -116,3 +129,49 @@ def conflicts(extra_args: dict[str, Any]) -> list[Problem]:
                 )
             )
     return problems
+
+
+def layer_list(text: Any) -> list[int] | None:
+    """The per-layer list a ``--moe-layer-freq`` expression stands for ("([0]*1+[1]*3)*2",
+    "[0,1,1]"), None for a plain number or anything else. Read from its syntax tree: only
+    list displays of integers, ``+`` and ``*`` are understood; nothing is evaluated."""
+    if not isinstance(text, str) or "[" not in text:
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(item) for item in node.elts]
+            if all(isinstance(item, int) for item in items):
+                return items  # type: ignore[return-value]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                count = right if isinstance(left, list) else left
+                if isinstance(count, int) and 0 <= count <= 100_000:
+                    return (left if isinstance(left, list) else right) * count
+        raise ValueError(ast.dump(node)[:40])
+
+    try:
+        result = value(tree)
+    except (ValueError, RecursionError):
+        return None
+    return result if isinstance(result, list) else None
+
+
+def layer_list_text(layers: list[int]) -> str:
+    """A per-layer list in upstream's run-length spelling: [0, 1, 1] -> "([0]*1+[1]*2)"."""
+    runs: list[list[int]] = []
+    for entry in layers:
+        if runs and runs[-1][0] == entry:
+            runs[-1][1] += 1
+        else:
+            runs.append([entry, 1])
+    return "(" + "+".join(f"[{entry}]*{count}" for entry, count in runs) + ")"

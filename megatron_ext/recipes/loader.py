@@ -28,8 +28,9 @@ from typing import Any
 import yaml
 
 from megatron_ext.mhc_flags import MHC_ALIASES
-from megatron_ext.recipes import schema, upstream
+from megatron_ext.recipes import schema
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
+from megatron_ext.upstream_cases import model_config as upstream
 
 MAX_ALIASES = 32
 """Anchors and aliases are fine for sharing a block; nested alias bombs (a 1.3 KB document

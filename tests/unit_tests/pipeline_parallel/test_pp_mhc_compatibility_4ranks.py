@@ -1,4 +1,4 @@
-"""mHC under pipeline parallelism on 4 ranks: PP=4, and TP=2 x PP=2 (x VPP=2) with sequence
+"""mHC under pipeline parallelism on 4 ranks: PP=4 (x VPP=2), and TP=2 x PP=2 (x VPP=2) with sequence
 parallelism (the exchanged sequence is divided by TP); TP=2 x PP=2 runs mHC-lite's birkhoff
 H_res, the others Sinkhorn; mhc_variant deepseek-v4 at DP=2 x PP=2 with the distributed optimizer
 and at PP=4 under ZB-H1, glm5 at TP=2 x PP=2."""
@@ -23,6 +23,8 @@ pytestmark = [
     "layout",
     [
         dict(pp=4),
+        # recipes/gpt_mhc_pp4_vpp2.yaml's layout (its recipe run is in the soak tier)
+        dict(pp=4, vpp=2, num_layers=8, global_batch_size=8),
         dict(tp=2, pp=2, sequence_parallel=True, h_res_method="birkhoff"),
         dict(tp=2, pp=2, vpp=2, sequence_parallel=True),
         dict(tp=2, pp=2, sequence_parallel=True, variant="glm5"),
@@ -33,6 +35,7 @@ pytestmark = [
     ],
     ids=[
         "pp4",
+        "pp4_vpp2",
         "tp2_pp2_sp_birkhoff",
         "tp2_pp2_vpp2_sp",
         "tp2_pp2_sp_glm5",

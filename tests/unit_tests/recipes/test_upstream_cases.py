@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from megatron_ext import cli
-from megatron_ext.recipes import RecipeError, load, upstream
+from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.validate import validate
+from megatron_ext.upstream_cases import model_config as upstream
 
 from conftest import MINIMAL
 

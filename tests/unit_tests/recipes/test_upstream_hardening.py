@@ -6,10 +6,11 @@ from __future__ import annotations
 import yaml
 from test_upstream_cases import write_case
 
-from megatron_ext.recipes import load, upstream
+from megatron_ext.recipes import load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import run_environment
 from megatron_ext.recipes.validate import argv_problems
+from megatron_ext.upstream_cases import model_config as upstream
 
 
 def _convert(path):

@@ -33,7 +33,6 @@ listed in the notes that ``validate``/``run`` print.
 
 from __future__ import annotations
 
-import ast
 import copy
 import importlib.util
 import math
@@ -45,7 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.mhc_flags import MHC_ALIASES
-from megatron_ext.recipes.flags import FIELD_FLAGS, RUNNER_FLAGS
+from megatron_ext.recipes.flags import (
+    FIELD_FLAGS,
+    PATTERN_LIST_FLAGS,
+    PIPELINE_SPLIT_FLAGS,
+    RUNNER_FLAGS,
+    layer_list,
+    layer_list_text,
+)
 from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
 UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "LAUNCHER", "MODE")
@@ -128,18 +134,6 @@ MHC_FLAGS = {
 # The hybrid pattern flag in both spellings: megatron-core 0.19.2 reads the deprecated
 # --hybrid-override-pattern as --hybrid-layer-pattern (training/arguments.py, validate_args).
 HYBRID_PATTERN_FLAGS = ("--hybrid-layer-pattern", "--hybrid-override-pattern")
-
-# Flags that count the embedding / the loss as one more layer when the layers are split over
-# the pipeline stages (megatron-core 0.19.2, TransformerConfig.__post_init__ and
-# transformer_block.get_num_layers_to_build).
-PIPELINE_SPLIT_FLAGS = {
-    "--account-for-embedding-in-pipeline-split": "the embedding",
-    "--account-for-loss-in-pipeline-split": "the loss",
-}
-
-# Flags whose value is a per-layer list expression ("([0]+[1]*3)"; megatron-core 0.19.2's
-# training/arguments.py moe_freq_type / la_freq_type): one value, one entry per layer.
-PATTERN_LIST_FLAGS = ("--moe-layer-freq", "--linear-attention-freq")
 
 # Flags that exist for GPUs only (CUDA graphs, TE's RNG tracker, fused kernels, FP8, memory
 # counters of the CUDA allocator): the cpu overlay leaves them out.
@@ -608,52 +602,6 @@ def cpu_overlay(full: dict) -> tuple[dict, list[str]]:
     if "--moe-grouped-gemm" in dropped:
         changes += _without_moe_act_recompute(cpu.get("extra_args", {}))
     return cpu, changes
-
-
-def layer_list(text: Any) -> list[int] | None:
-    """The per-layer list a ``--moe-layer-freq`` expression stands for ("([0]*1+[1]*3)*2",
-    "[0,1,1]"), None for a plain number or anything else. Read from its syntax tree: only
-    list displays of integers, ``+`` and ``*`` are understood; nothing is evaluated."""
-    if not isinstance(text, str) or "[" not in text:
-        return None
-    try:
-        tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        return None
-
-    def value(node: ast.AST) -> list[int] | int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List):
-            items = [value(item) for item in node.elts]
-            if all(isinstance(item, int) for item in items):
-                return items  # type: ignore[return-value]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-                return left + right
-            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
-                count = right if isinstance(left, list) else left
-                if isinstance(count, int) and 0 <= count <= 100_000:
-                    return (left if isinstance(left, list) else right) * count
-        raise ValueError(ast.dump(node)[:40])
-
-    try:
-        result = value(tree)
-    except (ValueError, RecursionError):
-        return None
-    return result if isinstance(result, list) else None
-
-
-def layer_list_text(layers: list[int]) -> str:
-    """A per-layer list in upstream's run-length spelling: [0, 1, 1] -> "([0]*1+[1]*2)"."""
-    runs: list[list[int]] = []
-    for entry in layers:
-        if runs and runs[-1][0] == entry:
-            runs[-1][1] += 1
-        else:
-            runs.append([entry, 1])
-    return "(" + "+".join(f"[{entry}]*{count}" for entry, count in runs) + ")"
 
 
 def _shrunk_layer_list(extra: dict, flag: str, layers: int, new_layers: int) -> list[str]:
