@@ -119,8 +119,8 @@ class BaseRun:
     def pause(self) -> None:
         """Hold the run's ranks (each the leader of its own process group) with SIGSTOP: the
         run stays live (its launcher holds the run directory; a save may be in progress) for
-        as long as a test takes, on a machine of any speed (40 iterations take seconds). Its
-        start-up allowance (300 s) is the stall limit at this point: nothing is cancelled."""
+        as long as a test takes (seconds; under the launcher's 30 s stall limit), on a machine of
+        any speed (40 iterations take seconds: the run would be over before a resume starts)."""
         self.paused = _children(self.process.pid)
         _signal_groups(self.paused, signal.SIGSTOP)
 
@@ -154,6 +154,13 @@ def _signal_groups(groups: list[int], sig: signal.Signals) -> None:
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory) -> Iterator[BaseRun]:
     """The issue's base run, live: yielded with its ranks paused once iteration 1 is saved."""
+    # what the in-process resume imports, imported first: the pause stays short on a loaded
+    # machine (the launcher's stall limit, 30 s, counts while the ranks are held)
+    import megatron_ext.cli.run  # noqa: F401
+    import megatron_ext.launch.local  # noqa: F401
+    import megatron_ext.runs.lock  # noqa: F401
+    import megatron_ext.runs.runner  # noqa: F401
+
     run_dir = tmp_path_factory.mktemp("base") / "R"
     cli = subprocess.Popen(
         [sys.executable, "-m", "megatron_ext.cli", "run", *BASE, "--run-dir", str(run_dir)]
