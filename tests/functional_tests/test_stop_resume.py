@@ -49,7 +49,8 @@ def _wait_for(path: Path, text: str, timeout_s: float = 120) -> bool:
 def _a_second_run_into_the_finished_directory_is_refused(run_dir: Path, capsys) -> None:
     """Issue 34 item 4, on the run this test finished: a second run with another training.lr
     into its --run-dir used to print its own losses while metrics.json and the summary kept the
-    first run's. It is refused in one line saying how to start afresh, the directory as it was
+    first run's. It is refused in one line saying how to train it further or start afresh, the
+    directory as it was
     (``megatron_ext.cli.main``: the console script's entry, in this process; ``.lock`` aside,
     where taking the lock writes the holder's pid)."""
     from megatron_ext.cli import main
@@ -70,6 +71,7 @@ def _a_second_run_into_the_finished_directory_is_refused(run_dir: Path, capsys) 
     assert status == 2 and len(refusal) == 1, out[-3000:]
     assert f"run directory {run_dir} already holds a finished run" in refusal[0], refusal
     assert "give another --run-dir" in refusal[0], refusal
+    assert f"megatron-ext run --resume {run_dir} training.iterations=N" in refusal[0], refusal
     assert "iteration " not in out, out[-3000:]  # no rank trained
     assert listing() == before
     assert kept == {name: (run_dir / name).read_bytes() for name in kept}
