@@ -50,9 +50,8 @@ def _a_second_run_into_the_finished_directory_is_refused(run_dir: Path, capsys) 
     """Issue 34 item 4, on the run this test finished: a second run with another training.lr
     into its --run-dir used to print its own losses while metrics.json and the summary kept the
     first run's. It is refused in one line saying how to train it further or start afresh, the
-    directory as it was
-    (``megatron_ext.cli.main``: the console script's entry, in this process; ``.lock`` aside,
-    where taking the lock writes the holder's pid)."""
+    directory as it was (``megatron_ext.cli.main``: the console script's entry, in this process;
+    ``.lock`` aside, where taking the lock writes the holder's pid)."""
     from megatron_ext.cli import main
 
     def listing() -> list[tuple[str, int, int]]:
