@@ -79,3 +79,9 @@ def failure_reason(exc: OSError) -> str:
         return os.strerror(exc.errno)
     text = " ".join(str(exc).split())
     return text or f"{type(exc).__name__} without a reason"
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether ``path`` resolves to ``root`` or below it (symlinks and '..' followed)."""
+    root, path = Path(root).resolve(), Path(path).resolve()
+    return path == root or root in path.parents

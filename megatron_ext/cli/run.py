@@ -67,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megatron_ext.recipes import RecipeError
+    from megatron_ext.recipes.prepare import RunDirRecipes, prepare
     from megatron_ext.runs import runner
 
     if args.resume:
@@ -81,12 +82,10 @@ def main(args: argparse.Namespace) -> int:
             return runner.EXIT_INVALID
         return runner.resume_run(
             Path(args.resume),
-            compare_golden=not args.no_compare,
-            force_compare=args.compare,
-            megatron_checks=not args.skip_megatron_checks,
-            allow_env=tuple(args.allow_env),
-            trust_pickle=args.trust_pickle,
+            RunDirRecipes(),
+            _options(args),
             overrides=overrides,
+            allow_env=tuple(args.allow_env),
         ).exit_code
     recipes, overrides = split_targets(args.targets)
     if len(recipes) != 1:
@@ -97,15 +96,19 @@ def main(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return runner.EXIT_INVALID
+    options = _options(args)
+    # the dry run reads no checkpoint; a run first checks the pickles of those it will load
+    request = prepare(
+        loaded,
+        megatron_checks=options.megatron_checks,
+        check_pickles=not args.dry_run,
+        trust_pickle=options.trust_pickle,
+        trace=options.trace,
+    )
     if args.dry_run:
-        return runner.dry_run(
-            loaded,
-            run_dir=Path(args.run_dir) if args.run_dir else None,
-            runs_root=Path(args.runs_root),
-            megatron_checks=not args.skip_megatron_checks,
-        ).exit_code
+        return runner.dry_run(request, options).exit_code
     try:
-        outcome = _run(args, loaded)
+        outcome = runner.run(request, options)
     except OSError as exc:  # a write under the run directory after the ranks ended (disk full)
         print(
             f"megatron-ext run: {runner.cannot_write(exc, Path(args.run_dir or '.'))}",
@@ -115,13 +118,13 @@ def main(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
-def _run(args: argparse.Namespace, loaded):
+def _options(args: argparse.Namespace):
+    """The run-time switches of the command line, once."""
     from pathlib import Path
 
-    from megatron_ext.runs import runner
+    from megatron_ext.runs.options import RunOptions
 
-    return runner.run(
-        loaded,
+    return RunOptions(
         run_dir=Path(args.run_dir) if args.run_dir else None,
         runs_root=Path(args.runs_root),
         compare_golden=not args.no_compare,

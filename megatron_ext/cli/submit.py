@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.loader import parse_yaml
+    from megatron_ext.recipes.prepare import prepare
     from megatron_ext.runs.runner import EXIT_INVALID
     from megatron_ext.runs.submit import SlurmOptions, submit
 
@@ -81,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return EXIT_INVALID
+    # submit checks no checkpoint's pickles here: the job's ranks run on the cluster
+    request = prepare(loaded, megatron_checks=not args.skip_megatron_checks, check_pickles=False)
     options = SlurmOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -92,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         python=args.python,
     )
     outcome = submit(
-        loaded,
+        request,
         options,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         runs_root=Path(args.runs_root),
@@ -100,6 +103,5 @@ def main(args: argparse.Namespace) -> int:
         wait=not args.no_wait,
         compare_golden=not args.no_compare,
         force_compare=args.compare,
-        megatron_checks=not args.skip_megatron_checks,
     )
     return outcome.exit_code

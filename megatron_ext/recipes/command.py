@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.request import RECIPE_PLACEHOLDER, RUN_DIR_PLACEHOLDER
 from megatron_ext.schedules.schedule import ONE_F_ONE_B
 
-RECIPE_PLACEHOLDER = "@RECIPE@"
-"""Stands for the run directory's resolved recipe.yaml in a multimodule command line."""
+__all__ = ["RECIPE_PLACEHOLDER"]  # the run directory's recipe.yaml in a multimodule command line
 
 
 # ---- the command line -----------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def megatron_args(loaded: LoadedRecipe, extra: Sequence[str] = ()) -> list[str]:
             _flag(args, "--split", d.split)
         # Megatron caches its sample indices next to the data by default; a run keeps its own.
         if "--data-cache-path" not in r.extra_args:
-            _flag(args, "--data-cache-path", "@RUN_DIR@/data_cache")
+            _flag(args, "--data-cache-path", f"{RUN_DIR_PLACEHOLDER}/data_cache")
     _flag(args, "--tokenizer-type", d.tokenizer.type)
     _flag(args, "--vocab-size", d.tokenizer.vocab_size)
     _flag(args, "--tokenizer-model", path_for_ranks(loaded, d.tokenizer.model))

@@ -1,5 +1,10 @@
 """What a run does, once a recipe has been checked: launch its phases and judge the result.
 
+A run starts from one :class:`~megatron_ext.recipes.request.RunRequest` (the recipe's answers,
+built once by :func:`megatron_ext.recipes.prepare.prepare`) and one
+:class:`~megatron_ext.runs.options.RunOptions` (the command line's switches); of
+:mod:`megatron_ext.recipes` it imports only the request and the schema.
+
 - :mod:`~megatron_ext.runs.runner`: ``megatron-ext run`` (local ranks, the run directory, the
   verdict and ``summary.json``); :mod:`~megatron_ext.runs.submit`: the same run as a Slurm job;
 - :mod:`~megatron_ext.runs.lock`: one run per run directory;

@@ -49,10 +49,15 @@ from megatron_ext import files
 from megatron_ext.checkpoint import preload
 from megatron_ext.launch import shell
 from megatron_ext.launch.stop_signals import EXIT_STOPPED
-from megatron_ext.recipes import command, golden_paths, safety
-from megatron_ext.recipes.loader import LoadedRecipe, dump
-from megatron_ext.recipes.validate import entry_importable, validate
+from megatron_ext.recipes.request import (
+    RECIPE_PLACEHOLDER,
+    RUN_DIR_PLACEHOLDER,
+    RunDirRecipe,
+    RunRequest,
+)
+from megatron_ext.recipes.schema import RecipeError
 from megatron_ext.runs import golden as cmp, metrics as met, mhc_report, resume as rsm
+from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs.plot import write_run_plot
 
 EXIT_OK, EXIT_MISMATCH, EXIT_INVALID, EXIT_TRAINING_FAILED = 0, 1, 2, 3
@@ -74,18 +79,13 @@ class Phase:
     log_dir: Path
 
 
-RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
-"""Stands for the run directory in a recipe's values (an imported Megatron-LM test case's
-``${CHECKPOINT_SAVE_PATH}``-style paths become paths below it)."""
-
-
 def _placed(arg: str, run_dir: Path) -> str:
-    if arg == command.RECIPE_PLACEHOLDER:
+    if arg == RECIPE_PLACEHOLDER:
         return str(run_dir / "recipe.yaml")
     return arg.replace(RUN_DIR_PLACEHOLDER, str(run_dir))
 
 
-def metrics_args(loaded: LoadedRecipe, tensorboard_dir: Path) -> list[str]:
+def metrics_args(request: RunRequest, tensorboard_dir: Path) -> list[str]:
     """Where the last rank writes its TensorBoard scalars, and which: iteration time and
     throughput always, the memory counters on GPUs (Megatron-LM's functional-test flags)."""
     args = [
@@ -94,44 +94,42 @@ def metrics_args(loaded: LoadedRecipe, tensorboard_dir: Path) -> list[str]:
         "--log-timers-to-tensorboard",
         "--log-throughput",
     ]
-    if loaded.recipe.launch.device == "gpu":
+    if request.recipe.launch.device == "gpu":
         args.append("--log-memory-to-tensorboard")
     return args
 
 
 def phases(
-    loaded: LoadedRecipe, run_dir: Path, segment: str = "", load: bool = False
+    request: RunRequest, run_dir: Path, segment: str = "", load: bool = False
 ) -> list[Phase]:
     """The training runs of a start of the recipe (``segment``: a resume's, see
     :mod:`megatron_ext.runs.resume`; ``load``: from the latest complete checkpoint)."""
-    args = [_placed(a, run_dir) for a in command.megatron_args(loaded)]
+    args = _all_placed(request.megatron_args, run_dir)
     logs = run_dir / "logs"
     tensorboard = run_dir / met.TENSORBOARD_SUBDIR
-    if loaded.recipe.resumable:
-        long_run = command.long_run_args(loaded, str(rsm.checkpoint_dir(run_dir)), load)
-        metrics = metrics_args(loaded, tensorboard / segment if segment else tensorboard)
+    if request.recipe.resumable:
+        long_run = _all_placed(
+            request.long_run_load_args if load else request.long_run_args, run_dir
+        )
+        metrics = metrics_args(request, tensorboard / segment if segment else tensorboard)
         return [Phase(segment or "train", args + metrics + long_run, logs / segment)]
-    if loaded.recipe.test.type != "ckpt-resume":
-        return [Phase("train", args + metrics_args(loaded, tensorboard), logs)]
-    ckpt = str(run_dir / "checkpoints")
+    if request.recipe.test.type != "ckpt-resume":
+        return [Phase("train", args + metrics_args(request, tensorboard), logs)]
+    save, load_half = _all_placed(request.save_args, run_dir), _all_placed(request.load_args, run_dir)
     return [
-        Phase(
-            "train",
-            args + metrics_args(loaded, tensorboard) + command.save_args(loaded, ckpt),
-            logs,
-        ),
-        Phase(
-            "resume",
-            args + metrics_args(loaded, tensorboard / "resume") + command.load_args(loaded, ckpt),
-            logs / "resume",
-        ),
+        Phase("train", args + metrics_args(request, tensorboard) + save, logs),
+        Phase("resume", args + metrics_args(request, tensorboard / "resume") + load_half, logs / "resume"),
     ]
 
 
-def prepare_resume(loaded: LoadedRecipe, run_dir: Path) -> None:
+def _all_placed(args: Sequence[str], run_dir: Path) -> list[str]:
+    return [_placed(a, run_dir) for a in args]
+
+
+def prepare_resume(request: RunRequest, run_dir: Path) -> None:
     """Between the phases, as Megatron's CI does: drop the final checkpoint and point
     ``latest`` at the one saved at iterations/2."""
-    iterations = loaded.recipe.training.iterations
+    iterations = request.recipe.training.iterations
     ckpt = run_dir / "checkpoints"
     half = ckpt / f"iter_{iterations // 2:07d}"
     if not half.is_dir():
@@ -150,18 +148,18 @@ def resume_shell(ckpt: Path, iterations: int) -> str:
     return f"rm -rf {q(str(last))} && echo {int(iterations) // 2} > {q(str(tracker))}"
 
 
-def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> str:
+def command_script(request: RunRequest, run_dir: Path, launcher: str = "torchrun") -> str:
     """command.sh: the exact commands, runnable from any shell on this machine."""
-    recipe = loaded.recipe
-    env = command.run_environment(loaded)
+    recipe = request.recipe
+    env = dict(request.environment)
     lines = [
         "#!/usr/bin/env bash",
         shell.comment(
-            f"# megatron-ext {launcher} run of {loaded.source} (platform {loaded.platform}"
-            + (f", overrides: {shlex.join(_shown_overrides(loaded))}" if loaded.overrides else "")
+            f"# megatron-ext {launcher} run of {request.source} (platform {request.platform}"
+            + (f", overrides: {shlex.join(list(request.shown_overrides))}" if request.overrides else "")
             + ")"
         ),
-        shell.comment(f"# {command.describe(loaded)}"),
+        shell.comment(f"# {request.describe}"),
         "# Each rank runs `python -m ENTRY FLAGS` with torchrun's environment; this is the same.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path.cwd()))}",
@@ -173,7 +171,7 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     plain = {k: v for k, v in env.items() if not shell.is_secret(k)}
     if plain:
         lines.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plain.items()))
-    for phase in phases(loaded, run_dir):
+    for phase in phases(request, run_dir):
         if phase.name == "resume":
             lines.append(resume_shell(run_dir / "checkpoints", recipe.training.iterations))
         lines.append(f"# {phase.name}")
@@ -192,33 +190,25 @@ def command_script(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchru
     return "\n".join(lines) + "\n"
 
 
-def _shown_overrides(loaded: LoadedRecipe) -> list[str]:
-    return [shell.redact_override(o) for o in loaded.overrides]
-
-
 def dry_run(
-    loaded: LoadedRecipe,
-    run_dir: Path | None = None,
-    runs_root: Path = Path("runs"),
-    megatron_checks: bool = True,
-    echo: Echo = _default_echo,
+    request: RunRequest, options: RunOptions = RunOptions(), echo: Echo = _default_echo
 ) -> Outcome:
     """``run --dry-run``: every check, then the plan and the exact commands; no rank starts
     and nothing is written."""
-    echo(f"megatron-ext run --dry-run {loaded.source} (platform {loaded.platform})")
-    echo(f"  {command.describe(loaded)}")
-    for note in loaded.notes:
+    echo(f"megatron-ext run --dry-run {request.source} (platform {request.platform})")
+    echo(f"  {request.describe}")
+    for note in request.notes:
         echo(f"  note: {note}")
-    why = preflight(loaded, echo, megatron_checks)
+    why = preflight(request, echo)
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
-    golden = loaded.golden_path()
+    run_dir = _run_dir(request, options)
+    golden = request.golden_path
     echo(f"  run directory (not created): {run_dir}")
     echo(f"  golden values: {golden}" + ("" if golden is None or golden.exists() else " (missing)"))
     echo("  command.sh:")
-    for line in command_script(loaded, run_dir).splitlines():
+    for line in command_script(request, run_dir).splitlines():
         echo(f"    {line}")
     return Outcome(EXIT_OK, None, message="dry run")
 
@@ -317,14 +307,12 @@ class Outcome:
     message: str = ""
 
 
-def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
+def default_run_dir(request: RunRequest, root: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for where, value in (("name", loaded.name), ("platform", loaded.platform)):
-        problem = safety.name_problem(where, value)
-        if problem is not None:
-            raise shell.UnsafeValueError(str(problem))
-    base = root / f"{loaded.name}-{loaded.platform}-{stamp}"
-    if not safety.inside(root, base):
+    if request.run_dir_name_problem is not None:
+        raise shell.UnsafeValueError(request.run_dir_name_problem)
+    base = root / f"{request.name}-{request.platform}-{stamp}"
+    if not files.inside(root, base):
         raise shell.UnsafeValueError(f"the run directory {base} would leave the runs root {root}")
     candidate, n = base, 1
     while candidate.exists():
@@ -333,67 +321,66 @@ def default_run_dir(loaded: LoadedRecipe, root: Path) -> Path:
     return candidate
 
 
-def preflight(loaded: LoadedRecipe, echo: Echo, megatron_checks: bool = True) -> str | None:
+def preflight(request: RunRequest, echo: Echo) -> str | None:
     """Why this recipe cannot start here (None: it can). Prints the problems."""
-    validation = validate(loaded, megatron_checks=megatron_checks)
-    if validation.problems:
-        for problem in validation.problems:
-            echo(f"{loaded.source}: {problem}")
-        return f"{len(validation.problems)} problem(s) in the recipe"
-    fault = fault_problem(loaded)
+    if request.problems:
+        for problem in request.problems:
+            echo(f"{request.source}: {problem}")
+        return f"{len(request.problems)} problem(s) in the recipe"
+    fault = fault_problem(request)
     if fault is not None:
         return fault
-    if not entry_importable(loaded.recipe.entry):
+    if not request.entry_importable:
         return (
-            f"the entry module {loaded.recipe.entry} is not importable (model.type "
-            f"{loaded.recipe.model.type}); install it or set model.entry"
+            f"the entry module {request.recipe.entry} is not importable (model.type "
+            f"{request.recipe.model.type}); install it or set model.entry"
         )
     return None
 
 
-def fault_problem(loaded: LoadedRecipe) -> str | None:
+def fault_problem(request: RunRequest) -> str | None:
     """A malformed MEGATRON_EXT_FAULT (the environment's or launch.env's), or one naming a rank
     the run does not have, found here rather than by every rank after start-up."""
     from megatron_ext.launch import faults
 
-    text = loaded.recipe.launch.env.get(faults.FAULT_ENV, os.environ.get(faults.FAULT_ENV))
+    text = request.recipe.launch.env.get(faults.FAULT_ENV, os.environ.get(faults.FAULT_ENV))
     if not text:
         return None
     try:
         fault = faults.parse_fault(str(text))
     except ValueError as exc:
         return f"{exc}; fix it or unset {faults.FAULT_ENV}"
-    if fault.rank >= loaded.recipe.world_size:
+    if fault.rank >= request.recipe.world_size:
         return (
             f"{faults.FAULT_ENV}={text!r}: rank {fault.rank} does not exist in a run of "
-            f"{loaded.recipe.world_size} ranks; give rank=0..{loaded.recipe.world_size - 1}"
+            f"{request.recipe.world_size} ranks; give rank=0..{request.recipe.world_size - 1}"
         )
-    if fault.step > loaded.recipe.training.iterations:
+    if fault.step > request.recipe.training.iterations:
         return (
             f"{faults.FAULT_ENV}={text!r}: step {fault.step} is past the run's "
-            f"{loaded.recipe.training.iterations} iterations; give step=1.."
-            f"{loaded.recipe.training.iterations}"
+            f"{request.recipe.training.iterations} iterations; give step=1.."
+            f"{request.recipe.training.iterations}"
         )
     return None
 
 
-def write_run_files(loaded: LoadedRecipe, run_dir: Path, launcher: str = "torchrun") -> None:
+def write_run_files(request: RunRequest, run_dir: Path, launcher: str = "torchrun") -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump(loaded))
+    (run_dir / "recipe.yaml").write_text(request.recipe_yaml)
     rsm.write_run_record(
         run_dir,
         {
-            "recipe": str(loaded.source),
-            "name": loaded.name,
-            "platform": loaded.platform,
-            "overrides": _shown_overrides(loaded),
+            "recipe": str(request.source),
+            "name": request.name,
+            "platform": request.platform,
+            "overrides": list(request.shown_overrides),
             "launcher": launcher,
-            "resumable": loaded.recipe.resumable,
+            "resumable": request.recipe.resumable,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
     )
     script = run_dir / "command.sh"
-    script.write_text(command_script(loaded, run_dir, launcher))
+    script.write_text(command_script(request, run_dir, launcher))
     script.chmod(0o755)
 
 
@@ -417,33 +404,29 @@ def _stall_environment_problem() -> str | None:
     return None
 
 
+def _run_dir(request: RunRequest, options: RunOptions) -> Path:
+    return Path(options.run_dir) if options.run_dir else default_run_dir(request, options.runs_root)
+
+
 def run(
-    loaded: LoadedRecipe,
-    run_dir: Path | None = None,
-    runs_root: Path = Path("runs"),
-    compare_golden: bool = True,
-    force_compare: bool = False,
-    write_golden: bool = False,
-    megatron_checks: bool = True,
-    echo: Echo = _default_echo,
-    trace: bool = False,
-    trust_pickle: bool = False,
+    request: RunRequest, options: RunOptions = RunOptions(), echo: Echo = _default_echo
 ) -> Outcome:
-    """Validate, train locally (every phase), then :func:`finalize`. ``trace``: record every
-    rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble).
-    ``trust_pickle``: skip the check of the checkpoints the run loads (``--trust-pickle``)."""
+    """Check, train locally (every phase), then :func:`finalize`. ``options.trace``: record
+    every rank's pipeline schedule (trace.json, timeline.png, measured vs theoretical bubble);
+    the pickles of the checkpoints the run loads were checked by the request (unless
+    ``--trust-pickle``) before anything read them."""
     started = time.monotonic()
-    recipe = loaded.recipe
-    echo(f"megatron-ext run {loaded.source} (platform {loaded.platform})")
-    echo(f"  {command.describe(loaded)}")
-    for note in loaded.notes:
+    recipe = request.recipe
+    echo(f"megatron-ext run {request.source} (platform {request.platform})")
+    echo(f"  {request.describe}")
+    for note in request.notes:
         echo(f"  note: {note}")
     # first: nothing else (megatron's argument checks included) may read a hostile checkpoint
-    why = preload.pickle_problem(recipe, trust_pickle=trust_pickle)
+    why = request.refusal
     if why is None:
         why = preload.start_problem(recipe, echo)
     if why is None:
-        why = preflight(loaded, echo, megatron_checks)
+        why = preflight(request, echo)
     if why is None and recipe.launch.device == "gpu":
         import torch
 
@@ -454,39 +437,30 @@ def run(
     if why is not None:
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
-    if write_golden and (why := golden_paths.golden_write_problem(loaded)):
+    if options.write_golden and (why := request.golden_write_problem):
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
-    if write_golden and loaded.numerics_overridden:
+    if options.write_golden and request.numerics_overridden:
         why = (
             "--write-golden refuses a run whose overrides change numerics; edit the recipe instead"
         )
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
 
-    run_dir = Path(run_dir) if run_dir else default_run_dir(loaded, runs_root)
+    run_dir = _run_dir(request, options)
     from megatron_ext.launch.local import stop_signals_interrupt
     from megatron_ext.runs import lock as run_lock
 
     try:  # a SIGTERM before the ranks start is reported and summarised too (issue 34, item 16)
         with run_lock.holding(run_dir), stop_signals_interrupt():
-            return _run_in(
-                loaded, run_dir, started, compare_golden, force_compare, write_golden, echo, trace
-            )
+            return _run_in(request, run_dir, started, options, echo)
     except run_lock.RunDirectoryBusy as exc:
         echo(f"cannot run: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
 
 
 def _run_in(
-    loaded: LoadedRecipe,
-    run_dir: Path,
-    started: float,
-    compare_golden: bool,
-    force_compare: bool,
-    write_golden: bool,
-    echo: Echo,
-    trace: bool,
+    request: RunRequest, run_dir: Path, started: float, options: RunOptions, echo: Echo
 ) -> Outcome:
     """:func:`run` once the run directory is held."""
     if (why := rsm.existing_run_problem(run_dir)) is not None:
@@ -494,34 +468,24 @@ def _run_in(
         return Outcome(EXIT_INVALID, None, message=why)
     results: list[dict] = []
     try:
-        write_run_files(loaded, run_dir)
+        write_run_files(request, run_dir)
     except OSError as exc:
         why = cannot_write(exc, run_dir)
         echo(f"cannot run: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
     except KeyboardInterrupt as exc:  # stopped while the run directory was being written
-        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        _write_interrupted_summary(request, run_dir, results, started, exc, echo)
         raise
     echo(f"  run directory {run_dir}")
     try:
-        return _run_phases(
-            loaded,
-            run_dir,
-            results,
-            started,
-            compare_golden,
-            force_compare,
-            write_golden,
-            echo,
-            trace,
-        )
+        return _run_phases(request, run_dir, results, started, options, echo)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: the launcher stopped the ranks
-        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        _write_interrupted_summary(request, run_dir, results, started, exc, echo)
         raise
 
 
 def _write_interrupted_summary(
-    loaded: LoadedRecipe,
+    request: RunRequest,
     run_dir: Path,
     results: list[dict],
     started: float,
@@ -538,7 +502,7 @@ def _write_interrupted_summary(
             "reason": how,
         }
     )
-    _write_summary(loaded, run_dir, "interrupted", results, [], time.monotonic() - started)
+    _write_summary(request, run_dir, "interrupted", results, [], time.monotonic() - started)
     echo(f"  {how}: every rank stopped; summary {run_dir / 'summary.json'}")
 
 
@@ -562,29 +526,26 @@ def _echo_first_failure(job, result, echo: Echo) -> None:
 
 
 def _run_phases(
-    loaded: LoadedRecipe,
+    request: RunRequest,
     run_dir: Path,
     results: list[dict],
     started: float,
-    compare_golden: bool,
-    force_compare: bool,
-    write_golden: bool,
+    options: RunOptions,
     echo: Echo,
-    trace: bool = False,
     run_phases: list[Phase] | None = None,
 ) -> Outcome:
     from megatron_ext.launch import local, stop_signals
 
-    recipe = loaded.recipe
-    for phase in run_phases or phases(loaded, run_dir):
+    recipe = request.recipe
+    for phase in run_phases or phases(request, run_dir):
         if phase.name == "resume":
-            prepare_resume(loaded, run_dir)
+            prepare_resume(request, run_dir)
         echo(
             f"  [{phase.name}] starting {recipe.world_size} rank(s): python -m {recipe.entry} "
             f"(logs: {phase.log_dir}/rank-*.log)"
         )
-        env = command.run_environment(loaded)
-        if trace:
+        env = dict(request.environment)
+        if options.trace:
             from megatron_ext.runs import trace as run_trace
 
             env.update(run_trace.environment(run_dir))
@@ -598,7 +559,7 @@ def _run_phases(
             timeout_s=recipe.launch.timeout_s,
             stall_timeout_s=recipe.launch.stall_timeout_s,
             startup_timeout_s=recipe.launch.startup_timeout_s,
-            save_signal=stop_signals.SAVE_SIGNAL if loaded.recipe.resumable else None,
+            save_signal=stop_signals.SAVE_SIGNAL if request.recipe.resumable else None,
         )
         progress = Progress(echo, phase.name, start=time.monotonic())
         result = local.launch(job, on_line=progress)
@@ -620,7 +581,7 @@ def _run_phases(
             and rsm.latest_complete(ckpt) != recipe.training.iterations
         ):
             results[-1]["stopped_by"] = signal.Signals(result.stopped_by).name
-            return _stopped(loaded, run_dir, results, started, result, echo)
+            return _stopped(request, run_dir, results, started, result, echo)
         if _stopped_after_the_end(result, rsm.latest_complete(ckpt), recipe.training.iterations):
             echo("  the stop signal came after the final checkpoint: the run is complete")
         elif not result.ok:
@@ -639,7 +600,7 @@ def _run_phases(
             echo(f"training failed: {what}; last lines of {job.log_path(rank)}:")
             for line in local.tail(job.log_path(rank), 40):
                 echo(f"    {line}")
-            if trace:
+            if options.trace:
                 from megatron_ext.runs import trace as run_trace
 
                 where = run_trace.failing_step(run_dir / run_trace.TRACE_SUBDIR)
@@ -652,29 +613,19 @@ def _run_phases(
                 # A start-up error (arguments, imports, model build) has no pipeline step.
                 echo("  (rerun with --trace to name the failing pipeline step: rank, chunk, step)")
             _write_summary(
-                loaded, run_dir, "training-failed", results, [], time.monotonic() - started
+                request, run_dir, "training-failed", results, [], time.monotonic() - started
             )
             return Outcome(
                 EXIT_TRAINING_FAILED, run_dir, seconds=time.monotonic() - started, message=what
             )
-    if loaded.recipe.resumable:
+    if request.recipe.resumable:
         c = recipe.checkpoint
         removed = rsm.prune(
             rsm.checkpoint_dir(run_dir), c.most_recent_k, c.keep_final, recipe.training.iterations
         )
         if removed:
             echo(f"  checkpoints removed (checkpoint.most_recent_k / keep_final): {removed}")
-    return finalize(
-        loaded,
-        run_dir,
-        results,
-        started,
-        compare_golden=compare_golden,
-        force_compare=force_compare,
-        write_golden=write_golden,
-        echo=echo,
-        trace=trace,
-    )
+    return finalize(request, run_dir, results, started, options, echo)
 
 
 def _stopped_after_the_end(result, latest: int | None, iterations: int) -> bool:
@@ -692,7 +643,7 @@ STOPPED_RESUMABLE = "stopped, resumable"
 """What a run stopped by SIGTERM / SIGUSR1 reports (exit status 75, summary status 'stopped')."""
 
 
-def _stopped(loaded, run_dir: Path, results: list[dict], started: float, result, echo) -> Outcome:
+def _stopped(request, run_dir: Path, results: list[dict], started: float, result, echo) -> Outcome:
     """A run the launcher's SIGTERM / SIGUSR1 stopped: where it can continue from."""
     name = signal.Signals(result.stopped_by).name
     latest = rsm.latest_complete(rsm.checkpoint_dir(run_dir))
@@ -704,7 +655,7 @@ def _stopped(loaded, run_dir: Path, results: list[dict], started: float, result,
     if not result.ok:
         where += f" (the ranks exited with {result.returncode} while stopping)"
     results[-1]["resume_from"] = latest
-    _write_summary(loaded, run_dir, "stopped", results, [], time.monotonic() - started)
+    _write_summary(request, run_dir, "stopped", results, [], time.monotonic() - started)
     echo(f"  {name}: {where}")
     echo(f"{STOPPED_RESUMABLE}: megatron-ext run --resume {run_dir}")
     return Outcome(
@@ -714,20 +665,19 @@ def _stopped(loaded, run_dir: Path, results: list[dict], started: float, result,
 
 def resume_run(
     run_dir: Path,
-    compare_golden: bool = True,
-    force_compare: bool = False,
-    megatron_checks: bool = True,
+    recipes: RunDirRecipe,
+    options: RunOptions = RunOptions(),
     echo: Echo = _default_echo,
-    trust_pickle: bool = False,
     overrides: Sequence[str] = (),
     allow_env: tuple[str, ...] = (),
 ) -> Outcome:
     """``megatron-ext run --resume RUN_DIR``: the run's own recipe.yaml (its platform and
-    overrides applied) from its latest complete checkpoint, in a new segment of the run.
-    ``overrides``: parallelism.* and training.iterations only (another layout, a longer run:
-    :mod:`megatron_ext.checkpoint.layout`). Holds the run directory's lock (as ``run`` does)
-    before it reads or changes anything there. ``allow_env``: the code-loading launch.env keys
-    allowed again with ``--allow-env`` (a run directory never allows them by itself)."""
+    overrides applied; ``recipes`` reads it and makes the request) from its latest complete
+    checkpoint, in a new segment of the run. ``overrides``: parallelism.* and
+    training.iterations only (another layout, a longer run: :mod:`megatron_ext.checkpoint.layout`).
+    Holds the run directory's lock (as ``run`` does) before it reads or changes anything there.
+    ``allow_env``: the code-loading launch.env keys allowed again with ``--allow-env`` (a run
+    directory never allows them by itself)."""
     from megatron_ext.launch.local import stop_signals_interrupt
     from megatron_ext.runs import lock as run_lock
 
@@ -737,16 +687,7 @@ def resume_run(
         return Outcome(EXIT_INVALID, None, message=f"{run_dir}: not a directory")
     try:
         with run_lock.holding(run_dir), stop_signals_interrupt():
-            return _resume_in(
-                run_dir,
-                compare_golden,
-                force_compare,
-                megatron_checks,
-                echo,
-                trust_pickle,
-                list(overrides),
-                allow_env,
-            )
+            return _resume_in(run_dir, recipes, options, echo, list(overrides), allow_env)
     except run_lock.RunDirectoryBusy as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
@@ -754,19 +695,15 @@ def resume_run(
 
 def _resume_in(
     run_dir: Path,
-    compare_golden: bool,
-    force_compare: bool,
-    megatron_checks: bool,
+    recipes: RunDirRecipe,
+    options: RunOptions,
     echo: Echo,
-    trust_pickle: bool,
     overrides: list[str],
     allow_env: tuple[str, ...],
 ) -> Outcome:
     """:func:`resume_run` once the run directory is held."""
     from megatron_ext.checkpoint import layout
     from megatron_ext.launch import env_policy
-    from megatron_ext.recipes import RecipeError
-    from megatron_ext.recipes.loader import load
 
     started = time.monotonic()
     try:
@@ -781,49 +718,55 @@ def _resume_in(
         status = _summary_status(run_dir)
         finished = status in ("passed", "mismatch")
         resolved = (
-            None if finished and not overrides else load(run_dir / "recipe.yaml", "cpu", overrides)
+            None
+            if finished and not overrides
+            else recipes.recipe(run_dir / "recipe.yaml", overrides)
         )
-        if finished and not (resolved and layout.finished_run_continues(run_dir, resolved.recipe)):
+        if finished and not (resolved and layout.finished_run_continues(run_dir, resolved)):
             raise rsm.ResumeError(
                 f"{run_dir}: the run already finished (status {status}); to train it further, "
                 "raise training.iterations (run --resume RUN_DIR training.iterations=N)"
             )
         # resolved is None only for a finished run without overrides, refused just above
         assert resolved is not None
-        before = load(run_dir / "recipe.yaml", "cpu", []).recipe if overrides else None
-        env = resolved.recipe.launch.env
+        before = recipes.recipe(run_dir / "recipe.yaml", []) if overrides else None
+        env = resolved.launch.env
         try:  # secrets were never written there: the caller's environment has them
-            resolved.recipe.launch.env = env_policy.restore_secrets(env, os.environ)
+            resolved.launch.env = env_policy.restore_secrets(env, os.environ)
         except ValueError as exc:
             raise rsm.ResumeError(str(exc)) from None
         ckpt = rsm.checkpoint_dir(run_dir)
         # nothing is changed before this: a tracker that is not an iteration of this run, or
         # an iter_ entry that cannot be its save, is refused (issue 34, item 2)
-        latest, cut = rsm.resume_point(ckpt, resolved.recipe.training.iterations)
+        latest, cut = rsm.resume_point(ckpt, resolved.training.iterations)
     except (rsm.ResumeError, RecipeError) as exc:
         echo(f"cannot resume: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
     assert resolved is not None  # None only for a finished run, refused above
-    loaded = LoadedRecipe(
-        resolved.recipe,
+    # every pickle of the checkpoint a rank will load is checked (the request's refusal)
+    # before anything reads it or is removed
+    request = recipes.request(
+        resolved,
         Path(record.get("recipe") or run_dir / "recipe.yaml"),
         record.get("platform", "cpu"),
         list(record.get("overrides", [])) + overrides,
-        allowed_env=tuple(allow_env),
+        tuple(allow_env),
+        megatron_checks=options.megatron_checks,
+        trust_pickle=options.trust_pickle,
+        resume_from=ckpt if latest is not None else None,
     )
     segment = rsm.next_segment(run_dir)
-    echo(f"megatron-ext run --resume {run_dir} ({loaded.source}, platform {loaded.platform})")
-    echo(f"  {command.describe(loaded)}")
-    # every pickle of the checkpoint a rank will load, checked before anything is removed
-    why = preload.pickle_problem(loaded.recipe, ckpt if latest is not None else None, trust_pickle)
+    echo(f"megatron-ext run --resume {run_dir} ({request.source}, platform {request.platform})")
+    echo(f"  {request.describe}")
+    why = request.refusal
     if why is None:
-        why = preflight(loaded, echo, megatron_checks)
+        why = preflight(request, echo)
     if why is not None:
         echo(f"cannot resume: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
     if cut:
         try:
-            rsm.discard_incomplete(ckpt, loaded.recipe.training.iterations)
+            rsm.discard_incomplete(ckpt, request.iterations)
         except OSError as exc:
             why = cannot_write(exc, run_dir)
             echo(f"cannot resume: {why}")
@@ -834,24 +777,24 @@ def _resume_in(
         if latest is not None
         else "  no complete checkpoint: training starts over"
     )
-    run_phases = phases(loaded, run_dir, segment, load=latest is not None)
+    run_phases = phases(request, run_dir, segment, load=latest is not None)
     if before is not None:
-        run_phases[0].args.extend(layout.apply(run_dir, before, loaded, latest, echo))
+        run_phases[0].args.extend(layout.apply(run_dir, before, request, latest, echo))
     results: list[dict] = []
     try:
         return _run_phases(
-            loaded,
+            request,
             run_dir,
             results,
             started,
-            compare_golden,
-            force_compare,
-            False,
+            RunOptions(
+                compare_golden=options.compare_golden, force_compare=options.force_compare
+            ),
             echo,
             run_phases=run_phases,
         )
     except KeyboardInterrupt as exc:
-        _write_interrupted_summary(loaded, run_dir, results, started, exc, echo)
+        _write_interrupted_summary(request, run_dir, results, started, exc, echo)
         raise
 
 
@@ -863,21 +806,18 @@ def _summary_status(run_dir: Path) -> str | None:
 
 
 def finalize(
-    loaded: LoadedRecipe,
+    request: RunRequest,
     run_dir: Path,
     phase_results: list[dict],
     started: float,
-    compare_golden: bool = True,
-    force_compare: bool = False,
-    write_golden: bool = False,
+    options: RunOptions = RunOptions(),
     echo: Echo = _default_echo,
-    trace: bool = False,
 ) -> Outcome:
     """Metrics, plot and comparisons of a finished run directory (local or Slurm)."""
-    recipe = loaded.recipe
+    recipe = request.recipe
     names = list(recipe.test.metrics)
     logs = run_dir / "logs"
-    if loaded.recipe.resumable:  # every segment of a stopped and resumed run, as one
+    if request.recipe.resumable:  # every segment of a stopped and resumed run, as one
         joined = rsm.read_metrics(run_dir)
         run_metrics, source = joined.metrics, joined.source
     else:
@@ -888,7 +828,7 @@ def finalize(
             f"no metrics found: no TensorBoard scalars in {run_dir / met.TENSORBOARD_SUBDIR} and no "
             f"iteration lines in {logs}/rank-*.log"
         )
-        _write_summary(loaded, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
+        _write_summary(request, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"
@@ -912,16 +852,16 @@ def finalize(
             )
         )
 
-    golden_path = loaded.golden_path()
+    golden_path = request.golden_path
     golden = None
-    if write_golden:
+    if options.write_golden:
         if all(r.passed for r in reports):
             assert golden_path is not None  # run() refuses --write-golden without one
             met.write_golden(golden_path, run_metrics, names)
             echo(f"  golden values written: {golden_path}")
         else:
             echo("  golden values NOT written: the ckpt-resume check failed")
-    elif not compare_golden:
+    elif not options.compare_golden:
         echo("  golden values: not compared (--no-compare)")
     elif golden_path is None:
         echo("  golden values: none configured (test.golden_values is null)")
@@ -936,12 +876,12 @@ def finalize(
     elif not golden_path.exists():
         echo(
             f"  golden values: none at {golden_path}; create them with "
-            f"`megatron-ext run {loaded.source} --platform {loaded.platform} --write-golden`"
+            f"`megatron-ext run {request.source} --platform {request.platform} --write-golden`"
         )
-    elif loaded.numerics_overridden and not force_compare:
+    elif request.numerics_overridden and not options.force_compare:
         echo(
             f"  golden values: not compared, the overrides change the recipe "
-            f"({' '.join(_shown_overrides(loaded))}); --compare forces it"
+            f"({' '.join(list(request.shown_overrides))}); --compare forces it"
         )
     else:
         golden = met.read_golden(golden_path)
@@ -956,25 +896,25 @@ def finalize(
         golden=golden,
         resumed=resumed,
         resume_step=resume_step,
-        title=f"{loaded.name} ({loaded.platform})",
+        title=f"{request.name} ({request.platform})",
     )
-    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, f"{loaded.name} ({loaded.platform})")
+    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, f"{request.name} ({request.platform})")
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
         echo(f"  {line}")
     pipeline = None
-    if trace:
+    if options.trace:
         from megatron_ext.runs import trace as run_trace
 
-        pipeline = run_trace.summarize(loaded, run_dir, echo)
+        pipeline = run_trace.summarize(request, run_dir, echo)
     passed = all(r.passed for r in reports)
     seconds = time.monotonic() - started
     performance = _performance(recipe, run_metrics, phase_results)
     for line in _performance_lines(performance):
         echo(f"  {line}")
     _write_summary(
-        loaded,
+        request,
         run_dir,
         "passed" if passed else "mismatch",
         phase_results,
@@ -997,7 +937,7 @@ def finalize(
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
     if mhc_plot is not None:
         echo(f"  mHC plot {mhc_plot}")
-    echo(f"{verdict(reports)}: {loaded.name} in {seconds:.1f} s")
+    echo(f"{verdict(reports)}: {request.name} in {seconds:.1f} s")
     return Outcome(EXIT_OK if passed else EXIT_MISMATCH, run_dir, reports, seconds)
 
 
@@ -1112,31 +1052,8 @@ def versions() -> dict:
     }
 
 
-def resolved_plan(loaded: LoadedRecipe) -> dict:
-    """The plan the run used: sizes, derived virtual stages and micro-batches, the world."""
-    r = loaded.recipe
-    p, t = r.parallelism, r.training
-    dp = p.dp if r.model.type != "multimodule" else 1
-    return {
-        "describe": command.describe(loaded),
-        "world_size": r.world_size,
-        "tp": p.tp,
-        "pp": p.pp,
-        "vpp": r.virtual_stages,
-        "cp": p.cp,
-        "ep": p.ep,
-        "dp": p.dp,
-        "sp": p.sp,
-        "schedule": p.schedule,
-        "micro_batch_size": t.micro_batch_size,
-        "global_batch_size": t.global_batch_size,
-        "micro_batches": t.global_batch_size // max(1, t.micro_batch_size * dp),
-        "modules": r.to_dict()["model"]["modules"] if r.model.type == "multimodule" else None,
-    }
-
-
 def _write_summary(
-    loaded: LoadedRecipe,
+    request: RunRequest,
     run_dir: Path,
     status: str,
     phase_results: list[dict],
@@ -1146,16 +1063,16 @@ def _write_summary(
     performance: dict | None = None,
     metrics_source: str | None = None,
 ) -> None:
-    golden = loaded.golden_path()
+    golden = request.golden_path
     summary = {
-        "recipe": str(loaded.source),
-        "name": loaded.name,
-        "platform": loaded.platform,
-        "overrides": _shown_overrides(loaded),
+        "recipe": str(request.source),
+        "name": request.name,
+        "platform": request.platform,
+        "overrides": list(request.shown_overrides),
         "status": status,
         "seconds": round(seconds, 2),
-        "world_size": loaded.recipe.world_size,
-        "entry": loaded.recipe.entry,
+        "world_size": request.recipe.world_size,
+        "entry": request.recipe.entry,
         "phases": phase_results,
         "golden_values": str(golden) if golden else None,
         "reports": [r.to_dict() for r in reports],
@@ -1163,7 +1080,7 @@ def _write_summary(
         "metrics_source": metrics_source,
         "performance": performance or {},
         "versions": versions(),
-        "plan": resolved_plan(loaded),
+        "plan": dict(request.plan),
     }
     if pipeline is not None:  # megatron-ext run --trace
         summary["pipeline"] = pipeline

@@ -23,8 +23,8 @@ from pathlib import Path
 from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
-from megatron_ext.recipes import command
-from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.request import RunRequest
+from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs import resume as rsm, runner
 from megatron_ext.runs.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
@@ -42,10 +42,10 @@ class SlurmOptions:
 
 
 def build_job(
-    loaded: LoadedRecipe, run_dir: Path, options: SlurmOptions
+    request: RunRequest, run_dir: Path, options: SlurmOptions
 ) -> tuple[slurm.SlurmJob | None, list[str]]:
     """The job for this recipe, or None and the reasons it cannot be laid out."""
-    recipe = loaded.recipe
+    recipe = request.recipe
     cfg = recipe.launch.slurm
     nodes = options.nodes or recipe.launch.nodes
     world = recipe.world_size
@@ -70,8 +70,8 @@ def build_job(
         problems.append(image_problem)
     python = options.python or ("python" if image else sys.executable)
     steps = []
-    resumable = loaded.recipe.resumable
-    for phase in runner.phases(loaded, run_dir, slurm.SEGMENT if resumable else "", resumable):
+    resumable = request.recipe.resumable
+    for phase in runner.phases(request, run_dir, slurm.SEGMENT if resumable else "", resumable):
         before = None
         if phase.name == "resume":
             before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
@@ -81,7 +81,7 @@ def build_job(
         assert recipe.entry is not None  # a recipe without one fails validation
         steps.append(slurm.Step(name, recipe.entry, phase.args, logs, before))
     job = slurm.SlurmJob(
-        name=loaded.name,
+        name=request.name,
         run_dir=run_dir,
         steps=steps,
         nodes=nodes,
@@ -89,7 +89,7 @@ def build_job(
         device=recipe.launch.device,
         workdir=Path.cwd(),
         python=python,
-        env=command.run_environment(loaded),
+        env=dict(request.environment),
         gpus_per_node=gpus,
         partition=options.partition or cfg.partition,
         account=options.account or cfg.account,
@@ -194,7 +194,7 @@ def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
 
 
 def submit(
-    loaded: LoadedRecipe,
+    request: RunRequest,
     options: SlurmOptions,
     run_dir: Path | None = None,
     runs_root: Path = Path("runs"),
@@ -202,7 +202,6 @@ def submit(
     wait: bool = True,
     compare_golden: bool = True,
     force_compare: bool = False,
-    megatron_checks: bool = True,
     echo=runner._default_echo,
 ) -> Outcome:
     started = time.monotonic()
@@ -211,12 +210,12 @@ def submit(
         def echo(text: str) -> None:
             print(text, file=sys.stderr)
 
-    why = runner.preflight(loaded, echo, megatron_checks)
+    why = runner.preflight(request, echo)
     if why is not None:
         echo(f"cannot submit: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
-    run_dir = (Path(run_dir) if run_dir else runner.default_run_dir(loaded, runs_root)).resolve()
-    job, problems = build_job(loaded, run_dir, options)
+    run_dir = (Path(run_dir) if run_dir else runner.default_run_dir(request, runs_root)).resolve()
+    job, problems = build_job(request, run_dir, options)
     if job is None:
         for p in problems:
             echo(f"cannot submit: {p}")
@@ -230,19 +229,19 @@ def submit(
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
     if dry_run:
-        layout = node_layout.layout(loaded.recipe, job.nodes, job.tasks_per_node)
+        layout = node_layout.layout(request.recipe, job.nodes, job.tasks_per_node)
         for line in layout.lines():
             echo(line)
         print(script, end="")
         return Outcome(0, None)
-    runner.write_run_files(loaded, run_dir, launcher="Slurm")
+    runner.write_run_files(request, run_dir, launcher="Slurm")
     (run_dir / "logs").mkdir(exist_ok=True)
     script_path = run_dir / "sbatch.sh"
     script_path.write_text(script)
-    echo(f"megatron-ext submit {loaded.source} (platform {loaded.platform})")
-    echo(f"  {command.describe(loaded)}")
+    echo(f"megatron-ext submit {request.source} (platform {request.platform})")
+    echo(f"  {request.describe}")
     echo(f"  run directory {run_dir}")
-    launch = loaded.recipe.launch
+    launch = request.recipe.launch
     watch = slurm.StepWatch(
         job.steps, job.world_size, launch.stall_timeout_s, launch.startup_timeout_s
     )
@@ -304,7 +303,7 @@ def submit(
         latest = rsm.latest_complete(rsm.checkpoint_dir(run_dir))
         phase_results[0]["resume_from"] = latest
         runner._write_summary(
-            loaded, run_dir, "stopped", phase_results, [], time.monotonic() - started
+            request, run_dir, "stopped", phase_results, [], time.monotonic() - started
         )
         echo(f"  latest complete checkpoint at iteration {latest}")
         echo(f"{runner.STOPPED_RESUMABLE}: megatron-ext run --resume {run_dir}")
@@ -323,15 +322,14 @@ def submit(
         echo(f"  {lost}" + (" (the job was requeued)" if result.ok else ""))
     if not result.ok:
         runner._write_summary(
-            loaded, run_dir, "training-failed", phase_results, [], time.monotonic() - started
+            request, run_dir, "training-failed", phase_results, [], time.monotonic() - started
         )
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
     return runner.finalize(
-        loaded,
+        request,
         run_dir,
         phase_results,
         started,
-        compare_golden=compare_golden,
-        force_compare=force_compare,
+        RunOptions(compare_golden=compare_golden, force_compare=force_compare),
         echo=echo,
     )

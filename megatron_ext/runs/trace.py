@@ -79,9 +79,10 @@ def message_sizes(events: list[list[Event]], size: Any) -> dict:
     }
 
 
-def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict | None:
-    """Write trace.json and timeline.png; return the run summary's "pipeline" entry."""
-    from megatron_ext.recipes.schedule import plan_from_loaded
+def summarize(request: Any, run_dir: Path, echo: Callable[[str], None]) -> dict | None:
+    """Write trace.json and timeline.png; return the run summary's "pipeline" entry.
+    ``request``: the run's :class:`~megatron_ext.recipes.request.RunRequest` (its
+    ``schedule_plan`` is what the measured timeline is compared with)."""
 
     ranks = read_ranks(Path(run_dir) / TRACE_SUBDIR)
     if not ranks:
@@ -91,7 +92,7 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
     if not any(events):
         echo("  trace: the ranks recorded no pipelined schedule (PP=1 runs have none)")
         return None
-    plan, size = plan_from_loaded(loaded)
+    plan, size = request.schedule_plan
     schedule = build_schedule(plan)
     (Path(run_dir) / "trace.json").write_text(
         json.dumps(chrome_trace(events, schedule.chunks, [r.get("module") for r in ranks]))
@@ -150,7 +151,7 @@ def summarize(loaded: Any, run_dir: Path, echo: Callable[[str], None]) -> dict |
         plot_timeline(
             timeline,
             Path(run_dir) / "timeline.png",
-            f"{loaded.name}: measured iteration {shown + 1}",
+            f"{request.name}: measured iteration {shown + 1}",
             schedule.chunks,
             unit="ms",
             note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} in theory",

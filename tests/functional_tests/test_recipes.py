@@ -31,7 +31,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import metrics as met
+from megatron_ext.runs.options import RunOptions
 from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +230,12 @@ def _finish_run_with(metrics: met.Metrics, run_dir: Path):
     loaded = load(REPO_ROOT / NUMERICS_RECIPE, overrides=NUMERICS_OVERRIDES)
     lines: list[str] = []
     outcome = runner.finalize(
-        loaded, run_dir, [], started=0.0, force_compare=True, echo=lines.append
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        run_dir,
+        [],
+        started=0.0,
+        options=RunOptions(force_compare=True),
+        echo=lines.append,
     )
     return outcome, "\n".join(lines)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.testing import timing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -226,7 +227,11 @@ def _phase_job(overrides: list[str], run_dir: Path, name: str, extra_args: list[
     from megatron_ext.runs import runner
 
     loaded = loader.load(overrides[0], overrides=overrides[1:])
-    phase = next(p for p in runner.phases(loaded, run_dir) if p.name == name)
+    phase = next(
+        p
+        for p in runner.phases(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
+        if p.name == name
+    )
     return local.LocalJob(
         module=loaded.recipe.entry,
         args=[*phase.args, *extra_args],

@@ -146,20 +146,9 @@ def _arrows(graph: dict[str, set[str]], source: str, target: str) -> set[str]:
     }
 
 
-# runs/ starts from what recipes/ hands it: the schema (and, once it exists, the run request).
-# These arrows into the rest of recipes/ are today's, to go when runs/ starts from a RunRequest
-# (issue 35); the list may only shrink: a new arrow fails, and so does one that has gone.
-RUNS_INTO_RECIPES_TODAY = {
-    "megatron_ext.runs.runner -> megatron_ext.recipes",
-    "megatron_ext.runs.runner -> megatron_ext.recipes.command",
-    "megatron_ext.runs.runner -> megatron_ext.recipes.golden_paths",
-    "megatron_ext.runs.runner -> megatron_ext.recipes.loader",
-    "megatron_ext.runs.runner -> megatron_ext.recipes.safety",
-    "megatron_ext.runs.runner -> megatron_ext.recipes.validate",
-    "megatron_ext.runs.submit -> megatron_ext.recipes.command",
-    "megatron_ext.runs.submit -> megatron_ext.recipes.loader",
-    "megatron_ext.runs.trace -> megatron_ext.recipes.schedule",
-}
+# runs/ starts from what recipes/ hands it: the schema and the run request (issue 35). No arrow
+# into the rest of recipes/ is left; a new one fails.
+RUNS_INTO_RECIPES_TODAY: set[str] = set()
 RUNS_MAY_IMPORT = {"megatron_ext.recipes.schema", "megatron_ext.recipes.request"}
 
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import RunDirRecipes, prepare
 from megatron_ext.runs import lock as run_lock, resume as rsm, runner
+from megatron_ext.runs.options import RunOptions
 
 from conftest import REPO_ROOT
 
@@ -35,7 +37,10 @@ def _stopped_run(tmp_path: Path, saved=(1, 2, 3, 4), tracker: str | None = "3") 
     """A run directory as the base run leaves it when stopped after iteration 3 (iteration 4's
     save cut short unless the tracker says otherwise)."""
     run_dir = tmp_path / "R"
-    runner.write_run_files(load(BASE, "cpu", BASE_OVERRIDES), run_dir)
+    runner.write_run_files(
+        prepare(load(BASE, "cpu", BASE_OVERRIDES), megatron_checks=False, check_pickles=False),
+        run_dir,
+    )
     (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
     ckpt = rsm.checkpoint_dir(run_dir)
     for iteration in saved:
@@ -57,7 +62,9 @@ def test_resume_refuses_a_tracker_that_is_not_an_iteration_and_deletes_nothing(
 ):
     run_dir = _stopped_run(tmp_path, tracker=tracker)
     lines: list[str] = []
-    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    outcome = runner.resume_run(
+        run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
     assert outcome.exit_code == runner.EXIT_INVALID
     assert _saved(run_dir) == [1, 2, 3, 4]
     assert (rsm.iteration_dir(rsm.checkpoint_dir(run_dir), 4) / "common.pt").is_file()
@@ -68,7 +75,9 @@ def test_resume_refuses_a_tracker_that_is_not_an_iteration_and_deletes_nothing(
 def test_resume_refuses_a_tracker_naming_a_missing_checkpoint(tmp_path, no_training):
     run_dir = _stopped_run(tmp_path, tracker="99")  # issue 34 item 16: was FileNotFoundError
     lines: list[str] = []
-    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    outcome = runner.resume_run(
+        run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
     assert outcome.exit_code == runner.EXIT_INVALID and _saved(run_dir) == [1, 2, 3, 4]
     assert "names iteration 99" in lines[0] and "iter_0000099" in lines[0]
 
@@ -81,11 +90,17 @@ def test_resume_never_deletes_a_linked_or_foreign_iteration(tmp_path, no_trainin
     (elsewhere / "keep").write_text("x")
     rsm.iteration_dir(ckpt, 4).symlink_to(elsewhere)
     lines: list[str] = []
-    assert runner.resume_run(run_dir, echo=lines.append).exit_code == runner.EXIT_INVALID
+    assert (
+        runner.resume_run(run_dir, RunDirRecipes(), echo=lines.append).exit_code
+        == runner.EXIT_INVALID
+    )
     assert (elsewhere / "keep").is_file() and "not a save of this run" in lines[0]
     rsm.iteration_dir(ckpt, 4).unlink()
     rsm.iteration_dir(ckpt, 41).mkdir()  # past the run's 40 iterations
-    assert runner.resume_run(run_dir, echo=lines.append).exit_code == runner.EXIT_INVALID
+    assert (
+        runner.resume_run(run_dir, RunDirRecipes(), echo=lines.append).exit_code
+        == runner.EXIT_INVALID
+    )
     assert rsm.iteration_dir(ckpt, 41).is_dir()
 
 
@@ -94,7 +109,12 @@ def test_resume_removes_only_the_save_cut_short_and_names_it(tmp_path, monkeypat
     started = []
     monkeypatch.setattr(runner, "_run_phases", lambda *a, **k: started.append(k) or "trained")
     lines: list[str] = []
-    assert runner.resume_run(run_dir, megatron_checks=False, echo=lines.append) == "trained"
+    assert (
+        runner.resume_run(
+            run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+        )
+        == "trained"
+    )
     assert _saved(run_dir) == [1, 2, 3]
     assert any("cut short while saving: iteration(s) [4]" in line for line in lines)
     assert any("resuming from the checkpoint at iteration 3" in line for line in lines)
@@ -106,7 +126,9 @@ def test_resume_of_a_live_run_is_refused_before_it_touches_anything(tmp_path, no
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock")
     lines: list[str] = []
     with run_lock.holding(run_dir):  # the live run (or a first resume)
-        outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+        outcome = runner.resume_run(
+            run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+        )
     assert outcome.exit_code == runner.EXIT_INVALID
     assert lines and "in use by another megatron-ext run" in lines[0]
     after = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock")
@@ -122,7 +144,11 @@ def test_run_into_a_directory_holding_a_run_is_refused(tmp_path, status, no_trai
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "training.lr=0.0002"])
     lines: list[str] = []
-    outcome = runner.run(loaded, run_dir=run_dir, megatron_checks=False, echo=lines.append)
+    outcome = runner.run(
+        prepare(loaded, megatron_checks=False),
+        RunOptions(run_dir=run_dir, megatron_checks=False),
+        echo=lines.append,
+    )
     assert outcome.exit_code == runner.EXIT_INVALID
     refusal = [line for line in lines if line.startswith("cannot run:")]
     assert len(refusal) == 1 and f"status {status}" in refusal[0]
@@ -191,7 +217,11 @@ def test_run_with_pythonpath_sitecustomize_starts_no_rank(tmp_path, no_training)
     code, marker = _code_dir(tmp_path)
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, f"launch.env.PYTHONPATH={code}"])
     lines: list[str] = []
-    outcome = runner.run(loaded, run_dir=tmp_path / "R", megatron_checks=False, echo=lines.append)
+    outcome = runner.run(
+        prepare(loaded, megatron_checks=False),
+        RunOptions(run_dir=tmp_path / "R", megatron_checks=False),
+        echo=lines.append,
+    )
     assert outcome.exit_code == runner.EXIT_INVALID and not marker.exists()
     assert any("launch.env.PYTHONPATH" in line and "--allow-env" in line for line in lines)
     assert not (tmp_path / "R").exists()
@@ -216,7 +246,10 @@ def test_an_imported_case_with_code_loading_env_vars_is_refused(tmp_path, capsys
     # the test case run directly is a recipe like any other: refused the same way
     lines = []
     loaded = load(case / "model_config.yaml", "cpu")
-    assert runner.preflight(loaded, lines.append, megatron_checks=False) is not None
+    assert (
+        runner.preflight(prepare(loaded, megatron_checks=False, check_pickles=False), lines.append)
+        is not None
+    )
     assert any("launch.env.LD_PRELOAD" in line for line in lines)
 
 
@@ -242,8 +275,10 @@ def test_a_secret_name_written_with_yaml_escapes_is_redacted_everywhere(tmp_path
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, *ESCAPED_SECRETS])
     assert loaded.recipe.launch.env["HF_TOKEN"] == "hf_abc123"  # YAML unescaped the names
     run_dir = tmp_path / "R"
-    runner.write_run_files(loaded, run_dir)
-    runner._write_summary(loaded, run_dir, "stopped", [], [], 1.0)
+    runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
+    runner._write_summary(
+        prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
+    )
     for name in ("command.sh", "recipe.yaml", "run.json", "summary.json"):
         text = (run_dir / name).read_text()
         assert "hf_abc123" not in text and "w_k9" not in text, name
@@ -274,7 +309,7 @@ def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_pa
 
     run_dir = tmp_path / "R"
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
-    runner.write_run_files(loaded, run_dir)
+    runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
     (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
     envs = []
     monkeypatch.setattr(
@@ -282,11 +317,15 @@ def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_pa
     )
     monkeypatch.delenv("HF_TOKEN", raising=False)
     lines: list[str] = []
-    outcome = runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    outcome = runner.resume_run(
+        run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
     assert outcome.exit_code == runner.EXIT_INVALID and not envs
     assert len(lines) == 1 and "export HF_TOKEN" in lines[0]
     monkeypatch.setenv("HF_TOKEN", "hf_exported")
-    runner.resume_run(run_dir, megatron_checks=False, echo=lines.append)
+    runner.resume_run(
+        run_dir, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
     assert envs and envs[0]["HF_TOKEN"] == "hf_exported"
 
 
@@ -345,7 +384,7 @@ def test_a_rank_ended_by_the_save_signal_after_the_final_checkpoint_is_no_failur
 
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "training.iterations=4"])
     run_dir = tmp_path / "R"
-    runner.write_run_files(loaded, run_dir)
+    runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
     ckpt = rsm.checkpoint_dir(run_dir)
     rsm.iteration_dir(ckpt, 4).mkdir(parents=True)
     (ckpt / rsm.TRACKER).write_text("4")
@@ -355,7 +394,14 @@ def test_a_rank_ended_by_the_save_signal_after_the_final_checkpoint_is_no_failur
     monkeypatch.setattr(local, "launch", lambda job, on_line=None: killed)
     monkeypatch.setattr(runner, "finalize", lambda *a, **k: "finalized")
     lines: list[str] = []
-    got = runner._run_phases(loaded, run_dir, [], 0.0, False, False, False, lines.append)
+    got = runner._run_phases(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        run_dir,
+        [],
+        0.0,
+        RunOptions(compare_golden=False),
+        lines.append,
+    )
     assert got == "finalized", lines
     assert any("after the final checkpoint: the run is complete" in line for line in lines)
 
@@ -397,17 +443,27 @@ def test_a_run_directory_with_whitespace_never_reaches_an_sbatch_header(
 
     loaded = load(BASE, "cpu", BASE_OVERRIDES)
     run_dir = tmp_path / name / "R"
-    job, problems = build_job(loaded, run_dir, SlurmOptions(nodes=1))
+    job, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, SlurmOptions(nodes=1)
+    )
     assert job is None and len(problems) == 1 and "run directory" in problems[0]
     assert "#SBATCH" in problems[0] and "\n" not in problems[0]
-    good, problems = build_job(loaded, tmp_path / "R", SlurmOptions(nodes=1))
+    good, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "R",
+        SlurmOptions(nodes=1),
+    )
     assert problems == [] and "#SBATCH --output=" in slurm.sbatch_script(good)
     good.run_dir = run_dir  # the script itself never holds a split header either
     with pytest.raises(shell.UnsafeValueError, match="run directory"):
         slurm.sbatch_script(good)
     (tmp_path / name).mkdir()
     monkeypatch.chdir(tmp_path / name)  # the working directory becomes --chdir
-    _, problems = build_job(loaded, tmp_path / "R2", SlurmOptions(nodes=1))
+    _, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "R2",
+        SlurmOptions(nodes=1),
+    )
     assert len(problems) == 1 and "working directory" in problems[0]
 
 
@@ -419,8 +475,10 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
 
     loaded = load(BASE, "cpu", BASE_OVERRIDES)
     run_dir = tmp_path / "R"
-    runner.write_run_files(loaded, run_dir)
-    runner._write_summary(loaded, run_dir, "stopped", [], [], 1.0)
+    runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
+    runner._write_summary(
+        prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
+    )
     before = (run_dir / "summary.json").read_text()
     real_write_text = Path.write_text
 
@@ -429,7 +487,9 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
         raise OSError(errno.ENOSPC, "")  # the kernel's errno, no message of its own
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    runner._write_summary(loaded, run_dir, "passed", [], [], 2.0)
+    runner._write_summary(
+        prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "passed", [], [], 2.0
+    )
     monkeypatch.undo()
     assert (run_dir / "summary.json").read_text() == before
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".summary")) == []
@@ -556,23 +616,26 @@ def test_a_sigterm_before_the_ranks_start_is_reported_and_summarised(tmp_path, m
     import signal
 
     from megatron_ext.launch import local
-    from megatron_ext.recipes import command as plan
 
     def unhandled(signum, frame):  # main let SIGTERM kill the process: exit 143, no word
         raise AssertionError("SIGTERM reached the default handler")
 
-    def stop_now(loaded):
+    def stop_now(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's stop, before any rank starts
-        return {}
+        return None
 
-    monkeypatch.setattr(plan, "run_environment", stop_now)
+    monkeypatch.setattr(local, "LocalJob", stop_now)
     monkeypatch.setattr(local, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     previous = signal.signal(signal.SIGTERM, unhandled)
     lines: list[str] = []
     try:
         loaded = load(BASE, "cpu", BASE_OVERRIDES)
         with pytest.raises(KeyboardInterrupt) as stopped:
-            runner.run(loaded, run_dir=tmp_path / "R", megatron_checks=False, echo=lines.append)
+            runner.run(
+                prepare(loaded, megatron_checks=False),
+                RunOptions(run_dir=tmp_path / "R", megatron_checks=False),
+                echo=lines.append,
+            )
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert getattr(stopped.value, "signum", None) == signal.SIGTERM

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_ext.launch import local, slurm
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs.submit import SlurmOptions, build_job
 from megatron_ext.testing import timing
 
@@ -306,7 +307,10 @@ def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatc
     monkeypatch.setattr(slurm, "submit", sbatch)
     lines = []
     outcome = submit_module.submit(
-        loaded, SlurmOptions(), run_dir=run_dir, megatron_checks=False, echo=lines.append
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        SlurmOptions(),
+        run_dir=run_dir,
+        echo=lines.append,
     )
     assert outcome.exit_code == 3 and log.read_text() == "scancel 42\n", lines
     first = [line for line in lines if line.startswith("  first failure: ")]
@@ -449,7 +453,9 @@ def test_slurm_time_limits(text, seconds):
 def test_cpu_sbatch_script_runs_each_phase_as_one_srun_step(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml")
     job, problems = build_job(
-        loaded, tmp_path / "run", SlurmOptions(partition="debug", time="00:10:00")
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "run",
+        SlurmOptions(partition="debug", time="00:10:00"),
     )
     assert problems == []
     script = slurm.sbatch_script(job)
@@ -476,7 +482,9 @@ def test_gpu_sbatch_script_has_one_task_per_gpu_and_the_container(tmp_path):
         container_image="nvcr.io/x/megatron-ext:1",
         container_mounts=["/data:/data"],
     )
-    job, problems = build_job(loaded, tmp_path / "run", options)
+    job, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False), tmp_path / "run", options
+    )
     assert problems == []
     script = slurm.sbatch_script(job)
     assert "#SBATCH --ntasks-per-node=8\n#SBATCH --gpus-per-node=8\n" in script
@@ -489,12 +497,18 @@ def test_gpu_sbatch_script_has_one_task_per_gpu_and_the_container(tmp_path):
 
 def test_slurm_layout_problems(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_tp2_pp2.yaml", "gpu-cluster")
-    _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=3))
+    _, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False), tmp_path, SlurmOptions(nodes=3)
+    )
     assert problems == [
         "--nodes / launch.nodes: 8 ranks do not split evenly over 3 node(s); give a --nodes "
         "that divides 8"
     ]
-    _, problems = build_job(loaded, tmp_path, SlurmOptions(nodes=2, gpus_per_node=8))
+    _, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path,
+        SlurmOptions(nodes=2, gpus_per_node=8),
+    )
     assert problems[1:] == [
         f"run directory {tmp_path} is node-local" + problems[1].split("local", 1)[1]
     ]

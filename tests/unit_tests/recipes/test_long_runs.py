@@ -18,6 +18,7 @@ import pytest
 from megatron_ext.cli import main as cli_main
 from megatron_ext.launch import local, slurm, stop_signals
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import resume as rsm, runner
 from megatron_ext.runs.submit import (
     SlurmOptions,
@@ -204,7 +205,11 @@ def test_resumable_recipe_sbatch_script_requeues_with_a_bound(tmp_path):
         REPO_ROOT / "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml",
         overrides=["test.type=regular", "launch.slurm.max_requeues=2"],
     )
-    job, problems = build_job(loaded, tmp_path / "run", SlurmOptions(time="00:10:00"))
+    job, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "run",
+        SlurmOptions(time="00:10:00"),
+    )
     assert problems == []
     script = slurm.sbatch_script(job)
     for line in ("#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
@@ -227,12 +232,20 @@ def test_resumable_recipe_sbatch_script_requeues_with_a_bound(tmp_path):
 
 def test_submit_refuses_node_local_run_dirs_and_images_without_megatron_ext(tmp_path):
     loaded = load(REPO_ROOT / "recipes/gpt_tp2_pp2.yaml", "gpu-cluster")
-    _, problems = build_job(loaded, Path("/tmp/run"), SlurmOptions(nodes=2, gpus_per_node=4))
+    _, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        Path("/tmp/run"),
+        SlurmOptions(nodes=2, gpus_per_node=4),
+    )
     assert problems == [
         "run directory /tmp/run is node-local (under /tmp) but the job spans 2 nodes that must "
         "all see it; pass --run-dir on a shared file system"
     ]
-    _, problems = build_job(loaded, Path("/tmp/run"), SlurmOptions(nodes=1))
+    _, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        Path("/tmp/run"),
+        SlurmOptions(nodes=1),
+    )
     assert problems == [], "one node sees its own temporary directory"
     assert "lacks megatron-ext" in container_image_problem("nvcr.io/nvidia/pytorch:25.09-py3")
     assert container_image_problem("registry/megatron-ext:1") is None

@@ -8,6 +8,7 @@ import sys
 
 from megatron_ext.launch import nodes
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
 from conftest import REPO_ROOT, shared_build_dir
@@ -75,9 +76,17 @@ def test_refusals_name_the_field_and_the_fix(tmp_path):
     assert count.startswith("--nodes / launch.nodes: 2 node(s) x 2 task(s) per node = 4 tasks")
     # through submit, before anything is written: the recipe's own field, one line
     loaded = load(TP2_PP2_SP, overrides=["launch.slurm.tp_within_node=true"])
-    job, problems = build_job(loaded, shared_build_dir() / "x", SlurmOptions(nodes=4))
+    job, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        shared_build_dir() / "x",
+        SlurmOptions(nodes=4),
+    )
     assert job is None and len(problems) == 1 and "tp_within_node" in problems[0], problems
-    job, problems = build_job(loaded, tmp_path / "run", SlurmOptions(nodes=2))
+    job, problems = build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "run",
+        SlurmOptions(nodes=2),
+    )
     assert job is None and problems[0].startswith(f"run directory {tmp_path}/run is node-local")
 
 

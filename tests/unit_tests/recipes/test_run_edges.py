@@ -11,6 +11,7 @@ from megatron_ext import cli
 from megatron_ext.launch import slurm
 from megatron_ext.recipes import load
 from megatron_ext.recipes.loader import dump
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
 from megatron_ext.runs import metrics as met, runner
 
@@ -77,7 +78,9 @@ def test_secrets_are_not_written_but_reach_the_ranks(write_recipe, tmp_path):
         write_recipe(MINIMAL + f"launch: {{env: {{{env}, PLAIN: visible}}}}\n"),
         overrides=["launch.env.HF_TOKEN=t-456"],
     )
-    script = runner.command_script(loaded, tmp_path / "run")
+    script = runner.command_script(
+        prepare(loaded, megatron_checks=False, check_pickles=False), tmp_path / "run"
+    )
     written = script + dump(loaded)
     job, _ = _slurm_job(loaded, tmp_path)
     written += slurm.sbatch_script(job)
@@ -96,7 +99,11 @@ def test_secrets_are_not_written_but_reach_the_ranks(write_recipe, tmp_path):
 def _slurm_job(loaded, tmp_path):
     from megatron_ext.runs.submit import SlurmOptions, build_job
 
-    return build_job(loaded, tmp_path / "slurm-run", SlurmOptions(partition="p", time="00:10:00"))
+    return build_job(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "slurm-run",
+        SlurmOptions(partition="p", time="00:10:00"),
+    )
 
 
 # ---- run --dry-run ---------------------------------------------------------------------------------

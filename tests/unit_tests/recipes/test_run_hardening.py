@@ -12,7 +12,9 @@ import pytest
 from megatron_ext.launch import shell
 from megatron_ext.recipes import golden_paths, load
 from megatron_ext.recipes.loader import dump
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import runner
+from megatron_ext.runs.options import RunOptions
 
 from conftest import MINIMAL
 
@@ -32,9 +34,11 @@ def test_secrets_in_any_override_form_are_not_written(write_recipe, tmp_path, ov
     loaded = load(write_recipe(MINIMAL), overrides=[override])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    runner._write_summary(loaded, run_dir, "passed", [], [], 1.0)
+    runner._write_summary(
+        prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "passed", [], [], 1.0
+    )
     written = (
-        runner.command_script(loaded, run_dir)
+        runner.command_script(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
         + dump(loaded)
         + (run_dir / "summary.json").read_text()
     )
@@ -75,7 +79,10 @@ def test_write_golden_never_writes_outside_the_recipe_or_over_another_file(write
     mine.write_text("root:x:0:0")
     inside = load(write_recipe(MINIMAL + "test: {golden_values: golden.json}\n"))
     assert "not golden-value JSON" in golden_paths.golden_write_problem(inside)
-    outcome = runner.run(inside, run_dir=tmp_path / "run", write_golden=True, megatron_checks=False)
+    outcome = runner.run(
+        prepare(inside, megatron_checks=False),
+        RunOptions(run_dir=tmp_path / "run", write_golden=True, megatron_checks=False),
+    )
     assert outcome.exit_code == runner.EXIT_INVALID and not (tmp_path / "run").exists()
     assert mine.read_text() == "root:x:0:0" and victim.read_text() == '{"not": "golden"}'
 
@@ -89,11 +96,22 @@ def test_a_full_disk_ends_in_one_line_not_a_traceback(write_recipe, tmp_path, mo
     loaded = load(recipe)
     monkeypatch.setattr(runner.Path, "write_text", _disk_full)
     # before any rank: the run directory's files cannot be written
-    outcome = runner.run(loaded, run_dir=tmp_path / "run", megatron_checks=False, echo=print)
+    outcome = runner.run(
+        prepare(loaded, megatron_checks=False),
+        RunOptions(run_dir=tmp_path / "run", megatron_checks=False),
+        echo=print,
+    )
     assert outcome.exit_code == runner.EXIT_INVALID and "No space left" in outcome.message
     # after the ranks: the summary cannot be written, the verdict still comes out
     (tmp_path / "run2").mkdir()
-    runner._write_summary(loaded, tmp_path / "run2", "passed", [], [], 1.0)
+    runner._write_summary(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        tmp_path / "run2",
+        "passed",
+        [],
+        [],
+        1.0,
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "No space left on device" in err and "--run-dir" in err
     # anywhere else in the command: one line, exit status of a failed run
@@ -122,13 +140,15 @@ def test_a_malformed_fault_is_named_before_any_rank_starts(
 
     monkeypatch.setenv(faults.FAULT_ENV, fault)
     loaded = load(write_recipe(MINIMAL))
-    why = runner.preflight(loaded, print, megatron_checks=False)
+    why = runner.preflight(prepare(loaded, megatron_checks=False, check_pickles=False), print)
     assert why and expected in why and "\n" not in why, why
     monkeypatch.delenv(faults.FAULT_ENV)
     from_recipe = load(
         write_recipe(MINIMAL + f"launch: {{env: {{{faults.FAULT_ENV}: '{fault}'}}}}\n")
     )
-    assert expected in runner.preflight(from_recipe, print, megatron_checks=False)
+    assert expected in runner.preflight(
+        prepare(from_recipe, megatron_checks=False, check_pickles=False), print
+    )
 
 
 def test_a_run_directory_in_use_is_refused_before_anything_is_written(write_recipe, tmp_path):
@@ -137,7 +157,11 @@ def test_a_run_directory_in_use_is_refused_before_anything_is_written(write_reci
     loaded = load(write_recipe(MINIMAL))
     run_dir = tmp_path / "shared-run"
     with run_lock.holding(run_dir):  # another run holds it (flock: per open file, not per pid)
-        outcome = runner.run(loaded, run_dir=run_dir, megatron_checks=False, echo=print)
+        outcome = runner.run(
+            prepare(loaded, megatron_checks=False),
+            RunOptions(run_dir=run_dir, megatron_checks=False),
+            echo=print,
+        )
         assert outcome.exit_code == runner.EXIT_INVALID, outcome
         assert "in use by another megatron-ext run" in outcome.message
         assert sorted(p.name for p in run_dir.iterdir()) == [run_lock.LOCK_NAME]

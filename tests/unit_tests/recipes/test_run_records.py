@@ -8,6 +8,7 @@ import json
 
 from megatron_ext.cli import main as cli_main
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import plot, runner
 
 RECIPE = """
@@ -37,7 +38,13 @@ def _finished_run(tmp_path, overrides=()):
     loaded = load(recipe, overrides=list(overrides))
     (run_dir / "recipe.yaml").write_text(RECIPE)
     out: list[str] = []
-    outcome = runner.finalize(loaded, run_dir, [], started=0.0, echo=out.append)
+    outcome = runner.finalize(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        run_dir,
+        [],
+        started=0.0,
+        echo=out.append,
+    )
     return run_dir, outcome
 
 

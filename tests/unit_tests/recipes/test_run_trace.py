@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import trace as run_trace
 from megatron_ext.schedules.schedule import Compute, SchedulePlan, build_schedule
 from megatron_ext.schedules.trace import Event, Tracer, _Message, traced_forward_step, tracing
@@ -57,12 +58,17 @@ def write_dumps(trace_dir: Path, schedule, world_to_stage, swap_on=None, error_o
         )
 
 
+def _traced(loaded):
+    """The run request of ``run --trace``: it carries the schedule plan the trace is held to."""
+    return prepare(loaded, megatron_checks=False, check_pickles=False, trace=True)
+
+
 def test_summary_files_and_bubbles(tmp_path):
     loaded = load(RECIPE, "cpu", [])  # TP2 x PP2, 4 micro-batches
     schedule = build_schedule(SchedulePlan(pp=2, microbatches=4))
     write_dumps(tmp_path / "trace", schedule, [0, 0, 1, 1])
     lines = []
-    entry = run_trace.summarize(loaded, tmp_path, lines.append)
+    entry = run_trace.summarize(_traced(loaded), tmp_path, lines.append)
     assert entry["order_matches_theory"] and entry["bubble_theoretical"] == 0.2
     # In these times no rank ever waits: only the 1 us P2P calls are idle.
     assert 0 <= entry["bubble_measured"] < 0.001
@@ -77,7 +83,7 @@ def test_a_rank_off_the_theory_is_reported(tmp_path):
     loaded = load(RECIPE, "cpu", [])
     schedule = build_schedule(SchedulePlan(pp=2, microbatches=4))
     write_dumps(tmp_path / "trace", schedule, [0, 0, 1, 1], swap_on=3)
-    entry = run_trace.summarize(loaded, tmp_path, lambda line: None)
+    entry = run_trace.summarize(_traced(loaded), tmp_path, lambda line: None)
     assert not entry["order_matches_theory"]
     assert entry["order_mismatches"] == [
         "world rank 3, iteration 2: rank 0, step 1: expected F0, got send_forward_recv_backward(-)"
@@ -94,7 +100,7 @@ def test_zb_h1_run_order_bubble_and_w_events(tmp_path):
     schedule = build_schedule(SchedulePlan(pp=2, microbatches=4, schedule="zb-h1"))
     write_dumps(tmp_path / "trace", schedule, [0, 0, 1, 1])
     lines = []
-    entry = run_trace.summarize(loaded, tmp_path, lines.append)
+    entry = run_trace.summarize(_traced(loaded), tmp_path, lines.append)
     assert entry["order_matches_theory"] and entry["schedule"] == "zb-h1"
     assert entry["bubble_textbook"] == entry["bubble_theoretical"] == round(1 / 13, 4)
     assert 0 <= entry["bubble_measured"] < 0.001  # back to back: W is busy time, not idle
@@ -105,7 +111,7 @@ def test_zb_h1_run_order_bubble_and_w_events(tmp_path):
 
     one_f_one_b = build_schedule(SchedulePlan(pp=2, microbatches=4))
     write_dumps(tmp_path / "other" / "trace", one_f_one_b, [0, 0, 1, 1])
-    entry = run_trace.summarize(loaded, tmp_path / "other", lambda line: None)
+    entry = run_trace.summarize(_traced(loaded), tmp_path / "other", lambda line: None)
     assert not entry["order_matches_theory"]
     assert entry["order_mismatches"][0] == (
         "world rank 0, iteration 1: rank 0, step 7: expected send_backward(-), got "

@@ -16,6 +16,7 @@ import pytest
 from megatron_ext.launch import slurm
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes import load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
 from megatron_ext.runs import runner
 from megatron_ext.runs.submit import SlurmOptions, submit
@@ -89,7 +90,9 @@ def test_unsafe_names_are_rejected_before_anything_is_written(tmp_path, name):
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
     assert any(p.startswith("name:") and "not a safe name" in p for p in problems), problems
     with pytest.raises(UnsafeValueError):
-        runner.default_run_dir(loaded, tmp_path / "runs")
+        runner.default_run_dir(
+            prepare(loaded, megatron_checks=False, check_pickles=False), tmp_path / "runs"
+        )
     assert not (tmp_path / "runs").exists()
 
 
@@ -161,10 +164,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     (run_dir / "checkpoints").mkdir(parents=True)  # what the (stubbed) training step leaves
 
     outcome = submit(
-        loaded,
+        prepare(loaded, megatron_checks=False, check_pickles=False),
         SlurmOptions(container_image=image, container_mounts=[mount]),
         run_dir=run_dir,
-        megatron_checks=False,
         echo=lambda _: None,
     )
     job_out = (stubs / "job.out").read_text()
@@ -194,7 +196,9 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     # command.sh of the same run, with the interpreter replaced by the stub.
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
     script = tmp_path / "command.sh"
-    script.write_text(runner.command_script(loaded, run_dir))
+    script.write_text(
+        runner.command_script(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
+    )
     proc = subprocess.run(
         ["bash", str(script)], capture_output=True, text=True, timeout=timing.bound(60)
     )

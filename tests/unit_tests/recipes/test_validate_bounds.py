@@ -10,6 +10,7 @@ import pytest
 
 from megatron_ext.launch import slurm
 from megatron_ext.recipes import RecipeError, load
+from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
@@ -46,7 +47,9 @@ def test_values_no_real_run_has_are_refused(write_recipe, override, where):
 @pytest.mark.parametrize("text", ["UNLIMITED", "ab:cd", "1:2:3:4", "-5", "0", "999-0"])
 def test_submit_refuses_a_time_it_cannot_watch_before_sbatch(write_recipe, tmp_path, text):
     job, problems = build_job(
-        load(write_recipe(MINIMAL)), tmp_path / "run", SlurmOptions(partition="p", time=text)
+        prepare(load(write_recipe(MINIMAL)), megatron_checks=False, check_pickles=False),
+        tmp_path / "run",
+        SlurmOptions(partition="p", time=text),
     )
     assert job is None and problems and problems[0].startswith("--time: "), problems
     for good in ("30", "00:30:00", "1-12", "2-00:00:00"):

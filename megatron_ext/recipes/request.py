@@ -1,0 +1,118 @@
+"""What a run needs of its recipe, built once: the frozen :class:`RunRequest`.
+
+:func:`megatron_ext.recipes.prepare.prepare` checks a loaded recipe and answers every question
+a run asks of it (the Megatron flags of each phase, the ranks' environment, the launch sizes,
+the golden values, the plan, the schedule for ``--trace``, the lines shown). ``megatron_ext.runs``
+starts from that answer and never asks the recipe's loader, checks or command builder again;
+this module and the schema are all of ``recipes/`` that it imports.
+
+Paths that only exist once a run directory is chosen stand in the flags as placeholders
+(:data:`RUN_DIR_PLACEHOLDER`, :data:`RECIPE_PLACEHOLDER`); the runner places them.
+
+Nothing here imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from megatron_ext.recipes.schema import Problem, Recipe
+
+RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
+"""Stands for the run directory in the flags (an imported Megatron-LM test case's
+``${CHECKPOINT_SAVE_PATH}``-style paths, the checkpoint directory)."""
+
+RECIPE_PLACEHOLDER = "@RECIPE@"
+"""Stands for the run directory's recipe.yaml (the multi-module entry reads it)."""
+
+CHECKPOINTS_PLACEHOLDER = f"{RUN_DIR_PLACEHOLDER}/checkpoints"
+"""The run's checkpoint directory, ``RUN_DIR/checkpoints``."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One recipe, checked and answered for a run. Not :attr:`ok` (``refusal`` or
+    ``problems``): it may not start; its flags are what could be derived of them (none when
+    refused, or when deriving them failed)."""
+
+    recipe: Recipe
+    """The typed recipe (its sizes, launch, training, test and checkpoint sections)."""
+    source: Path | None
+    platform: str
+    name: str
+    overrides: tuple[str, ...]
+    """As given (``run --resume`` applies them again)."""
+    shown_overrides: tuple[str, ...]
+    """As shown and recorded: secrets redacted."""
+    notes: tuple[str, ...]
+    allowed_env: tuple[str, ...]
+    numerics_overridden: bool
+    run_dir_name_problem: str | None
+    """Why the name or platform may not name a run directory (a path separator, ...)."""
+    describe: str
+    """The one-line plan: model, sizes, ranks, iterations."""
+    entry: str | None
+    nproc: int
+    """Ranks on this machine (every rank for a local run)."""
+    nodes: int
+    resumable: bool
+    iterations: int
+    test_type: str
+    golden_path: Path | None
+    golden_write_problem: str | None
+    recipe_yaml: str
+    """recipe.yaml of the run directory: every field resolved, secrets redacted."""
+    problems: tuple[Problem, ...]
+    """The recipe's own problems (Megatron's argument checks included when asked)."""
+    refusal: str | None
+    """Why it may not start before the recipe is even checked (a checkpoint it would load
+    could run code): the runner says it first, and nothing else was checked."""
+    entry_importable: bool
+    megatron_args: tuple[str, ...]
+    save_args: tuple[str, ...]
+    """ckpt-resume, first phase: save at iterations/2 into :data:`CHECKPOINTS_PLACEHOLDER`."""
+    load_args: tuple[str, ...]
+    """ckpt-resume, second phase: load the iterations/2 checkpoint."""
+    long_run_args: tuple[str, ...]
+    """A resumable run's first start: save as checkpoint.* says and on the stop signal."""
+    long_run_load_args: tuple[str, ...]
+    """The same when it continues from its latest complete checkpoint."""
+    environment: Mapping[str, str]
+    """Variables every rank gets on top of the launcher's own."""
+    plan: Mapping[str, Any]
+    """summary.json's ``plan``: sizes, virtual stages, micro-batches, the world."""
+    schedule_plan: Any
+    """The :class:`~megatron_ext.schedules.schedule.SchedulePlan` the ranks train with and its
+    message size (``run --trace`` compares the measured timeline with it); None when refused."""
+
+    @property
+    def ok(self) -> bool:
+        return self.refusal is None and not self.problems
+
+
+class RunDirRecipe(Protocol):
+    """How ``run --resume`` reads a run directory's recipe.yaml without importing the loader:
+    the caller (the command line) hands an implementation to :mod:`megatron_ext.runs`."""
+
+    def recipe(self, path: Path, overrides: list[str]) -> Recipe:
+        """The resolved recipe of ``path`` (platform cpu) with ``overrides`` applied;
+        :class:`~megatron_ext.recipes.schema.RecipeError` lists its problems."""
+        ...
+
+    def request(
+        self,
+        recipe: Recipe,
+        source: Path,
+        platform: str,
+        overrides: list[str],
+        allowed_env: tuple[str, ...],
+        *,
+        megatron_checks: bool,
+        trust_pickle: bool,
+        resume_from: Path | None,
+    ) -> RunRequest:
+        """The request of a resumed run (see :func:`megatron_ext.recipes.prepare.prepare`)."""
+        ...
