@@ -362,7 +362,10 @@ def test_submit_names_the_step_a_frozen_rank_logged_last_not_start_up(
     monkeypatch.setattr(slurm, "submit", sbatch)
     lines = []
     outcome = submit_module.submit(
-        loaded, SlurmOptions(), run_dir=run_dir, megatron_checks=False, echo=lines.append
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        SlurmOptions(),
+        run_dir=run_dir,
+        echo=lines.append,
     )
     assert outcome.exit_code == 3 and log.read_text() == "scancel 42\n", lines
     assert not any("start-up" in line for line in lines), lines
