@@ -312,7 +312,7 @@ def submit(
     if result.stall is not None:
         echo(f"  first failure: {result.stall}")
         echo(
-            f"training failed: rank {result.stall.rank} stalled (no progress for "
+            f"training failed: rank {result.stall.rank} stalled {result.stall.at} (no progress for "
             f"{result.stall.idle_s:.0f} s); job {job_id} cancelled"
         )
         phase_results[0]["stalled_rank"] = result.stall.rank
