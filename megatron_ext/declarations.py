@@ -814,6 +814,16 @@ declare(
 )
 declare(
     Seam(
+        f"{_MCORE}.models.hybrid.hybrid_block:HybridStack.set_input_tensor",
+        "object_attribute",
+        "Single-pass mHC on the Hybrid stack: a receiving stage's HybridStack unpacks the stage "
+        "payload that set_input_tensor stored as input_tensor and stores its hidden_states "
+        "field back there, where HybridStack.forward reads its input when not pre_process "
+        "(the coefficients field stays with the stack).",
+    )
+)
+declare(
+    Seam(
         "argparse:Action",
         "object_attribute",
         "megatron-core 0.19.2 has a help string with a bare '%' that breaks --help; its help is "

@@ -339,6 +339,13 @@ def convert_path(
                 "with --format torch, or start a run from it with checkpoint.finetune"
             )
         return convert_file(source_path, target_path, model, to, source, trust_pickle, convert)
+    if convert is not None and (output_format or "torch_dist") == "torch_dist":
+        # the names join three tensors into one (scale) and number every layer: a plain
+        # state dict's spelling, not a torch_dist directory's (stacked layers, optimizer state)
+        raise ConversionError(
+            "--mhc-names writes a plain state dict (per-layer transformers / DeepSeek names): "
+            "from a torch_dist input add --format torch"
+        )
     convert = convert or convert_state_dict
     try:
         state, _ = _read_torch_dist(source_path, trust_pickle)

@@ -54,6 +54,36 @@ def changed(before: Any, after: Any) -> dict[str, list[Any]]:
     return {k: [old[k], new[k]] for k in LAYOUT_FIELDS if old[k] != new[k]}
 
 
+def change_problem(before: Any, after: Any) -> str | None:
+    """Why Megatron cannot continue under this layout change (None: it can). A Hybrid
+    pattern's '|' marks are its pipeline stages, part of the model a resume keeps. Expert
+    parameters get an optimizer of their own only when EP > 1 (megatron-core's
+    get_megatron_optimizer chains the two), and megatron-core 0.19.2 cannot load the state of
+    two chained optimizers into one or of one into two."""
+    pattern = getattr(after.model, "hybrid_layer_pattern", None) or ""
+    moved = [
+        f for f in ("pp", "vpp") if getattr(before.parallelism, f) != getattr(after.parallelism, f)
+    ]
+    if after.model.type == "hybrid" and "|" in pattern and moved:
+        field = moved[0]
+        old_size, new_size = getattr(before.parallelism, field), getattr(after.parallelism, field)
+        return (
+            f"parallelism.{field} {old_size} -> {new_size}: the '|' marks of "
+            f"model.hybrid_layer_pattern {pattern!r} set a Hybrid run's pipeline stages and "
+            "run --resume keeps the model; start a new run with checkpoint.load: RUN_DIR and "
+            "the pattern's '|' re-split for the new stages (the layers keep their names)"
+        )
+    old, new = before.parallelism.ep or 1, after.parallelism.ep or 1
+    if (old > 1) != (new > 1):
+        return (
+            f"parallelism.ep {old} -> {new}: Megatron keeps the experts' optimizer state apart "
+            "only when ep > 1 and cannot load it across that change; keep ep "
+            f"{'> 1' if old > 1 else '= 1'}, or start a new run with checkpoint.load: "
+            "RUN_DIR and checkpoint.load_optim: false"
+        )
+    return None
+
+
 def resume_args(ckpt_dir: Path, recipe: Any, layout_changed: bool) -> list[str]:
     """The Megatron flags a resume under RECIPE adds to ``--load CKPT_DIR``."""
     args = ["--override-opt_param-scheduler"]

@@ -61,3 +61,15 @@ def add_recipe_args(
         help="override launch.device (cpu: gloo and the CPU runtime, GPUs hidden)",
     )
     add_allow_env(parser)
+
+
+def add_trust_pickle(parser: argparse.ArgumentParser, what: str = "the run reads") -> None:
+    """``--trust-pickle``: skip the pickle check of the checkpoints a recipe names
+    (:func:`megatron_ext.checkpoint.preload.pickle_problem`)."""
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help=f"load the checkpoints {what} (run --resume, checkpoint.load, "
+        "--pretrained-checkpoint) without checking their pickles; unpickling can run any code "
+        "in them, so only for checkpoints you made or trust (default: checked, refused)",
+    )

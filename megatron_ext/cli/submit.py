@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.cli._common import add_recipe_args, load, split_targets
+from megatron_ext.cli._common import add_recipe_args, add_trust_pickle, load, split_targets
 
 NAME = "submit"
 HELP = "run a recipe as a Slurm job, wait and compare"
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="validate the plan only (skip Megatron's argument checks and the guards)",
     )
+    add_trust_pickle(parser, "the job reads")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -82,8 +83,11 @@ def main(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return EXIT_INVALID
-    # submit checks no checkpoint's pickles here: the job's ranks run on the cluster
-    request = prepare(loaded, megatron_checks=not args.skip_megatron_checks, check_pickles=False)
+    # the pickles of the checkpoints the job will load, checked here first as run does (the
+    # files are on a file system this machine shares with the nodes); --trust-pickle skips it
+    request = prepare(
+        loaded, megatron_checks=not args.skip_megatron_checks, trust_pickle=args.trust_pickle
+    )
     options = SlurmOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ext.cli._common import add_allow_env, load, split_targets
+from megatron_ext.cli._common import add_allow_env, add_trust_pickle, load, split_targets
 
 NAME = "validate"
 HELP = "check recipes: schema, plan, Megatron's checks, guards"
@@ -24,9 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "gpu"), help="override launch.device")
     parser.add_argument("--skip-megatron-checks", action="store_true", help="schema and plan only")
     add_allow_env(parser)
+    add_trust_pickle(parser, "the recipe names")
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_ext.checkpoint import preload
     from megatron_ext.recipes import RecipeError, command
     from megatron_ext.recipes.loader import platforms_of
     from megatron_ext.recipes.validate import validate
@@ -46,6 +48,12 @@ def main(args: argparse.Namespace) -> int:
                 failed = True
                 for problem in exc.problems:
                     print(f"{label}: {problem}")
+                continue
+            # first, as for run: no check below may open a checkpoint that could run code
+            unsafe = preload.pickle_problem(loaded.recipe, trust_pickle=args.trust_pickle)
+            if unsafe is not None:
+                failed = True
+                print(f"{label}: {unsafe}")
                 continue
             result = validate(loaded, megatron_checks=not args.skip_megatron_checks)
             for problem in result.problems:

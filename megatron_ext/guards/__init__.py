@@ -303,11 +303,6 @@ def check_mhc_single_pass(config: Any) -> None:
             "coefficients and has no hc_head; set mhc_learned_output_contract=False",
         ),
         (
-            bool(config.mtp_num_layers),
-            f"mtp_num_layers={config.mtp_num_layers}: the MTP block would need the running "
-            "coefficients; set mtp_num_layers=None",
-        ),
-        (
             getattr(config, "mhc_variant", "megatron") != "megatron",
             f"mhc_variant={getattr(config, 'mhc_variant', None)!r}: single-pass is built on the "
             "megatron maps only (the DeepSeek maps under single pass are not implemented); "
@@ -317,16 +312,6 @@ def check_mhc_single_pass(config: Any) -> None:
     for refused, reason in refusals:
         if refused:
             raise UnsupportedCombinationError(f"mhc_single_pass=True does not support {reason}")
-
-
-def check_hybrid_single_pass(config: Any) -> None:
-    """The Hybrid stack's mHC layers (HyperConnectionHybridLayer) are two-pass only."""
-    if getattr(config, "mhc_single_pass", False):
-        raise UnsupportedCombinationError(
-            "mhc_single_pass=True is implemented for GPT's transformer layers only; the Hybrid "
-            "stack's mHC layers aggregate with their own coefficients. Use a GPT model or set "
-            "mhc_single_pass=False"
-        )
 
 
 def check_hybrid_mhc_mtp(config: Any) -> None:
@@ -425,12 +410,7 @@ GUARDS: tuple[Guard, ...] = (
         "megatron_ext.guards:check_mhc_single_pass",
         "config",
         "mhc_single_pass without mHC, or with fused kernels, 'mhc' recompute, the learned "
-        "contraction or MTP",
-    ),
-    Guard(
-        "megatron_ext.guards:check_hybrid_single_pass",
-        "config",
-        "mhc_single_pass with a HybridModel (validate; HybridModel at construction)",
+        "contraction or a DeepSeek variant",
     ),
     Guard(
         "megatron_ext.guards:check_gpt_mhc_mtp",

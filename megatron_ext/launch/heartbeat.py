@@ -29,8 +29,10 @@ limit, and is never named stalled; when every rank has finished the watchdog sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -174,6 +176,13 @@ class Stall:
     """The last training step the ranks' logs show (their iteration lines), for a rank whose
     heartbeat carries no step: a run that printed step 3 did not stall during start-up."""
 
+    def with_logged_step(self, logs: list[Path]) -> Stall:
+        """This stall with the last step ``logs`` (the ranks' logs) show, when its heartbeat
+        carries none: the local launcher and the Slurm watch say the same."""
+        if self.step is not None:
+            return self
+        return dataclasses.replace(self, logged_step=last_logged_step(logs))
+
     @property
     def at(self) -> str:
         """Where training was: the heartbeat's step, else the logs' last step, else start-up."""
@@ -191,6 +200,25 @@ class Stall:
         if self.waiting:
             text += f"; rank(s) {', '.join(map(str, self.waiting))} waiting on a peer (in communication)"
         return text
+
+
+# Megatron's progress line, "[...] iteration        3/      40 | consumed samples: ...", and
+# pretrain_multimodule's "multimodule: iteration 3/40 | ...".
+_ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|")
+
+
+def last_logged_step(logs: list[Path], lines: int = 200) -> int | None:
+    """The highest training step the last ``lines`` lines of ``logs`` report finished (None:
+    none yet, or no log)."""
+    steps = []
+    for path in logs:
+        try:
+            with open(path, errors="replace") as f:
+                ending = f.read().splitlines()[-lines:]
+        except OSError:
+            continue
+        steps += [int(m.group(1)) for line in ending if (m := _ITERATION_LINE.search(line))]
+    return max(steps) if steps else None
 
 
 def _env_seconds(name: str) -> float | None:

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.launch import heartbeat
@@ -423,8 +423,8 @@ def launch(
             del store  # the ranks are gone; close the rendezvous server
             reap_groups(procs)
     codes = {r: p.poll() for r, p in procs.items()}
-    if stall is not None and stall.step is None:
-        stall = replace(stall, logged_step=last_logged_step(job))
+    if stall is not None:
+        stall = stall.with_logged_step([job.log_path(rank) for rank in range(job.nproc)])
     if timed_out or stall is not None:
         returncode = 124
     elif failed_rank is not None:
@@ -495,22 +495,6 @@ def error_ending(path: Path) -> str | None:
     if lines and ERROR_LINE.match(lines[-1]):
         return lines[-1][:600]
     return None
-
-
-# Megatron's progress line, "[...] iteration        3/      40 | consumed samples: ...", and
-# pretrain_multimodule's "multimodule: iteration 3/40 | ...".
-_ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|")
-
-
-def last_logged_step(job: LocalJob) -> int | None:
-    """The highest training step any rank's log reports finished (None: none yet)."""
-    steps = [
-        int(match.group(1))
-        for rank in range(job.nproc)
-        for line in tail(job.log_path(rank), 200)
-        if (match := _ITERATION_LINE.search(line))
-    ]
-    return max(steps) if steps else None
 
 
 def tail(path: Path, lines: int = 30) -> list[str]:

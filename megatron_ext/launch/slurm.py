@@ -378,6 +378,7 @@ class StepWatch:
         startup_s: float | None = None,
     ):
         self.dirs = [heartbeat_dir(step) for step in steps]
+        self.log_dirs = [step.log_dir for step in steps]
         self.nproc, self.stall_s, self.startup_s = nproc, stall_s, startup_s
         self.active: int | None = None
         self.watchdog: heartbeat.Watchdog | None = None
@@ -408,7 +409,17 @@ class StepWatch:
         self.ended = ended
         if ended:
             return None  # between steps, requeued, or the job is finishing
-        return self.watchdog.check()
+        stall = self.watchdog.check()
+        return stall.with_logged_step(self.rank_logs()) if stall is not None else None
+
+    def rank_logs(self) -> list[Path]:
+        """The active step's rank logs: ``rank-%t.log`` in its log directory, or in the
+        ``resumed-N`` segment of a requeued job's N-th restart (as the batch script writes)."""
+        assert self.active is not None
+        logs = self.log_dirs[self.active]
+        if self.start and self.start != "0" and (logs / f"resumed-{self.start}").is_dir():
+            logs = logs / f"resumed-{self.start}"
+        return [logs / f"rank-{rank}.log" for rank in range(self.nproc)]
 
 
 def submit(script: Path, env: dict[str, str] | None = None) -> str:

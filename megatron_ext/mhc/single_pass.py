@@ -35,8 +35,16 @@ Choices where the sources are silent or differ from megatron-ext's mHC:
   a stage without layers (a standalone embedding stage) forwards e_0.
 
 :func:`megatron_ext.guards.check_mhc_single_pass` refuses what this does not do yet, each with
-its reason: the fused kernels, the "mhc" selective recompute, the learned contraction, MTP and
-the Hybrid stack.
+its reason: the fused kernels, the "mhc" selective recompute, the learned contraction and a
+DeepSeek variant (full recompute is refused for every mHC model).
+
+Where it runs: GPT's :class:`~megatron_ext.mhc.transformer_block.HyperConnectionTransformerBlock`
+and the Hybrid stack (:class:`~megatron_ext.models.hybrid.hybrid_stack.HybridStack`: attention,
+MLP, MoE and Mamba layers are all sites), each starting at e_0 where it expands and exchanging
+``pre_mix`` at stage edges. MTP: a Hybrid MTP depth's layers are further sites of the chain, its
+first site reads the decoder's last pre (the choice and why: :mod:`megatron_ext.models.hybrid.mtp`);
+GPT's MTP layers are plain layers on the decoder's contracted output (GPT with mHC contracts
+before MTP), so they have no site and single pass only changes the contraction they read.
 """
 
 from __future__ import annotations

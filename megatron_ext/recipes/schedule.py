@@ -45,4 +45,10 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
     )
     # parallelism.schedule (1f1b | zb-h1); a schema without the field trains with 1F1B.
     schedule = getattr(p, "schedule", None) or ONE_F_ONE_B
-    return SchedulePlan(pp=p.pp, vpp=p.vpp, microbatches=microbatches, schedule=schedule), size
+    # megatron's arguments turn overlap_p2p_comm on for every interleaved run (off without
+    # virtual stages) unless --no-overlap-p2p-communication is given.
+    overlap = p.vpp is not None and "--no-overlap-p2p-communication" not in r.extra_args
+    schedule_plan = SchedulePlan(
+        pp=p.pp, vpp=p.vpp, microbatches=microbatches, schedule=schedule, overlap_p2p_comm=overlap
+    )
+    return schedule_plan, size

@@ -618,4 +618,3 @@ def _model_guards(model_type: str, config: Any) -> None:
         guards.check_gpt_mhc_mtp(config)
     elif model_type == "hybrid":
         guards.check_hybrid_mhc_mtp(config)
-        guards.check_hybrid_single_pass(config)

@@ -86,7 +86,19 @@ def existing_run_problem(run_dir: Path) -> str | None:
             f"run directory {run_dir} already holds a run (status {status}); continue it with "
             f"megatron-ext run --resume {run_dir}, or {fresh}"
         )
+    if status in ("passed", "mismatch") and _resumable(run_dir):  # --resume trains it further
+        fresh = (
+            f"train it further with megatron-ext run --resume {run_dir} training.iterations=N, "
+            f"or {fresh}"
+        )
     return f"run directory {run_dir} already holds a finished run (status {status}); {fresh}"
+
+
+def _resumable(run_dir: Path) -> bool:
+    try:
+        return bool(read_run_record(run_dir).get("resumable"))
+    except ResumeError:
+        return False
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -115,10 +115,17 @@ def phases(
         return [Phase(segment or "train", args + metrics + long_run, logs / segment)]
     if request.recipe.test.type != "ckpt-resume":
         return [Phase("train", args + metrics_args(request, tensorboard), logs)]
-    save, load_half = _all_placed(request.save_args, run_dir), _all_placed(request.load_args, run_dir)
+    save, load_half = (
+        _all_placed(request.save_args, run_dir),
+        _all_placed(request.load_args, run_dir),
+    )
     return [
         Phase("train", args + metrics_args(request, tensorboard) + save, logs),
-        Phase("resume", args + metrics_args(request, tensorboard / "resume") + load_half, logs / "resume"),
+        Phase(
+            "resume",
+            args + metrics_args(request, tensorboard / "resume") + load_half,
+            logs / "resume",
+        ),
     ]
 
 
@@ -156,7 +163,11 @@ def command_script(request: RunRequest, run_dir: Path, launcher: str = "torchrun
         "#!/usr/bin/env bash",
         shell.comment(
             f"# megatron-ext {launcher} run of {request.source} (platform {request.platform}"
-            + (f", overrides: {shlex.join(list(request.shown_overrides))}" if request.overrides else "")
+            + (
+                f", overrides: {shlex.join(list(request.shown_overrides))}"
+                if request.overrides
+                else ""
+            )
             + ")"
         ),
         shell.comment(f"# {request.describe}"),
@@ -730,6 +741,8 @@ def _resume_in(
         # resolved is None only for a finished run without overrides, refused just above
         assert resolved is not None
         before = recipes.recipe(run_dir / "recipe.yaml", []) if overrides else None
+        if before is not None and (why := layout.change_problem(before, resolved)):
+            raise rsm.ResumeError(why)
         env = resolved.launch.env
         try:  # secrets were never written there: the caller's environment has them
             resolved.launch.env = env_policy.restore_secrets(env, os.environ)
@@ -787,9 +800,7 @@ def _resume_in(
             run_dir,
             results,
             started,
-            RunOptions(
-                compare_golden=options.compare_golden, force_compare=options.force_compare
-            ),
+            RunOptions(compare_golden=options.compare_golden, force_compare=options.force_compare),
             echo,
             run_phases=run_phases,
         )
@@ -828,7 +839,9 @@ def finalize(
             f"no metrics found: no TensorBoard scalars in {run_dir / met.TENSORBOARD_SUBDIR} and no "
             f"iteration lines in {logs}/rank-*.log"
         )
-        _write_summary(request, run_dir, "no-metrics", phase_results, [], time.monotonic() - started)
+        _write_summary(
+            request, run_dir, "no-metrics", phase_results, [], time.monotonic() - started
+        )
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message="no metrics")
     echo(
         f"  metrics read from {'TensorBoard event files' if source == 'tensorboard' else 'the rank logs'}"

@@ -210,7 +210,8 @@ def submit(
         def echo(text: str) -> None:
             print(text, file=sys.stderr)
 
-    why = runner.preflight(request, echo)
+    # first, as for run: the request refuses a checkpoint whose pickles could run code
+    why = request.refusal or runner.preflight(request, echo)
     if why is not None:
         echo(f"cannot submit: {why}")
         return Outcome(EXIT_INVALID, None, message=why)
@@ -311,7 +312,7 @@ def submit(
     if result.stall is not None:
         echo(f"  first failure: {result.stall}")
         echo(
-            f"training failed: rank {result.stall.rank} stalled (no progress for "
+            f"training failed: rank {result.stall.rank} stalled {result.stall.at} (no progress for "
             f"{result.stall.idle_s:.0f} s); job {job_id} cancelled"
         )
         phase_results[0]["stalled_rank"] = result.stall.rank

@@ -17,7 +17,12 @@ rules of megatron-core's own code, not a textbook picture:
   the receive rules of ``recv_tensor_from_previous_stage`` (the leading stage lags by
   ``pp - 1`` steps; the last chunk's output wraps from the last rank to the first rank's next
   chunk), the combined four-way exchange that ends the warm-up and every steady step, and the
-  cool-down's ``send_backward_recv_backward``;
+  cool-down's ``send_backward_recv_backward``; with ``overlap_p2p_comm`` on (what megatron's
+  training arguments set for every interleaved run unless ``--no-overlap-p2p-communication``;
+  they require it at PP=2) the warm-up ends with ``send_forward_recv_forward`` then a
+  ``send_backward_recv_backward`` that posts the first gradient receive, and every steady step
+  has two exchanges, ``send_forward_recv_forward`` after its forward and
+  ``send_backward_recv_backward`` after its backward (``overlap_p2p_comm_warmup_flush`` off);
 - ZB-H1 (megatron-ext's zero-bubble schedule, :mod:`megatron_ext.pipeline.zero_bubble`): the
   1F1B skeleton with the backward split into ``B`` (input gradient, sent upstream at once) and
   ``W`` (weight gradient, local). Rank ``r`` keeps at most ``r`` weight gradients pending:
@@ -124,6 +129,9 @@ class SchedulePlan:
     microbatch_group_size: int | None = None
     multimodule: Any = None
     schedule: str = "1f1b"  # or "zb-h1" (recipe parallelism.schedule, --pipeline-schedule)
+    # megatron's config.overlap_p2p_comm (interleaved only): separate forward and backward
+    # exchanges instead of the combined four-way one.
+    overlap_p2p_comm: bool = False
 
     @property
     def chunks(self) -> int:
@@ -313,9 +321,11 @@ def interleaved_warmup(pp: int, rank: int, chunks: int, group_size: int, microba
     return min(warmup, microbatches * chunks)
 
 
-def interleaved(pp: int, rank: int, chunks: int, microbatches: int, group_size: int) -> list[Step]:
-    """One rank of ``forward_backward_pipelining_with_interleaving`` (training, batched P2P,
-    ``overlap_p2p_comm`` off)."""
+def interleaved(
+    pp: int, rank: int, chunks: int, microbatches: int, group_size: int, overlap: bool = False
+) -> list[Step]:
+    """One rank of ``forward_backward_pipelining_with_interleaving`` (training; ``overlap``:
+    ``config.overlap_p2p_comm`` with ``overlap_p2p_comm_warmup_flush`` off, else batched P2P)."""
     total = microbatches * chunks
     table = schedule_table(microbatches, chunks, group_size)
     warmup = interleaved_warmup(pp, rank, chunks, group_size, microbatches)
@@ -374,31 +384,38 @@ def interleaved(pp: int, rank: int, chunks: int, microbatches: int, group_size: 
             recv_prev = False
         sends = {} if last_stage(chunk) else {"send_next": (mb, chunk)}
         recvs = {"recv_prev": next_chunk} if recv_prev else {}
-        if k == warmup - 1 and not all_warmup:
-            if not is_last_rank:
-                recvs["recv_next"] = chunks - 1
-            steps.exchange("send_forward_backward_recv_forward_backward", sends, recvs)
+        ends_warmup = k == warmup - 1 and not all_warmup
+        first_grad = {} if is_last_rank else {"recv_next": chunks - 1}
+        if ends_warmup and not overlap:
+            steps.exchange(
+                "send_forward_backward_recv_forward_backward", sends, {**recvs, **first_grad}
+            )
         else:
             steps.exchange("send_forward_recv_forward", sends, recvs)
+        if ends_warmup and overlap:  # posts the receive of the first gradient on its own
+            steps.exchange("send_backward_recv_backward", {}, first_grad)
     for k in range(remaining):
         fk = k + warmup
         f_mb, f_chunk = run_forward(fk)
-        b_mb, b_chunk = run_backward(k)
-        sends = {}
-        if not last_stage(f_chunk):
-            sends["send_next"] = (f_mb, f_chunk)
-        if not first_stage(b_chunk):
-            sends["send_prev"] = (b_mb, b_chunk)
+        f_sends = {} if last_stage(f_chunk) else {"send_next": (f_mb, f_chunk)}
         recv_prev, next_f_chunk = receives(fk, True)
-        recv_next, next_b_chunk = receives(k, False)
         if k == remaining - 1:
             recv_prev = False
-        recvs = {}
-        if recv_prev:
-            recvs["recv_prev"] = next_f_chunk
-        if recv_next:
-            recvs["recv_next"] = next_b_chunk
-        steps.exchange("send_forward_backward_recv_forward_backward", sends, recvs)
+        f_recvs = {"recv_prev": next_f_chunk} if recv_prev else {}
+        if overlap:  # the forward's exchange leaves before the backward runs
+            steps.exchange("send_forward_recv_forward", f_sends, f_recvs)
+        b_mb, b_chunk = run_backward(k)
+        b_sends = {} if first_stage(b_chunk) else {"send_prev": (b_mb, b_chunk)}
+        recv_next, next_b_chunk = receives(k, False)
+        b_recvs = {"recv_next": next_b_chunk} if recv_next else {}
+        if overlap:
+            steps.exchange("send_backward_recv_backward", b_sends, b_recvs)
+        else:
+            steps.exchange(
+                "send_forward_backward_recv_forward_backward",
+                {**f_sends, **b_sends},
+                {**f_recvs, **b_recvs},
+            )
     if all_warmup:
         steps.exchange(
             "recv_backward", {}, {} if last_stage(chunks - 1) else {"recv_next": chunks - 1}
@@ -507,7 +524,9 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
     elif plan.vpp is None:
         ranks = [one_f_one_b(m, p - r - 1, r == 0, r == p - 1) for r in range(p)]
     else:
-        ranks = [interleaved(p, r, plan.vpp, m, plan.group_size) for r in range(p)]
+        ranks = [
+            interleaved(p, r, plan.vpp, m, plan.group_size, plan.overlap_p2p_comm) for r in range(p)
+        ]
     return Schedule(
         plan, ranks, [[(r - 1) % p] for r in range(p)], [[(r + 1) % p] for r in range(p)]
     )

@@ -392,6 +392,82 @@ def _gather_full_grad_buffers(ddp_chunks) -> None:
                 )
 
 
+def build_sharded_training(
+    plan: TrainPlan,
+    factory: ModelFactory,
+    config_class=None,
+    initialise: Callable[[list], None] | None = None,
+) -> tuple[Any, list, Any]:
+    """The plan's model chunks wrapped in megatron's DDP and megatron's own optimizer (Adam,
+    distributed or not, grad-norm clipping), wired as megatron's training loop wires them:
+    (config, DDP chunks, optimizer). ``initialise(unwrapped chunks)`` sets the weights first.
+    Call inside the plan's :func:`model_parallel`."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = transformer_config(plan, parallel=True, config_class=config_class)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+    )
+    chunks = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(build_model_chunks(plan, config, factory))
+    ]
+    if initialise is not None:
+        initialise([chunk.module for chunk in chunks])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=plan.lr,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=plan.clip_grad,
+            use_distributed_optimizer=plan.use_distributed_optimizer,
+            params_dtype=torch.float32,
+        ),
+        chunks,
+        # The default group already is gloo here; megatron's extra gloo groups are not made.
+        use_gloo_process_groups=False,
+    )
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return config, chunks, optimizer
+
+
+def reports_are_mine() -> bool:
+    """Whether this rank's schedule reports are the ones to count (last stage, first TP and
+    CP rank: one report per micro-batch per DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def sharded_forward_backward(plan: TrainPlan, forward_step, chunks: list, step: int) -> list:
+    """Step ``step``'s forward and backward on this DP rank's share of the global batch, the
+    grad buffers zeroed first (the optimizer step is the caller's); the schedule's reports."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    n_local = plan.local_microbatches()
+    dp_rank = ps.get_data_parallel_rank()
+    mine = make_microbatches(plan, step)[dp_rank * n_local : (dp_rank + 1) * n_local]
+    data = [iter(mine) for _ in chunks] if plan.vpp else iter(mine)
+    return forward_backward(plan, forward_step, chunks, data, n_local)
+
+
 def run_sharded(
     plan: TrainPlan,
     factory: ModelFactory,
@@ -400,66 +476,26 @@ def run_sharded(
     config_class=None,
     on_gradients: Callable[[int, list], None] | None = None,
 ) -> tuple[list[StepRecord], list[Piece]]:
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     with model_parallel(plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, seed=plan.seed):
-        config = transformer_config(plan, parallel=True, config_class=config_class)
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=plan.use_distributed_optimizer,
-            overlap_grad_reduce=plan.overlap_grad_reduce,
-        )
-        chunks = [
-            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-            for i, chunk in enumerate(build_model_chunks(plan, config, factory))
-        ]
-        index = shard_index([chunk.module for chunk in chunks])
-        load_full_weights(index, initial_weights)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=plan.lr,
-                weight_decay=0.0,
-                adam_beta1=0.9,
-                adam_beta2=0.999,
-                adam_eps=1e-8,
-                clip_grad=plan.clip_grad,
-                use_distributed_optimizer=plan.use_distributed_optimizer,
-                params_dtype=torch.float32,
-            ),
-            chunks,
-            # The default group already is gloo here; megatron's extra gloo groups are not made.
-            use_gloo_process_groups=False,
-        )
-        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = optimizer.scale_loss
+        index: list = []
 
-        n_local = plan.local_microbatches()
-        dp_rank = ps.get_data_parallel_rank()
-        reports_are_mine = (
-            ps.is_pipeline_last_stage()
-            and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0
+        def place_initial_weights(modules: list) -> None:
+            index.extend(shard_index(modules))
+            load_full_weights(index, initial_weights)
+
+        _, chunks, optimizer = build_sharded_training(
+            plan, factory, config_class, place_initial_weights
         )
+        counted = reports_are_mine()
         records = []
         for step in range(plan.steps):
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            mine = make_microbatches(plan, step)[dp_rank * n_local : (dp_rank + 1) * n_local]
-            data = [iter(mine) for _ in chunks] if plan.vpp else iter(mine)
-            reports = forward_backward(plan, forward_step, chunks, data, n_local)
+            reports = sharded_forward_backward(plan, forward_step, chunks, step)
             if plan.use_distributed_optimizer:
                 _gather_full_grad_buffers(chunks)
             if on_gradients is not None:
                 on_gradients(step, chunks)
-            losses = [r["lm loss"] for r in reports] if reports_are_mine else []
+            losses = [r["lm loss"] for r in reports] if counted else []
             records.append(StepRecord(losses, local_pieces(index, lambda p: p.main_grad)))
             optimizer.step()
         return records, local_pieces(index, lambda p: p)

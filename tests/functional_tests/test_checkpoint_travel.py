@@ -4,8 +4,8 @@ dropout 0):
 - ``convert-checkpoint`` turns a torch_dist checkpoint into upstream-named torch_dist and back
   exactly (every tensor and object), and the converted checkpoint loads: a run started from it
   with ``checkpoint.load`` continues with the source run's losses, bit for bit;
-- ``checkpoint.finetune`` starts at iteration 0 from the loaded weights (its first loss is not
-  the fresh model's);
+- ``checkpoint.finetune`` starts at iteration 0 from the loaded weights: its first loss equals
+  the source run's loss on the same batch through the same weights;
 - soak (MEGATRON_EXT_SOAK=1): ``checkpoint.load_optim: false`` continues the iteration with a
   fresh optimizer; ``run --resume RUN parallelism.tp=1 parallelism.pp=4`` continues a TP2xPP2+SP
   run with the losses of a same-layout continuation (fp32 tolerance stated below).
@@ -121,19 +121,30 @@ def test_a_converted_torch_dist_checkpoint_round_trips_exactly_and_continues_the
     assert continued == {k: v for k, v in losses.items() if int(k) > 2}, (continued, losses)
 
 
-def test_finetune_starts_at_iteration_zero_from_the_loaded_weights(source, tmp_path):
+def test_finetune_starts_at_iteration_zero_and_its_first_loss_is_the_sources_on_that_batch(
+    source, tmp_path
+):
+    """Fine-tuning from the source's iteration-2 checkpoint with iterations 1 and 2 skipped
+    (Megatron's --iterations-to-skip consumes their batches untrained): its first loss, at
+    iteration 3, is the forward of the loaded weights on the source's third batch, which is
+    exactly the source run's own loss there (logged before its update; dropout 0). The skip
+    applies only because the iteration restarted at 0 (a resumed run would start at 2)."""
     run_dir, losses = source
     tuned = _train(
         tmp_path / "C",
-        "training.iterations=1",
-        f"checkpoint.load={run_dir}",
+        "training.iterations=3",
+        f"checkpoint.load={run_dir / 'checkpoints' / 'iter_0000002'}",
         "checkpoint.finetune=true",
+        "extra_args.--iterations-to-skip=[1, 2]",
     )
-    assert list(tuned) == ["1"], tuned
-    # the same first batch as the source run's step 1, through weights trained 4 steps
-    assert tuned["1"] < losses["1"] - 0.1, (tuned, losses)
-    log = (tmp_path / "C" / "logs" / "rank-0.log").read_text(errors="replace")
-    assert "successfully loaded checkpoint" in log
+    assert list(tuned) == ["3"], tuned
+    assert tuned["3"] == losses["3"], (tuned, losses)  # not the fresh model's: its own weights
+    logs = [
+        p.read_text(errors="replace") for p in sorted((tmp_path / "C" / "logs").glob("rank-*.log"))
+    ]
+    assert "successfully loaded checkpoint" in logs[0]
+    # the last stage logs the iteration line: 2 x 8 samples consumed untrained
+    assert "skipped samples:           16" in logs[-1], logs[-1][-3000:]
 
 
 @SOAK

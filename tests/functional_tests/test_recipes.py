@@ -146,7 +146,12 @@ def test_recipe_trains_on_cpu_and_matches_its_golden_values(recipe, tmp_path, re
     out = result.stdout + result.stderr
     assert result.returncode == 0, f"megatron-ext run exited {result.returncode}:\n{out[-8000:]}"
     if traced:
-        assert_messages_are_the_payload(_summary(run_dir)["pipeline"])
+        pipeline = _summary(run_dir)["pipeline"]
+        assert_messages_are_the_payload(pipeline)
+        # The recorded order is megatron-core's interleaved one with overlap_p2p_comm (on for
+        # PP2 x VPP2, as megatron's arguments require), rank by rank, iteration by iteration.
+        assert pipeline["order_matches_theory"], pipeline["order_mismatches"]
+        assert "schedule order: every rank ran megatron-core's order exactly" in result.stdout
 
     summary = _summary(run_dir)
     assert summary["status"] == "passed", out[-4000:]

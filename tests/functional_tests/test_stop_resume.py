@@ -2,7 +2,8 @@
 next iteration through megatron's exit-signal handler and exits 75 ("stopped, resumable"); a
 second SIGTERM while it saves changes nothing; `run --resume RUN_DIR` finishes the run, and the
 joined losses equal the recipe's uninterrupted golden values (MEGATRON_EXT_SOAK=1: equal, bit
-for bit, to an uninterrupted run made here)."""
+for bit, to an uninterrupted run made here); a second run into the finished run's directory is
+refused (issue 34 item 4)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,37 @@ def _wait_for(path: Path, text: str, timeout_s: float = 120) -> bool:
     return False
 
 
-def test_sigterm_saves_and_run_resume_finishes_with_the_uninterrupted_losses(tmp_path):
+def _a_second_run_into_the_finished_directory_is_refused(run_dir: Path, capsys) -> None:
+    """Issue 34 item 4, on the run this test finished: a second run with another training.lr
+    into its --run-dir used to print its own losses while metrics.json and the summary kept the
+    first run's. It is refused in one line saying how to train it further or start afresh, the
+    directory as it was (``megatron_ext.cli.main``: the console script's entry, in this process;
+    ``.lock`` aside, where taking the lock writes the holder's pid)."""
+    from megatron_ext.cli import main
+
+    def listing() -> list[tuple[str, int, int]]:
+        entries = (p for p in run_dir.rglob("*") if p.name != ".lock")
+        return sorted((str(p), p.lstat().st_size, p.lstat().st_mtime_ns) for p in entries)
+
+    before = listing()
+    kept = {name: (run_dir / name).read_bytes() for name in ("metrics.json", "summary.json")}
+    capsys.readouterr()
+    status = main(
+        ["run", *RECIPE, "training.lr=2.0e-3", "--no-compare", "--skip-megatron-checks"]
+        + ["--run-dir", str(run_dir)]
+    )
+    out = capsys.readouterr().out
+    refusal = [line for line in out.splitlines() if line.startswith("cannot run:")]
+    assert status == 2 and len(refusal) == 1, out[-3000:]
+    assert f"run directory {run_dir} already holds a finished run" in refusal[0], refusal
+    assert "give another --run-dir" in refusal[0], refusal
+    assert f"megatron-ext run --resume {run_dir} training.iterations=N" in refusal[0], refusal
+    assert "iteration " not in out, out[-3000:]  # no rank trained
+    assert listing() == before
+    assert kept == {name: (run_dir / name).read_bytes() for name in kept}
+
+
+def test_sigterm_saves_and_run_resume_finishes_with_the_uninterrupted_losses(tmp_path, capsys):
     run_dir = tmp_path / "run"
     cli = _cli("run", *RECIPE, "--no-compare", "--skip-megatron-checks", "--run-dir", str(run_dir))
     seen = []
@@ -88,6 +119,7 @@ def test_sigterm_saves_and_run_resume_finishes_with_the_uninterrupted_losses(tmp
     for step, value in golden.items():
         assert abs(losses[step] - value) <= 1e-6 * abs(value), (step, losses[step], value)
     assert (run_dir / "logs" / "resumed-1" / "rank-1.log").exists()
+    _a_second_run_into_the_finished_directory_is_refused(run_dir, capsys)
 
     if os.environ.get("MEGATRON_EXT_SOAK") == "1":  # bit for bit against a run made here
         full = tmp_path / "full"

@@ -57,7 +57,8 @@ def test_recipe_schema_mhc_defaults_are_the_configs():
 def test_every_mhc_flag_spelling_comes_from_one_alias_table():
     from megatron_ext import checkout, training_steps
     from megatron_ext.mhc_flags import MHC_ALIASES
-    from megatron_ext.recipes import loader, upstream
+    from megatron_ext.recipes import loader
+    from megatron_ext.upstream_cases import model_config as upstream
 
     main = {a.main_flag: a for a in MHC_ALIASES}
     assert set(main) == {"--enable-mhc-connections", "--mhc-num-residual-streams"}

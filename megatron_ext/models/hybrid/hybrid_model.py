@@ -81,7 +81,6 @@ class HybridModel(_CoreHybridModel):
         mhc = bool(getattr(config, "enable_mhc_connections", False))
         if mhc:
             guards.check_hybrid_mhc_mtp(config)
-            guards.check_hybrid_single_pass(config)
             arguments = _CORE_SIGNATURE.bind(self, config, hybrid_stack_spec, *args, **kwargs)
             arguments.apply_defaults()
             named = arguments.arguments

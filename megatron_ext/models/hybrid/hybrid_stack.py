@@ -25,6 +25,12 @@ With mHC (``enable_mhc_connections=True``, and mHC layers from the spec):
 * MTP: when the model's MTP block runs on this chunk, the stack returns
   ``(normalised contraction, n-stream state)``; the MTP block consumes the streams (see
   :mod:`megatron_ext.models.hybrid.mtp`).
+* single pass (``mhc_single_pass=True``, :mod:`megatron_ext.mhc.single_pass`): as GPT's
+  :class:`~megatron_ext.mhc.transformer_block.HyperConnectionTransformerBlock`, the stack runs
+  the coefficients from site to site over every mHC layer (attention, MLP, MoE and Mamba alike),
+  starts them at e_0 where it expands, unpacks/packs the payload's ``pre_mix`` field at stage
+  edges, and contracts with the last site's coefficients (no ``hc_head_*``). With MTP it also
+  hands that last pre to the MTP block (:mod:`megatron_ext.models.hybrid.mtp`).
 * "mhc" selective recompute: before each training forward the local mHC transformer layers
   are put into recompute groups (:mod:`megatron_ext.mhc.recompute`; Mamba layers in between
   keep their activations); the stack's last such layer always ends a group, so no group
@@ -47,9 +53,16 @@ from megatron.core.models.hybrid.hybrid_block import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
+from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
+from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix, initial_pre_mix
+from megatron_ext.pipeline.payload import HIDDEN_STATES, PRE_MIX, stage_payload
+from megatron_ext.pipeline.payload_wire import pack, unpack
+
+# HybridStack.forward reads a receiving stage's input from input_tensor (declared seam).
+INPUT_TENSOR_SEAM = "megatron.core.models.hybrid.hybrid_block:HybridStack.set_input_tensor"
 
 
 @dataclass
@@ -119,6 +132,9 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         self.mhc_recompute_enabled = self.carries_streams and bool(
             getattr(config, "mhc_recompute_enabled", False)
         )
+        self.single_pass = self.carries_streams and bool(getattr(config, "mhc_single_pass", False))
+        self._single_pass_state: SinglePassState | None = None
+        self.payload = stage_payload(config)
         if self.contracts_streams:
             if not self.post_layer_norm:
                 raise ValueError(
@@ -126,7 +142,8 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
                     "final norm (the n streams are contracted right before it); build it with "
                     "post_layer_norm=True"
                 )
-            self._build_learned_contraction()
+            if not self.single_pass:  # single pass contracts with the last pre: no hc_head
+                self._build_learned_contraction()
             self.final_norm.register_forward_pre_hook(self._contract_before_final_norm)
 
     # ------------------------------------------------------------------ learned contraction
@@ -136,7 +153,40 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         streams, *rest = args
         if self._streams_for_mtp is not None:
             self._streams_for_mtp.append(streams)
+        if self.single_pass:
+            assert self._single_pass_state is not None, "contracting outside the stack's forward"
+            return (contract_with_pre_mix(streams, self._single_pass_state), *rest)
         return (self.contract_streams(streams), *rest)
+
+    # ------------------------------------------------------------------ single pass
+
+    def _single_pass_layers(self) -> list:
+        return [layer for layer in self.layers if hasattr(layer, "single_pass_state")]
+
+    def _start_single_pass(self, hidden_states) -> None:
+        """The coefficients this stage starts with: e_0 where the streams are expanded, the
+        payload's ``pre_mix`` where they are received (the received wire is unpacked)."""
+        if self.pre_process:
+            pre_mix = initial_pre_mix(hidden_states, self.num_residual_streams)
+        else:
+            fields = unpack(self.payload, self.input_tensor)
+            registry.assign(self, "input_tensor", fields[HIDDEN_STATES], INPUT_TENSOR_SEAM)
+            pre_mix = fields[PRE_MIX]
+        self._single_pass_state = SinglePassState(pre_mix)
+        for layer in self._single_pass_layers():
+            layer.single_pass_state = self._single_pass_state
+
+    def _finish_single_pass(self) -> SinglePassState | None:
+        state, self._single_pass_state = self._single_pass_state, None
+        for layer in self._single_pass_layers():
+            layer.single_pass_state = None
+        return state
+
+    def _send_single_pass(self, output, state: SinglePassState | None):
+        """A stage whose output travels on sends ``[hidden_states | pre_mix]``."""
+        if self.contracts_streams or state is None or self.payload.is_plain:
+            return output
+        return pack(self.payload, {HIDDEN_STATES: output, PRE_MIX: state.pre_mix})
 
     # ------------------------------------------------------------------ recompute groups
 
@@ -180,20 +230,27 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
             hidden_states = make_viewless_tensor(
                 inp=expanded, requires_grad=expanded.requires_grad, keep_graph=True
             )
+        if self.single_pass:
+            self._start_single_pass(hidden_states)
         self._streams_for_mtp = [] if self._hands_streams_to_mtp() else None
         self._assign_recompute_groups()
+        state = None
         try:
             output = super().forward(hidden_states, attention_mask, *args, **kwargs)
             streams = self._streams_for_mtp
         finally:
             self._clear_recompute_groups()
             self._streams_for_mtp = None
+            if self.single_pass:
+                state = self._finish_single_pass()
         if len(self.layers) == 0 and not (self.pre_process or self.post_process):
             # Otherwise the output would be the received input tensor itself (see module doc).
             output = output.clone()
         if streams:
+            if state is not None:  # single pass: the MTP depth reads the decoder's last pre
+                return output, streams[0], state.pre_mix
             return output, streams[0]
-        return output
+        return self._send_single_pass(output, state)
 
     # ------------------------------------------------------------------ checkpoints
 

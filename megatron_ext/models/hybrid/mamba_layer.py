@@ -17,6 +17,10 @@ ships either, so there are no checkpoints to stay compatible with.)
 
 The "mhc" selective recompute does not checkpoint inside this layer: it keeps its
 activations, and recompute groups are formed from the stack's other mHC layers.
+
+With ``mhc_single_pass=True`` the stack hands the layer its ``single_pass_state``: the mixer
+input is aggregated with the previous site's coefficients and this site's pre travels on
+(:func:`megatron_ext.mhc.single_pass.single_pass_site`, as in the transformer layers).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from megatron_ext.mhc.hyper_connection import (
     aggregate,
     bias_dropout_add_streams,
 )
+from megatron_ext.mhc.single_pass import SinglePassState, single_pass_site
 
 
 @dataclass
@@ -79,6 +84,8 @@ class HyperConnectionMambaLayer(MambaLayer):
         self.mixer_hyper_connection = build_module(spec, config=config, layer_number=layer_number)
         self.mixer_hyper_connection.stats_sublayer = "mixer"
         self.mixer_hyper_connection.stats_groups = pg_collection  # for mhc.stats' sample
+        # Set by the stack (or an MTP depth) for each single-pass forward.
+        self.single_pass_state: SinglePassState | None = None
 
     def forward(
         self,
@@ -93,16 +100,32 @@ class HyperConnectionMambaLayer(MambaLayer):
         """``[s, b, n*h] -> [s, b, n*h]`` (the mixer runs on the aggregated ``[s, b, h]``)."""
         inference_context = deprecate_inference_params(inference_context, inference_params)
         residual = hidden_states
-        h_pre, h_post, h_res = self.mixer_hyper_connection.compute_mappings(hidden_states)
-        mixer_input = aggregate(hidden_states, h_pre).to(dtype=self.config.params_dtype)
-        mixer_input = apply_module(self.norm)(mixer_input)
+        connection = self.mixer_hyper_connection
+        if self.single_pass_state is not None:
+            mixer_input, post, res = single_pass_site(
+                connection, hidden_states, self.single_pass_state
+            )
+        else:
+            h_pre, h_post, h_res = connection.compute_mappings(hidden_states)
+            mixer_input = aggregate(hidden_states, h_pre)
+        mixer_input = apply_module(self.norm)(mixer_input.to(dtype=self.config.params_dtype))
         mixer_out_with_bias = self.mixer(
             mixer_input, inference_context=inference_context, packed_seq_params=packed_seq_params
         )
         with self.bias_dropout_add_exec_handler():
-            output = bias_dropout_add_streams(
-                h_res, residual, h_post, mixer_out_with_bias, self.hidden_dropout, self.training
-            )
+            if self.single_pass_state is not None:
+                output = connection.merge_fn(
+                    res,
+                    residual,
+                    post,
+                    *mixer_out_with_bias,
+                    dropout_p=self.hidden_dropout,
+                    training=self.training,
+                )
+            else:
+                output = bias_dropout_add_streams(
+                    h_res, residual, h_post, mixer_out_with_bias, self.hidden_dropout, self.training
+                )
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
 

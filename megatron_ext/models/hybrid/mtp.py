@@ -14,6 +14,20 @@ HybridModel does (Megatron-LM PR #6401, DeepSeek-V4):
   output with them (learned contraction) before its final layernorm; the MTP losses are
   computed from these contracted states, the next depth continues from the streams.
 
+Single-pass mHC (``mhc_single_pass=True``, :mod:`megatron_ext.mhc.single_pass`): the MTP
+depths' layers are further sites of the same chain. A depth's first site aggregates its input
+streams with the coefficients the preceding sub-layer produced, i.e. depth 1 with the
+decoder's last pre (the coefficients the decoder's own contraction for the main loss uses),
+depth k+1 with depth k's last pre; each depth contracts its output for its loss with its own
+last pre (no ``hc_head_*`` on a depth) and hands that pre on. Choice stated: the public
+sources (Megatron-LM PR #7500 and the #7224 tracker, NeMo Automodel's DeepSeek-V4.1 PR #3855)
+do not say how an MTP depth's first site is seeded (#7500 ships single pass for the decoder
+only, with TP = CP = PP = 1); continuing the chain rather than restarting at stream 0 (e_0)
+keeps "every site reads the previous sub-layer's pre" true across the decoder/MTP boundary,
+and the depth's input streams differ from each other (``h_proj`` of each decoder stream), so
+stream 0 alone would not stand for them as the replicated embedding does for the decoder.
+Under ``mtp_detach_heads`` the coefficients are detached with the streams.
+
 The MTP block must sit on the model's final post_process chunk, where the decoder has both
 its n-stream state and its own contraction: the decoder returns ``(normalised contraction,
 n-stream state)`` and :class:`HyperConnectionMTPBlock` returns ``[main; depth 1; ...]``
@@ -48,6 +62,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import HyperConnectionModule
 from megatron_ext.mhc.learned_contraction import LearnedContraction
+from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix
 
 
 def _mhc_enabled(config) -> bool:
@@ -119,7 +134,9 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
         self.e_proj = self._build_projection(submodules.e_proj, "mtp_e_proj", pg_collection)
         self.h_proj = self._build_projection(submodules.h_proj, "mtp_h_proj", pg_collection)
 
-        self._build_learned_contraction()
+        self.single_pass = bool(getattr(config, "mhc_single_pass", False))
+        if not self.single_pass:  # single pass contracts with the depth's last pre
+            self._build_learned_contraction()
         # mhc.stats reports this depth's hyper connections apart from the decoder's (their
         # layer numbers restart at 1 inside the depth).
         for module in self.modules():
@@ -177,10 +194,18 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
             return super()._postprocess(hidden_states)
         return hidden_states
 
-    def contract_for_loss(self, streams: Tensor) -> Tensor:
-        """``[s, b, n*h] -> [s, b, h]``: this depth's learned contraction, then its final
-        layernorm (eps = layernorm eps)."""
-        contracted = self.contract_streams(streams)
+    def single_pass_layers(self) -> list:
+        """The depth's mHC sites (its inner stack's layers), in order."""
+        layers = self.mtp_model_layer.layers
+        return [layer for layer in layers if hasattr(layer, "single_pass_state")]
+
+    def contract_for_loss(self, streams: Tensor, state: SinglePassState | None = None) -> Tensor:
+        """``[s, b, n*h] -> [s, b, h]``: this depth's learned contraction (single pass: by the
+        depth's last pre, ``state``), then its final layernorm (eps = layernorm eps)."""
+        if state is not None:
+            contracted = contract_with_pre_mix(streams, state)
+        else:
+            contracted = self.contract_streams(streams)
         normalised = apply_module(self.final_layernorm)(contracted)
         return make_viewless_tensor(inp=normalised, requires_grad=True, keep_graph=True)
 
@@ -260,18 +285,24 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
                 extra_block_kwargs=extra_block_kwargs,
                 embedding=embedding,
             )
-        main, streams = hidden_states
+        main, streams, *single_pass = hidden_states
         if get_mtp_layer_offset(self.config, self.vp_stage) != 0:
             raise NotImplementedError(
                 "mHC MTP layers must all be on the final post_process chunk (got MTP layers "
                 "split across pipeline stages by pipeline_model_parallel_layout)"
             )
+        # Single pass: the decoder's last pre, which the first depth's first site reads.
+        state = SinglePassState(single_pass[0]) if single_pass else None
         if self.config.mtp_detach_heads:
             streams = streams.detach()
+            if state is not None:
+                state.pre_mix = state.pre_mix.detach()
         outputs = [main]
         for depth in range(self.config.mtp_num_layers):
             layer = self.layers[0 if self.mtp_use_repeated_layer else depth]
-            streams, input_ids, position_ids, padding_mask = layer(
+            streams, input_ids, position_ids, padding_mask = self._run_depth(
+                layer,
+                state,
                 input_ids=input_ids,
                 position_ids=position_ids,
                 hidden_states=streams,
@@ -286,8 +317,22 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
                 embedding=embedding,
                 **(extra_block_kwargs or {}),
             )
-            outputs.append(layer.contract_for_loss(streams))
+            outputs.append(layer.contract_for_loss(streams, state))
         return torch.cat(outputs, dim=0)
+
+    @staticmethod
+    def _run_depth(layer, state: SinglePassState | None, **kwargs: Any):
+        """One depth's forward; single pass: its sites share ``state`` for this call only."""
+        if state is None:
+            return layer(**kwargs)
+        sites = layer.single_pass_layers()
+        for site in sites:
+            site.single_pass_state = state
+        try:
+            return layer(**kwargs)
+        finally:
+            for site in sites:
+                site.single_pass_state = None
 
 
 __all__ = [

@@ -101,3 +101,71 @@ class _Payload:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.marker),))
+
+
+def _stacked(per_layer: dict) -> dict:
+    """torch_dist's GPT keys: ``decoder.layers.<i>.<name>`` stacked into ``decoder.layers.<name>``."""
+    stacked: dict[str, list] = {}
+    out = {}
+    for key, value in per_layer.items():
+        parts = key.split(".")
+        if key.startswith("decoder.layers.") and parts[2].isdigit():
+            stacked.setdefault(".".join(parts[:2] + parts[3:]), []).append((int(parts[2]), value))
+        else:
+            out[key] = value
+    for key, layers in stacked.items():
+        out[key] = torch.stack([v for _, v in sorted(layers, key=lambda item: item[0])])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute")
+@pytest.mark.parametrize("names", ["transformers", "deepseek"])
+def test_mhc_names_on_a_torch_dist_input_round_trip_exactly(tmp_path, names, capsys):
+    """``convert-checkpoint --mhc-names`` on a torch_dist directory (a deepseek-v4 GPT's
+    stacked weights, an optimizer moment, extra and common state): ``--format torch`` writes
+    the weights under the other names, per layer; converting that back gives every weight
+    exactly. A torch_dist output is refused in one line naming --format torch."""
+    from megatron_ext import cli
+    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_local_spec
+    from megatron_ext.testing.configs import small_config
+    from megatron_ext.testing.distributed import model_parallel
+
+    with model_parallel():
+        config = small_config(
+            num_layers=2,
+            hidden_size=8,
+            num_attention_heads=2,
+            enable_mhc_connections=True,
+            mhc_num_residual_streams=4,
+            mhc_variant="deepseek-v4",
+        )
+        spec = get_gpt_layer_local_spec(enable_mhc_connections=True)
+        model = GPTModel(config, spec, 16, max_sequence_length=4)
+        torch.manual_seed(5)
+        weights = {
+            k: torch.randn(v.shape) for k, v in model.state_dict().items() if "_extra" not in k
+        }
+    stacked = _stacked(weights)
+    hc = next(k for k in stacked if "hyper_connection" in k)
+    state = {
+        **stacked,
+        f"optimizer.state.exp_avg.{hc}": torch.randn(stacked[hc].shape),
+        "decoder.layers.mlp.linear_fc1._extra_state/shard_0_1": [None],
+        "common_state/shard_0_1": [{"iteration": 3}],
+    }
+    source = str(_save(tmp_path / "ours", state, iteration=3))
+    base = ["convert-checkpoint", "--model", "gpt", "--mhc-names", names]
+    assert cli.main([*base, "--to", "upstream", source, str(tmp_path / "refused")]) == 2
+    refusal = capsys.readouterr().err.strip()
+    assert "\n" not in refusal and "--format torch" in refusal, refusal
+    up = str(tmp_path / "up.pt")
+    assert cli.main([*base, "--to", "upstream", "--format", "torch", source, up]) == 0
+    renamed = torch.load(up, weights_only=True)
+    assert not any("hyper_connection" in k for k in renamed), sorted(renamed)
+    assert not any(k.startswith("optimizer.") for k in renamed)
+    back_path = str(tmp_path / "back.pt")
+    assert cli.main([*base, "--to", "megatron-ext", up, back_path]) == 0
+    back = torch.load(back_path, weights_only=True)
+    assert back.keys() == weights.keys()
+    for key, value in weights.items():
+        assert torch.equal(back[key], value), key

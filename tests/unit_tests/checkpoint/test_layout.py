@@ -4,6 +4,7 @@ what a layout change adds to Megatron's flags, and how it is recorded and shown.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -58,3 +59,39 @@ def test_a_finished_run_continues_only_past_its_last_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("8")
     assert not layout.finished_run_continues(tmp_path, _recipe("training.iterations=8"))
     assert layout.finished_run_continues(tmp_path, _recipe("training.iterations=9"))
+
+
+def test_an_expert_parallel_change_across_one_is_refused_in_one_line():
+    """EP 2 -> 1 (or 1 -> 2) changes how many optimizers megatron chains: refused, naming the
+    field and the way out; EP 2 -> 4 and other changes pass (tests/unit_tests/checkpoint/
+    test_resharding_4ranks.py loads EP2 -> EP1 weights and continues EP2 layouts)."""
+    before = _recipe("parallelism.tp=1", "parallelism.pp=1", "parallelism.sp=false")
+    problem = layout.change_problem(_recipe_ep(before, 2), _recipe_ep(before, 1))
+    assert problem and "\n" not in problem
+    assert problem.startswith("parallelism.ep 2 -> 1") and "checkpoint.load_optim: false" in problem
+    assert layout.change_problem(_recipe_ep(before, 1), _recipe_ep(before, 2))
+    assert layout.change_problem(_recipe_ep(before, 2), _recipe_ep(before, 4)) is None
+    assert layout.change_problem(_recipe(), _recipe("parallelism.pp=4")) is None
+
+
+def _recipe_ep(recipe, ep: int):
+    changed = copy.deepcopy(recipe)
+    changed.parallelism.ep = ep
+    return changed
+
+
+def test_a_hybrid_pipeline_change_is_refused_in_one_line_naming_the_way_out():
+    """The '|' marks of a Hybrid pattern are its stages: a resume at another PP would need
+    another pattern (a model change), so it is refused naming the field and checkpoint.load
+    (which accepts the re-split pattern: start_from compares patterns without '|')."""
+    hybrid = Path(RECIPE).parent / "hybrid_mhc_tp2_pp2_mtp.yaml"
+    before = load(hybrid, "cpu", ["test.type=regular"]).recipe
+    after = copy.deepcopy(before)
+    after.parallelism.pp = 4
+    problem = layout.change_problem(before, after)
+    assert problem and "\n" not in problem and problem.startswith("parallelism.pp 2 -> 4")
+    assert "model.hybrid_layer_pattern" in problem and "checkpoint.load" in problem
+    after = copy.deepcopy(before)
+    after.parallelism.tp = 1
+    after.parallelism.sp = False
+    assert layout.change_problem(before, after) is None

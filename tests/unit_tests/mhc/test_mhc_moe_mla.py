@@ -12,6 +12,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron_ext.config import MHCMLATransformerConfig, MHCTransformerConfig
+from megatron_ext.mhc.hyper_connection import aggregate
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
 from megatron_ext.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron_ext.models.norms import LocalNorm
@@ -85,12 +86,15 @@ def test_block_spec_without_mhc_is_megatrons_with_local_norms():
     assert spec.layer_specs[1].submodules.pre_mlp_layernorm is LocalNorm
 
 
-def test_gpt_mtp_with_mhc_at_pp1_trains_on_the_contracted_stream():
+@pytest.mark.parametrize("single_pass", [False, True], ids=["two_pass", "single_pass"])
+def test_gpt_mtp_with_mhc_at_pp1_trains_on_the_contracted_stream(single_pass):
     """PP=1: the decoder contracts its streams before the final norm; the MTP layers are plain
     layers on that output (an mHC MTP layer is refused, see test_mhc_layer.py, and PP>1 by
-    guards.check_gpt_mhc_mtp)."""
+    guards.check_gpt_mhc_mtp). Single pass: the contraction is by the last site's pre (0.09
+    away from the mean here), which therefore gets a gradient from the MTP loss too."""
+    seen = {}
     with model_parallel(seed=1):
-        config = _config(mtp_num_layers=1, num_layers=2)
+        config = _config(mtp_num_layers=1, num_layers=2, mhc_single_pass=single_pass)
         mtp = core_specs.get_gpt_mtp_block_spec(
             config, get_gpt_layer_local_spec(), use_transformer_engine=False
         )
@@ -102,6 +106,22 @@ def test_gpt_mtp_with_mhc_at_pp1_trains_on_the_contracted_stream():
             position_embedding_type="rope",
             mtp_block_spec=mtp,
         )
+        last = model.decoder.layers[-1]
+        last.register_forward_hook(lambda m, args, out: seen.update(out=out[0]))
+        connection = last.mlp_hyper_connection  # the decoder's last site
+        maps = connection.compute_mappings
+
+        def recorded_maps(streams):
+            seen["last_maps"] = maps(streams)
+            return seen["last_maps"]
+
+        connection.compute_mappings = recorded_maps
+        model.decoder.final_layernorm.register_forward_pre_hook(
+            lambda m, args: seen.update(contracted=args[0])
+        )
         tokens, positions, mask = _batch()
         model(tokens, positions, mask, labels=tokens).sum().backward()
+        if single_pass:
+            last_pre = seen["last_maps"][0]
+            torch.testing.assert_close(seen["contracted"], aggregate(seen["out"], last_pre))
     assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0

@@ -259,7 +259,6 @@ def test_single_pass_differs_from_two_pass():
             "'mhc' in recompute_modules",
         ),
         (dict(mhc_learned_output_contract=True), "mhc_learned_output_contract"),
-        (dict(mtp_num_layers=1), "mtp_num_layers"),
         (dict(mhc_variant="deepseek-v4"), "mhc_variant='deepseek-v4'"),
     ],
 )
@@ -269,11 +268,9 @@ def test_single_pass_refuses_what_it_cannot_do_yet(overrides, named, monkeypatch
         _config(**overrides)
 
 
-def test_single_pass_needs_mhc_and_gpt():
+def test_single_pass_needs_mhc():
     with pytest.raises(ValueError, match="needs enable_mhc_connections"):
         guards.check_mhc_single_pass(types.SimpleNamespace(mhc_single_pass=True))
-    with pytest.raises(guards.UnsupportedCombinationError, match="GPT's transformer layers"):
-        guards.check_hybrid_single_pass(types.SimpleNamespace(mhc_single_pass=True))
 
 
 def test_stages_disagreeing_on_single_pass_are_named():

@@ -153,7 +153,8 @@ def test_run_into_a_directory_holding_a_run_is_refused(tmp_path, status, no_trai
     refusal = [line for line in lines if line.startswith("cannot run:")]
     assert len(refusal) == 1 and f"status {status}" in refusal[0]
     assert "another --run-dir" in refusal[0]
-    assert ("--resume" in refusal[0]) == (status == "stopped")
+    assert ("--resume" in refusal[0]) == (status != "training-failed")
+    assert ("training.iterations=N" in refusal[0]) == (status in ("passed", "mismatch"))
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == {p: b for p, b in before.items() if p.name != ".lock"}
 

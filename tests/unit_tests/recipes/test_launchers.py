@@ -316,8 +316,64 @@ def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatc
     first = [line for line in lines if line.startswith("  first failure: ")]
     assert first and first[0].startswith("  first failure: rank 0 stalled at step 7: "), lines
     assert "model.py:3 in forward; rank(s) 1, 2, 3 waiting on a peer" in first[0]
-    assert lines[-1].startswith("training failed: rank 0 stalled (no progress for 5"), lines
+    assert lines[-1].startswith("training failed: rank 0 stalled at step 7 (no progress for 5")
     assert lines[-1].endswith("s); job 42 cancelled")
+
+
+@pytest.mark.parametrize("restart", [0, 2])
+def test_submit_names_the_step_a_frozen_rank_logged_last_not_start_up(
+    tmp_path, monkeypatch, restart
+):
+    """Issue 34 item 16 on the Slurm path: rank 0 froze after its log showed step 3 and its
+    heartbeat carries no step (as in the local launcher's test): ``submit --slurm`` says
+    "after step 3", as a local run does, never "during start-up". restart 2: a requeued job's
+    third start, whose ranks log into ``resumed-2`` (an older segment logged step 9)."""
+    from megatron_ext.runs import submit as submit_module
+
+    from conftest import MINIMAL
+
+    log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MINIMAL)
+    # no heartbeat step: the start-up allowance is the limit
+    loaded = load(recipe, overrides=["launch.stall_timeout_s=5", "launch.startup_timeout_s=5"])
+    run_dir = tmp_path / "run"
+
+    def sbatch(script, env=None):  # rank 0 logged step 3 and froze; ranks 1-3 wait on it
+        logs = run_dir / "logs"
+        beats = logs / "heartbeat"
+        (beats / slurm.START).parent.mkdir(parents=True, exist_ok=True)
+        (beats / slurm.START).write_text(f"{restart}\n")
+        segment = logs / f"resumed-{restart}" if restart else logs
+        segment.mkdir(parents=True, exist_ok=True)
+        if restart:
+            (logs / "rank-0.log").write_text(" iteration 9/40 | lm loss: 1.0E+00 |\n")
+        for step in range(1, 4):
+            with open(segment / "rank-0.log", "a") as f:
+                f.write(f" [2026-12-03] iteration        {step}/      40 | lm loss: 1.0E+00 |\n")
+        now = time.time()
+        for rank in range(4):
+            _beat(beats, rank, now - 60, waiting=rank > 0)
+            record = json.loads((beats / f"rank-{rank}.json").read_text())
+            record.update(step=None, beat=now - 60 if rank == 0 else now)  # rank 0 frozen
+            (beats / f"rank-{rank}.json").write_text(json.dumps(record))
+        return "42"
+
+    monkeypatch.setattr(slurm, "submit", sbatch)
+    lines = []
+    outcome = submit_module.submit(
+        prepare(loaded, megatron_checks=False, check_pickles=False),
+        SlurmOptions(),
+        run_dir=run_dir,
+        echo=lines.append,
+    )
+    assert outcome.exit_code == 3 and log.read_text() == "scancel 42\n", lines
+    assert not any("start-up" in line for line in lines), lines
+    first = [line for line in lines if line.startswith("  first failure: ")]
+    after = "rank 0 stalled after step 3 (the last iteration line in the logs)"
+    assert first and first[0].startswith(f"  first failure: {after}: "), lines
+    assert "stopped or frozen" in first[0], first
+    assert lines[-1].startswith(f"training failed: {after} (no progress for "), lines
 
 
 def test_ranks_die_with_a_killed_launcher(job, tmp_path):

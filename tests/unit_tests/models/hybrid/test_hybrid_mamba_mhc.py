@@ -171,3 +171,72 @@ def test_mhc_recompute_with_mamba_layers_in_between_gives_identical_gradients(la
     assert torch.equal(loss_a, loss_b)
     for name, grad in grads_a.items():
         assert torch.equal(grad, grads_b[name]), name
+
+
+def test_single_pass_mamba_layer_aggregates_with_the_previous_sites_coefficients():
+    """Single pass (megatron_ext.mhc.single_pass): the mixer reads Σ_j pre_prev[j]·x_j, the
+    merge uses this site's post and res, and this site's pre travels on with its gradient."""
+    from megatron_ext.mhc.single_pass import SinglePassState
+
+    with model_parallel():
+        layer = HyperConnectionMambaLayer(
+            _config(mhc_init_gating_factor=0.5, mhc_single_pass=True),
+            _mamba_spec().submodules,
+            layer_number=1,
+            pg_collection=_pg_collection(),
+        )
+        with torch.no_grad():
+            layer.mixer_hyper_connection.bias.normal_()
+        x = torch.randn(PLAN.seq_length, 2, 4 * PLAN.hidden_size, requires_grad=True)
+        previous = torch.rand(PLAN.seq_length, 2, 4, requires_grad=True)
+        state = SinglePassState(previous)
+        layer.single_pass_state = state
+        output = layer(x)
+        h_pre, h_post, h_res = layer.mixer_hyper_connection.compute_mappings(x)
+        mixed, _ = layer.mixer(layer.norm(aggregate(x, previous)))
+        torch.testing.assert_close(output, mix_residual(x, h_res) + expand_output(mixed, h_post))
+        torch.testing.assert_close(state.pre_mix, h_pre)
+        (output.sum() + state.pre_mix.sum()).backward()
+    assert previous.grad is not None and previous.grad.abs().sum() > 0
+    assert layer.mixer_hyper_connection.mapping_proj.weight.grad.abs().sum() > 0
+
+
+def test_single_pass_hybrid_model_contracts_with_the_last_sites_pre_and_feeds_mtp():
+    """A single-pass Hybrid stack has no hc_head (decoder or MTP depth); its final norm reads
+    the streams contracted by the last site's pre; the MTP depth's sites chain on from the
+    decoder's last pre, and every hyper connection (Mamba, attention, MLP, MTP) trains."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_ext.mhc.hyper_connection import aggregate as aggregate_streams
+
+    MTPLossLoggingHelper.tracker.clear()
+    seen = {}
+    with model_parallel():
+        model = _model("M*-M/*-", mhc_single_pass=True, mtp_num_layers=1)
+        assert not [n for n, _ in model.named_parameters() if "hc_head" in n]
+        last = model.decoder.layers[-1]
+        last.register_forward_hook(
+            lambda m, args, kwargs, out: seen.update(
+                streams_in=kwargs["hidden_states"], streams_out=out
+            ),
+            with_kwargs=True,
+        )
+        # Registered after the stack's contraction hook, so it sees the contracted input.
+        model.decoder.final_norm.register_forward_pre_hook(
+            lambda m, args: seen.update(contracted=args[0])
+        )
+        loss = _loss(model)
+        pre_last, _, _ = last.mixer_hyper_connection.compute_mappings(seen["streams_in"])
+        expected = aggregate_streams(seen["streams_out"], pre_last)
+        torch.testing.assert_close(seen["contracted"], expected)
+        loss.backward()
+    MTPLossLoggingHelper.tracker.clear()
+    untrained = [
+        name
+        for name, param in model.named_parameters()
+        if "hyper_connection.mapping_proj" in name and not param.grad.abs().sum() > 0
+    ]
+    assert not untrained, untrained
+    assert any(
+        n.startswith("mtp.") and "hyper_connection" in n for n, _ in model.named_parameters()
+    )
