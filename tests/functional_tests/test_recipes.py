@@ -43,8 +43,9 @@ UPSTREAM_FORMAT_CASE = (
 # Recipes whose CPU run, golden values and resume check happen elsewhere, so CI trains them once:
 # gpt_tp2_pp2's model from the upstream-format case below,
 # gpt_mhc_pp2_standalone_embedding_loss through `submit --slurm` on a real one-node Slurm
-# (tests/functional_tests/test_slurm.py), and gpt_mhc_tp2_pp2_sp as one job over two Slurm nodes
-# (tests/functional_tests/test_slurm_multinode.py): the same golden values and ckpt-resume check.
+# (tests/functional_tests/test_slurm.py: the signalled, requeued job's losses equal its golden
+# values; the soak tier adds its ckpt-resume job), and gpt_mhc_tp2_pp2_sp as one job over two Slurm
+# nodes (tests/functional_tests/test_slurm_multinode.py: golden values and ckpt-resume).
 TRAINED_ELSEWHERE = {
     "gpt_tp2_pp2",
     "gpt_mhc_pp2_standalone_embedding_loss",
@@ -52,11 +53,17 @@ TRAINED_ELSEWHERE = {
 }
 # Recipes trained only in the soak tier (`make test-soak`), to keep `make test` within its 20
 # minutes. Each one's layout is proven against a single-rank reference (loss and every gradient)
-# by the 4-rank unit tests (PP4 x VPP2: pipeline_parallel/test_pp_mhc_compatibility_4ranks.py;
-# Hybrid TP2 x PP2 + SP with MTP: pipeline_parallel/test_pp_mhc_hybrid_4ranks.py), and the
-# recipe runs below still train pretrain_hybrid at TP2 x PP2 (hybrid_mhc_tp2_pp2_real_data) and
-# with an MTP depth (hybrid_mhc_tp1_pp2_vpp2_empty_mtp).
-SOAK_RECIPES = {"gpt_mhc_pp4_vpp2", "hybrid_mhc_tp2_pp2_mtp"}
+# by the unit tests (PP4 x VPP2: pipeline_parallel/test_pp_mhc_compatibility_4ranks.py; Hybrid
+# TP2 x PP2 + SP with MTP and the VPP2 empty chunk with MTP: pipeline_parallel/
+# test_pp_mhc_hybrid*.py; MoE + MLA at EP2 x PP2: pipeline_parallel/test_mhc_moe_mla_4ranks.py),
+# and the recipe runs below still train pretrain_hybrid at TP2 x PP2 (hybrid_mhc_tp2_pp2_real_data)
+# and MoE + MLA through pretrain_gpt (gpt_mhc_v4_moe_mla_pp2).
+SOAK_RECIPES = {
+    "gpt_mhc_pp4_vpp2",
+    "hybrid_mhc_tp2_pp2_mtp",
+    "hybrid_mhc_tp1_pp2_vpp2_empty_mtp",
+    "gpt_mhc_moe_mla_ep2_pp2",
+}
 RECIPES = [
     r
     for r in sorted((REPO_ROOT / "recipes").glob("*.yaml"))

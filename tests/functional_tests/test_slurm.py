@@ -6,6 +6,10 @@ slurmctld and slurmd and waits for the node to be idle. The test then submits a 
 (ckpt-resume: two srun steps in one batch job), waits for the job, and checks its metrics
 against the recipe's golden values; the daemons are stopped by pid afterwards, pass or fail.
 
+The first test is in the soak tier (`make test-soak`): in `make test` the two-node job of
+tests/functional_tests/test_slurm_multinode.py checks submit's golden-values and ckpt-resume
+reports, and the signalled job below checks this recipe's losses against its golden values.
+
 A second test submits a resumable recipe (the same PP=2 mHC recipe as a regular run) and sends
 the job Slurm's warning signal (``scancel --signal=USR1``, what ``#SBATCH --signal`` makes Slurm
 send before the time limit) while it trains: the ranks save, the job requeues itself, restarts,
@@ -85,6 +89,10 @@ def slurm_env(tmp_path_factory):
         assert not [p for p in pids if _alive(p)], f"daemons still running: {stop.stdout}"
 
 
+@pytest.mark.skipif(
+    not timing.soak(),
+    reason="soak tier: the two-node job checks submit's golden and ckpt-resume reports in CI",
+)
 def test_submit_runs_a_recipe_on_a_real_single_node_slurm(tmp_path, slurm_env):
     env = slurm_env
     run_dir = tmp_path / "run"

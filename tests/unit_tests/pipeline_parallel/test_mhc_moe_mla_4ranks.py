@@ -24,7 +24,10 @@ SOAK = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("variant", ["megatron", pytest.param("deepseek-v4", marks=SOAK)])
+@pytest.mark.parametrize(
+    "variant",
+    ["megatron", pytest.param("deepseek-v4", marks=SOAK), pytest.param("glm5", marks=SOAK)],
+)
 def test_moe_mhc_ep2_pp2_matches_reference_with_n_stream_p2p(monkeypatch, variant):
     """deepseek-v4: DeepSeek-V4's maps and learned head, on MoE + MLA."""
     overrides = dict(MLA, mhc_variant=variant) if variant != "megatron" else {}

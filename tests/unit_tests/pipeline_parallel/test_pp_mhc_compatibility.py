@@ -51,6 +51,15 @@ def test_pp2_vpp2_interleaved_carries_n_streams_and_matches_reference(monkeypatc
 
 
 @pytest.mark.parametrize("variant", ["deepseek-v4", "glm5"])
+def test_pp2_variant_matches_reference(monkeypatch, variant):
+    """mhc_variant's maps at plain PP=2 (1F1B), the n*h streams on the one edge."""
+    plan = mhc_plan(pp=2, steps=1, config_overrides=dict(mhc_variant=variant))
+    with recorded_p2p_shapes(monkeypatch) as seen:
+        check_mhc(plan)
+    assert_every_exchange_is_n_streams_wide(plan, all_ranks(seen))
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v4", "glm5"])
 def test_pp2_vpp2_interleaved_variant_matches_reference(monkeypatch, variant):
     """mhc_variant's maps on every virtual stage (deepseek-v4's learned head on the last)."""
     plan = mhc_plan(pp=2, vpp=2, steps=2, config_overrides=dict(mhc_variant=variant))

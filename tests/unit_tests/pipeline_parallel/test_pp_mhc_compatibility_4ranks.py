@@ -1,7 +1,7 @@
-"""mHC under pipeline parallelism on 4 ranks: PP=4 (x VPP=2), and TP=2 x PP=2 (x VPP=2) with sequence
-parallelism (the exchanged sequence is divided by TP); TP=2 x PP=2 runs mHC-lite's birkhoff
-H_res, the others Sinkhorn; mhc_variant deepseek-v4 at DP=2 x PP=2 with the distributed optimizer
-and at PP=4 under ZB-H1, glm5 at TP=2 x PP=2."""
+"""mHC under pipeline parallelism on 4 ranks: PP=4 (x VPP=2), and TP=2 x PP=2 (x VPP=2) with
+sequence parallelism (the exchanged sequence is divided by TP); TP=2 x PP=2 runs mHC-lite's
+birkhoff H_res, the others Sinkhorn; mhc_variant deepseek-v4 and glm5 each at PP=4 (1F1B and
+ZB-H1), TP=2 x PP=2 with SP and DP=2 x PP=2 with the distributed optimizer."""
 
 import pytest
 from mhc_pipeline_cases import (
@@ -32,6 +32,12 @@ pytestmark = [
         dict(pp=2, use_distributed_optimizer=True, variant="deepseek-v4"),
         # ZB-H1's deferred weight gradients, the learned head's on the last stage among them.
         dict(pp=4, schedule="zb-h1", global_batch_size=16, steps=1, variant="deepseek-v4"),
+        # The variants in the layouts the rows above give the other one.
+        dict(pp=4, steps=1, variant="deepseek-v4"),
+        dict(pp=4, steps=1, variant="glm5"),
+        dict(tp=2, pp=2, sequence_parallel=True, steps=1, variant="deepseek-v4"),
+        dict(pp=2, use_distributed_optimizer=True, steps=1, variant="glm5"),
+        dict(pp=4, schedule="zb-h1", global_batch_size=16, steps=1, variant="glm5"),
     ],
     ids=[
         "pp4",
@@ -41,6 +47,11 @@ pytestmark = [
         "tp2_pp2_sp_glm5",
         "dp2_pp2_distopt_deepseek_v4",
         "pp4_zb_h1_deepseek_v4",
+        "pp4_deepseek_v4",
+        "pp4_glm5",
+        "tp2_pp2_sp_deepseek_v4",
+        "dp2_pp2_distopt_glm5",
+        "pp4_zb_h1_glm5",
     ],
 )
 def test_mhc_pipeline_carries_n_streams_and_matches_reference(monkeypatch, layout):

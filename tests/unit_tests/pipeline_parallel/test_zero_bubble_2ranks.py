@@ -23,6 +23,14 @@ def test_pp2_mhc_matches_reference(monkeypatch):
     check_zb(zb_plan(pp=2, global_batch_size=12), monkeypatch)
 
 
+@pytest.mark.parametrize("variant", ["deepseek-v4", "glm5"])
+def test_pp2_mhc_variant_matches_reference(monkeypatch, variant):
+    """The variants' maps under ZB-H1 (deepseek-v4's learned head's weight gradient deferred
+    on the last stage too)."""
+    plan = zb_plan(pp=2, global_batch_size=8, steps=1, config_overrides=dict(mhc_variant=variant))
+    check_zb(plan, monkeypatch)
+
+
 def test_pp2_equals_1f1b():
     assert_same_as_1f1b(zb_plan(pp=2, global_batch_size=12))
 
