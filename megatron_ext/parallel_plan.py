@@ -158,6 +158,17 @@ class ParallelPlan:
     def world_from_sizes(self) -> int:
         return self.model_parallel_size * self.dp
 
+    def optimizer_instances_problem(self, instances: int) -> str | None:
+        """Why ``instances`` distributed-optimizer instances cannot split this plan's dp * cp
+        (None when they can; megatron-core asserts it when the ranks start)."""
+        if (self.dp * self.cp) % instances == 0:
+            return None
+        return (
+            f"dp({self.dp}) * cp({self.cp}) = {self.dp * self.cp} is not divisible by "
+            f"{OPTIMIZER_INSTANCES_FLAG} ({instances}); set parallelism.dp to a multiple of "
+            f"{smallest_instances_dp(instances, self.cp)}, or lower the instances"
+        )
+
     def seq_length_problem(self, seq_length: int) -> str | None:
         """Why ``seq_length`` does not split as this plan needs (None when it does)."""
         if seq_length % self.seq_len_divisor == 0:

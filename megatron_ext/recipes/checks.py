@@ -17,11 +17,7 @@ import string
 from typing import Any
 
 from megatron_ext.launch import shell
-from megatron_ext.parallel_plan import (
-    OPTIMIZER_INSTANCES_FLAG,
-    ParallelPlan,
-    smallest_instances_dp,
-)
+from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
 from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import (
@@ -262,14 +258,8 @@ def _check_optimizer_instances(r: Recipe, add) -> None:
     instances = r.extra_args.get(OPTIMIZER_INSTANCES_FLAG)
     if not isinstance(instances, int) or isinstance(instances, bool) or instances <= 1:
         return
-    dp, cp = r.parallel_plan.dp, r.parallelism.cp
-    if (dp * cp) % instances:
-        add(
-            "parallelism.dp",
-            f"dp({dp}) * cp({cp}) = {dp * cp} is not divisible by {OPTIMIZER_INSTANCES_FLAG} "
-            f"({instances}); set parallelism.dp to a multiple of "
-            f"{smallest_instances_dp(instances, cp)}, or lower the instances",
-        )
+    if problem := r.parallel_plan.optimizer_instances_problem(instances):
+        add("parallelism.dp", problem)
     if importlib.util.find_spec("einops") is None:  # parallel_state.create_hierarchical_groups
         add(
             f"extra_args.{OPTIMIZER_INSTANCES_FLAG}",

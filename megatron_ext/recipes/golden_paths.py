@@ -6,9 +6,9 @@ point it at any file of yours)."""
 from __future__ import annotations
 
 from megatron_ext.errors import Problem
+from megatron_ext.files import inside
 from megatron_ext.launch.shell import LINE_BREAKING
 from megatron_ext.recipes.loader import LoadedRecipe
-from megatron_ext.recipes.safety import inside
 
 
 def golden_values_problem(loaded: LoadedRecipe) -> Problem | None:

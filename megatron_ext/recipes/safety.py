@@ -1,11 +1,8 @@
-"""What a recipe may name: run directories, platforms, Slurm job names.
-
-A recipe is data someone may have sent you. Its ``name`` and platform name become file names
-(run directory, golden-value path) and the Slurm job name, so they must come from a safe
-character set with no path separators (:func:`name_problem`), and the run directory must stay
-inside the runs root (:func:`megatron_ext.files.inside`). The rules for everything a generated script holds
-(quoting, environment keys, ``#SBATCH`` lines, secrets) are
-:mod:`megatron_ext.launch.shell`'s, which the recipe code uses as the launchers do.
+"""What a recipe may name. A recipe is data someone may have sent you: its ``name`` and platform
+become file names (run directory, golden-value path) and the Slurm job name, so they come from a
+safe character set without path separators (:func:`name_problem`); the run directory stays in
+the runs root (:func:`megatron_ext.files.inside`), and what a generated script holds follows
+:mod:`megatron_ext.launch.shell`'s rules, as in the launchers.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from __future__ import annotations
 import re
 
 from megatron_ext.errors import Problem
-from megatron_ext.files import inside  # noqa: F401  (the run directory stays in the runs root)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 SAFE_NAME_TEXT = "1-100 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
