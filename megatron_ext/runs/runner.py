@@ -888,7 +888,7 @@ def finalize(
         )
     elif not golden_path.exists():
         echo(
-            f"  golden values: none at {golden_path}; create them with "
+            f"  golden values: not compared, none at {golden_path}; create them with "
             f"`megatron-ext run {request.source} --platform {request.platform} --write-golden`"
         )
     elif request.numerics_overridden and not options.force_compare:
