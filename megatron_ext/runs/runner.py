@@ -375,7 +375,14 @@ def fault_problem(request: RunRequest) -> str | None:
     return None
 
 
-def write_run_files(request: RunRequest, run_dir: Path, launcher: str = "torchrun") -> None:
+def write_run_files(
+    request: RunRequest,
+    run_dir: Path,
+    launcher: str = "torchrun",
+    options: RunOptions = RunOptions(),
+) -> None:
+    from megatron_ext.runs import options as run_options
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(request.recipe_yaml)
     rsm.write_run_record(
@@ -387,6 +394,7 @@ def write_run_files(request: RunRequest, run_dir: Path, launcher: str = "torchru
             "overrides": list(request.shown_overrides),
             "launcher": launcher,
             "resumable": request.recipe.resumable,
+            "options": run_options.to_record(options),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
     )
@@ -479,7 +487,7 @@ def _run_in(
         return Outcome(EXIT_INVALID, None, message=why)
     results: list[dict] = []
     try:
-        write_run_files(request, run_dir)
+        write_run_files(request, run_dir, options=options)
     except OSError as exc:
         why = cannot_write(exc, run_dir)
         echo(f"cannot run: {why}")
@@ -715,12 +723,14 @@ def _resume_in(
     """:func:`resume_run` once the run directory is held."""
     from megatron_ext.checkpoint import layout
     from megatron_ext.launch import env_policy
+    from megatron_ext.runs import options as run_options
 
     started = time.monotonic()
     try:
         if why := layout.override_problem(overrides):
             raise rsm.ResumeError(why)
         record = rsm.read_run_record(run_dir)
+        options = run_options.for_resume(record.get("options"), options)
         if not record.get("resumable"):
             raise rsm.ResumeError(
                 f"{run_dir}: this run cannot be resumed (a ckpt-resume test recipe or the "
