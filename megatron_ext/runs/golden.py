@@ -65,6 +65,7 @@ class Rule:
 MEGATRON_RULES: dict[str, Rule] = {
     "lm loss": Rule(deterministic=True, rtol=0.05),
     "lm loss validation": Rule(deterministic=True, rtol=0.05),
+    "lm loss test": Rule(deterministic=True, rtol=0.05),
     "mtp loss": Rule(deterministic=True, rtol=0.05),
     "num-zeros": Rule(deterministic=True, rtol=0.20),
     "iteration-time": Rule(rtol=0.05),
@@ -75,6 +76,7 @@ MEGATRON_RULES: dict[str, Rule] = {
 CPU_RULES: dict[str, Rule] = {
     "lm loss": Rule(rtol=1e-4, max_failing_steps=0),
     "lm loss validation": Rule(rtol=1e-4, max_failing_steps=0),
+    "lm loss test": Rule(rtol=1e-4, max_failing_steps=0),
     "mtp loss": Rule(rtol=1e-4, max_failing_steps=0),
     # Counts of exactly-zero gradient elements: a different CPU may round one element to zero
     # differently, so a few elements of slack on top of Megatron's 5 %.

@@ -946,6 +946,7 @@ def finalize(
         pipeline=pipeline,
         performance=performance,
         metrics_source=source,
+        losses=met.final_losses(run_metrics),
     )
     losses = run_metrics.get("lm loss", {})
     if losses:
@@ -955,6 +956,9 @@ def finalize(
             f"  lm loss ({per_step}) {losses[first]:.4f} (step {first}) -> "
             f"{losses[last]:.4f} (step {last})"
         )
+    for name in (met.VALIDATION_METRIC, met.TEST_METRIC):
+        if name in (final := met.final_losses(run_metrics)):
+            echo(f"  {name} {final[name]['value']:.4f} (step {final[name]['step']})")
     for line in mhc_report.summary_lines(run_metrics):
         echo(f"  {line}")
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
@@ -1085,6 +1089,7 @@ def _write_summary(
     pipeline: dict | None = None,
     performance: dict | None = None,
     metrics_source: str | None = None,
+    losses: dict | None = None,
 ) -> None:
     golden = request.golden_path
     summary = {
@@ -1102,6 +1107,7 @@ def _write_summary(
         "host": os.uname().nodename,
         "metrics_source": metrics_source,
         "performance": performance or {},
+        "losses": losses or {},
         "versions": versions(),
         "plan": dict(request.plan),
     }

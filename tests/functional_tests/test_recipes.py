@@ -154,9 +154,11 @@ def test_make_runs_recipe_is_checked_in_the_default_tier():
     makefile = (REPO_ROOT / "Makefile").read_text()
     demo = re.search(r"^run:.*\n\t.*megatron-ext run recipes/(\w+)\.yaml", makefile, re.M)
     assert demo and demo.group(1) == MAKE_RUN_RECIPE
-    default_tier = {
-        r.stem for r in sorted((REPO_ROOT / "recipes").glob("*.yaml"))
-    } - TRAINED_ELSEWHERE - SOAK_RECIPES
+    default_tier = (
+        {r.stem for r in sorted((REPO_ROOT / "recipes").glob("*.yaml"))}
+        - TRAINED_ELSEWHERE
+        - SOAK_RECIPES
+    )
     assert MAKE_RUN_RECIPE in default_tier
 
 

@@ -38,7 +38,10 @@ def test_a_killed_builds_staging_is_removed_by_the_next_build(tmp_path):
     assert example.remove_stale_staging(tmp_path / "example") == [
         tmp_path / f"example.tmp{dead.pid}"
     ]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"example.tmp{os.getpid()}", "example.tmpx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"example.tmp{os.getpid()}",
+        "example.tmpx",
+    ]
 
 
 def test_ctrl_c_interrupts_a_training_that_never_returns_to_python():

@@ -57,3 +57,43 @@ def test_a_record_without_options_takes_the_command_line():
         compare_golden=False, megatron_checks=False
     )
     assert run_options.for_resume({"compare_golden": "no"}, RunOptions()).compare_golden
+
+
+VALIDATION_LINES = [
+    " validation loss at iteration 4 | lm loss value: 5.000000E+00 | lm loss PPL: 1.4E+02 |",
+    " iteration        4/       4 | lm loss: 5.100000E+00 |",
+    " validation loss at iteration 4 on validation set | lm loss value: 5.200000E+00 |",
+    " validation loss at iteration 4 on test set | lm loss value: 5.300000E+00 |",
+]
+
+
+def test_the_test_loss_is_its_own_metric():
+    """Item 4: the test loss was only a console line; TensorBoard holds it under
+    "lm loss validation" beside the in-loop and final validation of the same step."""
+    from megatron_ext.runs import metrics as met
+
+    logged = met.parse_lines(VALIDATION_LINES)
+    assert logged["lm loss validation"] == {4: 5.0} and logged["lm loss test"] == {4: 5.3}
+    assert met.with_validation(["lm loss"], logged) == [
+        "lm loss",
+        "lm loss validation",
+        "lm loss test",
+    ]
+    tensorboard = {"lm loss": {4: 5.1}, "lm loss validation": {4: 5.0}}
+    joined = met.with_test_loss_from_logs(tensorboard, logged)
+    assert joined["lm loss validation"] == {4: 5.0} and joined["lm loss test"] == {4: 5.3}
+    # a run that validated never: TensorBoard's only point at that step is the test loss
+    only_test = met.parse_lines(VALIDATION_LINES[1:2] + VALIDATION_LINES[3:])
+    joined = met.with_test_loss_from_logs({"lm loss validation": {4: 5.3}}, only_test)
+    assert "lm loss validation" not in joined and joined["lm loss test"] == {4: 5.3}
+    assert met.final_losses(logged)["lm loss test"] == {"step": 4, "value": 5.3}
+
+
+def test_runs_show_names_the_validation_and_test_losses(tmp_path):
+    from megatron_ext.runs import listing
+
+    summary = {
+        "status": "passed",
+        "losses": {"lm loss test": {"step": 4, "value": 5.3}, "lm loss validation": "junk"},
+    }
+    assert listing.evaluation_lines(summary) == ["test loss  5.300000 (step 4, 'lm loss test')"]
