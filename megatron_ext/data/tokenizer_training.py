@@ -16,15 +16,12 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
-
-T = TypeVar("T")
 
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token; megatron's HuggingFace wrapper takes it as ``eod``."""
 
 
-def interruptible(train: Callable[..., T], *args) -> T:
+def interruptible[T](train: Callable[..., T], *args) -> T:
     """``train(*args)`` in a helper thread while the main thread waits in short steps: the
     trainers (Rust, C++) release the GIL but never return to Python until they are done, so
     run in the main thread a Ctrl-C or SIGTERM waited for the whole training (issue 41,

@@ -204,9 +204,9 @@ def evaluation_lines(summary: dict) -> list[str]:
     lines = []
     for name, label in ((met.VALIDATION_METRIC, "valid loss"), (met.TEST_METRIC, "test loss")):
         entry = losses.get(name) if isinstance(losses, dict) else None
-        value = _finite(entry.get("value")) if isinstance(entry, dict) else None
-        if value is not None:
-            lines.append(f"{label:<10} {value:.6f} (step {entry.get('step')}, {name!r})")
+        if not isinstance(entry, dict) or (value := _finite(entry.get("value"))) is None:
+            continue
+        lines.append(f"{label:<10} {value:.6f} (step {entry.get('step')}, {name!r})")
     return lines
 
 
