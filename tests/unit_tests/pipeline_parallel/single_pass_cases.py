@@ -8,7 +8,7 @@ import contextlib
 import pytest
 from mhc_pipeline_cases import check_mhc, mhc_plan
 
-from megatron_ext.mhc import transformer_block
+from megatron_ext.mhc import single_pass
 from megatron_ext.pipeline.payload import PRE_MIX
 from megatron_ext.testing.equivalence import EquivalenceError, TrainPlan
 
@@ -28,7 +28,7 @@ def single_pass_plan(**kwargs) -> TrainPlan:
 @contextlib.contextmanager
 def coefficient_gradient_cut(monkeypatch):
     """Every received payload's ``pre_mix`` field detached: its gradient never goes back."""
-    unpack = transformer_block.unpack
+    unpack = single_pass.unpack
 
     def unpack_detached(payload, wire):
         fields = unpack(payload, wire)
@@ -36,7 +36,7 @@ def coefficient_gradient_cut(monkeypatch):
             fields[PRE_MIX] = fields[PRE_MIX].detach()
         return fields
 
-    monkeypatch.setattr(transformer_block, "unpack", unpack_detached)
+    monkeypatch.setattr(single_pass, "unpack", unpack_detached)
     yield
 
 
