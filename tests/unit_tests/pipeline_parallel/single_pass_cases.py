@@ -25,6 +25,18 @@ def single_pass_plan(**kwargs) -> TrainPlan:
     return mhc_plan(config_overrides=overrides, **kwargs)
 
 
+DEEPSEEK_MAPS = ("deepseek-v4", "glm5")
+"""The variants whose single pass is upstream's (Megatron-LM #7500, DeepSeek-V4.1)."""
+
+
+def deepseek_single_pass_plan(variant: str = "deepseek-v4", **kwargs) -> TrainPlan:
+    """:func:`single_pass_plan` on DeepSeek's maps, gates at 0.5 instead of 0.01 so the maps
+    are far from uniform from the first step (the softmax Sinkhorn and the ε terms matter)."""
+    overrides = dict(mhc_variant=variant, mhc_init_gating_factor=0.5)
+    overrides.update(kwargs.pop("config_overrides", {}))
+    return single_pass_plan(config_overrides=overrides, **kwargs)
+
+
 @contextlib.contextmanager
 def coefficient_gradient_cut(monkeypatch):
     """Every received payload's ``pre_mix`` field detached: its gradient never goes back."""
