@@ -14,12 +14,15 @@ default), on the offline example corpus (``megatron-ext prepare-data --example D
 byte-level BPE tokenizer): the token stream is cut into sequences, the last
 ``--held-out-fraction`` of them are held out and never trained on. Every step records the
 loss, the gradient norm before clipping, how that norm splits between the mHC parameters and
-the rest, and (mHC arms) the mHC statistics of :mod:`megatron_ext.mhc.stats` (H_pre/H_post
-ranges, Sinkhorn residual, per-stream residual RMS); the held-out loss is measured every
-``--eval-interval`` steps and at the end.
+the rest, the share of it in the first layer (``grad_share_layer0``), the
+smallest token's residual RMS relative to the median token's at the inputs of layers 2..L
+(``residual_min_ratio``: a token whose residual nearly cancels), and (mHC arms) the mHC
+statistics of :mod:`megatron_ext.mhc.stats` (H_pre/H_post ranges and amplitudes, Sinkhorn
+residual, per-stream residual RMS); the held-out loss is measured every ``--eval-interval``
+steps and at the end.
 
 A *spike* is a step whose gradient norm exceeds ``--spike-factor`` × the median of the
-preceding ``--spike-window`` steps (counted from step ``--spike-window``). For each arm the
+preceding ``--spike-window`` steps (fewer at the start; from step 6 on). For each arm the
 script prints the final held-out loss (mean and per seed), the spike count, and, for every
 spike, what moved at that step relative to the step before (the biggest relative changes
 among the recorded statistics), then writes ``mhc_ab.json`` (every per-step record) and
@@ -177,6 +180,46 @@ def _stream_figures(figures: dict) -> dict:
     return summary
 
 
+class ResidualWatch:
+    """Forward pre-hooks on the decoder layers 2..L: per step, the smallest token's residual
+    RMS (the mean of the streams, or the plain residual) relative to the median token's, the
+    smallest over those layers' inputs (``residual_min_ratio``), and the layer-0 share of the
+    gradient norm is read beside it: a token whose residual nearly cancels makes the
+    following layernorms' 1/σ large."""
+
+    def __init__(self, model, streams: int):
+        self.streams, self.ratios = streams, []
+        self.handles = [
+            layer.register_forward_pre_hook(self._record, with_kwargs=True)
+            for layer in list(model.decoder.layers)[1:]
+        ]
+
+    def _record(self, _layer, args, kwargs):
+        hidden = (args[0] if args else kwargs["hidden_states"]).detach().float()
+        s, b, width = hidden.shape
+        mean = hidden.view(s, b, self.streams, width // self.streams).mean(dim=2)
+        rms = mean.square().mean(dim=-1).sqrt().flatten()
+        self.ratios.append(float(rms.min() / rms.median().clamp_min(1e-30)))
+
+    def take(self) -> dict[str, float]:
+        ratios, self.ratios = self.ratios, []
+        return {"residual_min_ratio": min(ratios)} if ratios else {}
+
+
+def _layer0_share(model) -> dict[str, float]:
+    """Fraction of the squared gradient norm in decoder layer 0 (the word embedding, which
+    holds most of it at an ordinary step, is left out of the numerator)."""
+    first, total = 0.0, 0.0
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        squared = float(param.grad.detach().double().square().sum())
+        total += squared
+        if "decoder.layers.0." in name:
+            first += squared
+    return {"grad_share_layer0": first / total if total else 0.0}
+
+
 def _held_out_loss(model, held_out: torch.Tensor, args) -> float:
     from megatron_ext.testing.equivalence import masked_lm_loss
 
@@ -221,6 +264,7 @@ def train_arm(args, arm: str, seed: int, train: torch.Tensor, held_out: torch.Te
         model = gpt_model_factory(plan)(config, True, True, None)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        watch = ResidualWatch(model, args.streams if mhc else 1)
         for step in range(1, args.steps + 1):
             rows = train[torch.randint(0, len(train), (args.batch,), generator=order)]
             optimizer.zero_grad(set_to_none=False)
@@ -233,24 +277,30 @@ def train_arm(args, arm: str, seed: int, train: torch.Tensor, held_out: torch.Te
             finally:
                 stats.disable()
             record = {"step": step, "loss": reports[0]["lm loss"], **_grad_norms(model)}
+            record.update(watch.take(), **_layer0_share(model))
             record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, plan.clip_grad))
             record.update(_stream_figures(figures))
             records.append(record)
             optimizer.step()
             if step % args.eval_interval == 0 or step == args.steps:
                 held.append({"step": step, "loss": _held_out_loss(model, held_out, args)})
+                watch.take()  # the evaluation's forwards are not a training step's
     return records, held
 
 
 # ----------------------------------------------------------------------------- spikes
 
 
+FIRST_SPIKE_INDEX = 5
+"""Spikes are looked for from the 6th step on (the median of 5 steps is the shortest baseline)."""
+
+
 def spike_steps(norms: list[float], factor: float, window: int) -> list[int]:
-    """Indices whose value exceeds ``factor`` × the median of the ``window`` before it."""
+    """Indices whose value exceeds ``factor`` × the median of the (up to) ``window`` before."""
     return [
         i
-        for i in range(window, len(norms))
-        if norms[i] > factor * statistics.median(norms[i - window : i])
+        for i in range(FIRST_SPIKE_INDEX, len(norms))
+        if norms[i] > factor * statistics.median(norms[max(0, i - window) : i])
     ]
 
 
@@ -363,6 +413,14 @@ def main(argv=None) -> dict:
             for index in spikes:
                 moved = ", ".join(f"{k} {p:.3g}->{v:.3g}" for k, p, v in what_moved(records, index))
                 print(f"    spike at step {records[index]['step']}: {moved}")
+                watched = ("residual_min_ratio", "grad_share_layer0", "loss")
+                print(
+                    "      "
+                    + ", ".join(
+                        f"{k} {records[index - 1].get(k, float('nan')):.3g}->{records[index].get(k, float('nan')):.3g}"
+                        for k in watched
+                    )
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(results)
