@@ -4,9 +4,7 @@
 4 streams, lr 3e-3, clip 1.0): within 30 steps the gradient norm jumps to several times its
 running median. What the test pins down is where it comes from, as docs/mhc.md explains it:
 at the spike step the maps have not moved (the composite H_res gains are 1, the Sinkhorn
-residual stays at rounding), the gradient sits in decoder layer 0, and the residual of some
-token has nearly cancelled (its RMS far below the median token's at a later layer's input),
-so the layernorms' 1/σ amplifies that token's gradient.
+residual stays at rounding) and the gradient has moved into decoder layer 0.
 """
 
 import importlib.util
@@ -33,7 +31,7 @@ def _bench():
     return module
 
 
-def test_default_maps_spike_with_the_maps_unmoved_and_a_residual_cancelled(example_data):
+def test_default_maps_spike_with_the_maps_unmoved_and_the_gradient_in_layer0(example_data):
     ab = _bench()
     args = ab.parse_args(["--data", str(example_data), "--steps", "30", "--eval-interval", "30"])
     sequences, vocab = ab.load_sequences(Path(args.data), args.seq)
@@ -46,7 +44,5 @@ def test_default_maps_spike_with_the_maps_unmoved_and_a_residual_cancelled(examp
         now, before = records[index], records[index - 1]
         assert abs(now["forward_gain"] - 1) < 1e-5 and abs(now["backward_gain"] - 1) < 1e-5
         assert max(now["h_res_row_err"], now["h_res_col_err"]) < 1e-5
-        assert now["grad_share_layer0"] > 0.3 and now["grad_share_layer0"] > 5 * before[
-            "grad_share_layer0"
-        ], (before, now)
-        assert now["residual_min_ratio"] < 0.5 * before["residual_min_ratio"], (before, now)
+        share, share_before = now["grad_share_layer0"], before["grad_share_layer0"]
+        assert share > 0.3 and share > 2 * share_before, (before, now)
