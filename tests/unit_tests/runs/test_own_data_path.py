@@ -97,3 +97,12 @@ def test_runs_show_names_the_validation_and_test_losses(tmp_path):
         "losses": {"lm loss test": {"step": 4, "value": 5.3}, "lm loss validation": "junk"},
     }
     assert listing.evaluation_lines(summary) == ["test loss  5.300000 (step 4, 'lm loss test')"]
+
+
+def test_compare_plots_say_dotted_resumed_only_for_a_resumed_run():
+    """Item 7 (part): "(dotted: resumed)" was in the title of runs never resumed."""
+    from megatron_ext.runs.side_by_side import RunCurves, plot_title
+
+    fresh, other = RunCurves("a", {}, []), RunCurves("b", {}, [])
+    assert plot_title(fresh, other) == "a vs b"
+    assert plot_title(fresh, RunCurves("b", {}, [4])) == "a vs b (dotted: resumed)"
