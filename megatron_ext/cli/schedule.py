@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 NAME = "schedule"
 HELP = "print megatron-core's pipeline schedule: grid, bubble, in-flight, bytes per edge"
@@ -178,7 +179,12 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.recipes.schedule import plan_from_recipe
     from megatron_ext.schedules import report as rep
     from megatron_ext.schedules.schedule import SCHEDULES, SchedulePlan
-    from megatron_ext.schedules.text import ScheduleTextError, format_text, read_schedule_file
+    from megatron_ext.schedules.text import (
+        ScheduleTextError,
+        format_text,
+        read_schedule_file,
+        schedule_of,
+    )
 
     overrides = list(getattr(args, "targets", None) or [])
     if args.plot and (problem := _plot_problem(args.plot)):
@@ -236,21 +242,25 @@ def main(args: argparse.Namespace) -> int:
             )
         if problem := _size_problem(plan, costs):
             return _error(problem)
-        order = None
+        order, source = None, args.from_text or plan.order_file
         if args.from_text:  # a plan of the text's own: the text's interleaving group too
             text_plan = not args.recipe and args.pp is None
-            order = read_schedule_file(args.from_text, None if text_plan else plan)
+            given = None if text_plan else replace(plan, order_file=None)
+            order = read_schedule_file(args.from_text, given)
             plan = order.plan
+        elif plan.order_file:  # the recipe's parallelism.schedule_file
+            order = schedule_of(plan)
         if args.format == "text":
             print(format_text(order or rep.build_schedule(plan), _text_comment(plan)), end="")
             return 0
         lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs, schedule=order)
         if order is not None:
-            lines.insert(2, _order_line(args.from_text, order, rep.build_schedule(plan)))
+            lines.insert(2, _order_line(source, order, rep.build_schedule(plan)))
     except RecipeError as exc:
         return _error(f"{exc.source}: {exc.problems[0]}")
     except ScheduleTextError as exc:
-        return _error(f"--from-text {args.from_text}: {exc}")
+        where = f"--from-text {args.from_text}" if args.from_text else "parallelism.schedule_file"
+        return _error(f"{where}: {exc}")
     except ValueError as exc:
         return _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     print("\n".join(lines))
@@ -261,8 +271,6 @@ def main(args: argparse.Namespace) -> int:
         split = plan.schedule == "zb-h1"
         note = f"bubble {timeline.bubble():.1%}"
         if split:
-            from dataclasses import replace
-
             baseline = rep.build_schedule(replace(plan, schedule="1f1b"))
             note += f" (1F1B: {costs.simulate(baseline).bubble():.1%})"
         title = (

@@ -14,11 +14,11 @@ import importlib.util
 import math
 import re
 import string
+from dataclasses import replace
 from typing import Any
 
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
-from megatron_ext.recipes.command import path_for_ranks
 from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schedule import plan_from_loaded
@@ -31,7 +31,7 @@ from megatron_ext.recipes.schema import (
     layout_stages,
 )
 from megatron_ext.schedules.schedule import ZB_H1
-from megatron_ext.schedules.text import ScheduleTextError, read_schedule_file
+from megatron_ext.schedules.text import ScheduleTextError, schedule_of
 
 KNOWN_METRICS = (
     "lm loss",
@@ -407,10 +407,10 @@ def _check_schedule_file(loaded: LoadedRecipe, add) -> None:
         )
         return
     plan, _ = plan_from_loaded(loaded)
-    if plan.problems():
+    if replace(plan, order_file=None).problems():
         return  # reported by the schedule and batch checks
     try:
-        read_schedule_file(path_for_ranks(loaded, p.schedule_file) or "", plan)
+        schedule_of(plan)
     except ScheduleTextError as exc:
         add("parallelism.schedule_file", f"{p.schedule_file}: {exc}")
 

@@ -132,6 +132,9 @@ class SchedulePlan:
     # megatron's config.overlap_p2p_comm (interleaved only): separate forward and backward
     # exchanges instead of the combined four-way one.
     overlap_p2p_comm: bool = False
+    # A schedule text whose order the run executes instead of the built one (ZB-H1 only:
+    # recipe parallelism.schedule_file); megatron_ext.schedules.text.schedule_of reads it.
+    order_file: str | None = None
 
     @property
     def chunks(self) -> int:
@@ -155,6 +158,13 @@ class SchedulePlan:
                     f"schedule zb-h1 with {what}",
                     "ZB-H1 is defined for one chunk per rank of one pipeline; use "
                     "schedule 1f1b for interleaving and multi-module pipelines",
+                )
+            )
+        if self.order_file is not None and self.schedule != ZB_H1:
+            problems.append(
+                Problem(
+                    f"order file {self.order_file}",
+                    "only ZB-H1 runs an order given as text; use schedule zb-h1",
                 )
             )
         if problems or self.multimodule is not None:

@@ -58,6 +58,7 @@ __all__ = [
     "infer_plan",
     "read_schedule_file",
     "read_text",
+    "schedule_of",
     "schedule_from_text",
 ]
 
@@ -174,6 +175,14 @@ def schedule_from_text(text: str, plan: SchedulePlan | None = None) -> Schedule:
     ]
     _check_exchanges(ranks, exchanged)
     return Schedule(plan, exchanged, built.prev_ranks, built.next_ranks)
+
+
+def schedule_of(plan: SchedulePlan) -> Schedule:
+    """The schedule a run of ``plan`` executes: its order file's (``plan.order_file``, checked)
+    or the built one."""
+    if plan.order_file is None:
+        return build_schedule(plan)
+    return read_schedule_file(plan.order_file, replace(plan, order_file=None))
 
 
 def read_schedule_file(path: str | Path, plan: SchedulePlan | None = None) -> Schedule:
