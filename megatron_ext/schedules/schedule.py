@@ -160,13 +160,6 @@ class SchedulePlan:
                     "schedule 1f1b for interleaving and multi-module pipelines",
                 )
             )
-        if self.order_file is not None and self.schedule != ZB_H1:
-            problems.append(
-                Problem(
-                    f"order file {self.order_file}",
-                    "only ZB-H1 runs an order given as text; use schedule zb-h1",
-                )
-            )
         if problems or self.multimodule is not None:
             return problems
         if self.pp < 1:

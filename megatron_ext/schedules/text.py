@@ -182,6 +182,11 @@ def schedule_of(plan: SchedulePlan) -> Schedule:
     or the built one."""
     if plan.order_file is None:
         return build_schedule(plan)
+    if plan.schedule != ZB_H1:
+        raise ScheduleTextError(
+            f"{plan.order_file}: only ZB-H1 runs an order given as text (the schedule is "
+            f"{plan.schedule}); use schedule zb-h1"
+        )
     return read_schedule_file(plan.order_file, replace(plan, order_file=None))
 
 
