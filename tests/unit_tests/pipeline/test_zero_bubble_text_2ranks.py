@@ -3,7 +3,7 @@ schedules.text) on 2 ranks: the built order's text gives the built run's losses 
 bit for bit, a different order (every W right after its B) matches the single-rank reference
 and is the order the ranks trace, and a text that fails the checks stops every rank with the
 same one-line error.
-Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_text_2ranks.py"""
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline/test_zero_bubble_text_2ranks.py"""
 
 from __future__ import annotations
 
