@@ -15,7 +15,6 @@ from typing import Any
 from megatron_ext.schedules.report import zb_h1_textbook_bubble
 from megatron_ext.schedules.schedule import (
     ZB_H1,
-    build_schedule,
     compare,
     simulate,
     textbook_bubble,
