@@ -312,7 +312,7 @@ def _text_comment(plan) -> str:
     )
 
 
-def _order_line(path: str, order, built) -> str:
+def _order_line(path: str | None, order, built) -> str:
     """Whether the text's order is the built schedule's, and where it first differs."""
     for rank in range(len(built.ranks)):
         for index, (mine, theirs) in enumerate(
