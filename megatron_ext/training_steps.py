@@ -529,7 +529,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage: int
 
 
 # Every rank calls the provider; the builder itself decides which ranks build (see above).
-train_valid_test_datasets_provider.is_distributed = True
+# (megatron's attribute on the function, which a function's type does not declare)
+train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
 
 
 # ---- entry ---------------------------------------------------------------------------------------
