@@ -389,7 +389,9 @@ def _communicator(schedules: Any, config: Any, p2p_communicator: Any, pg_collect
         )
         pg_collection = registry.private(f"{SCHEDULES}:_build_default_pg_collection")()
     elif p2p_communicator is None or pg_collection is None:
-        raise ValueError("Provide both p2p_communicator and pg_collection, or neither")
+        raise ZeroBubbleUnsupportedError(
+            "Provide both p2p_communicator and pg_collection, or neither"
+        )
     multimodule = isinstance(
         pg_collection, schedules.MultiModuleProcessGroupCollection
     ) or isinstance(p2p_communicator, schedules.MultiModulePipelineCommunicator)
