@@ -1,6 +1,6 @@
 """``megatron-ext compare RUN_DIR GOLDEN.json``: Megatron's golden-value rules (exit 1: a
-comparison failed, 2: an input cannot be read). ``compare RUN_A RUN_B [--plot FILE.png]``: two
-run directories, their difference table and overlaid curves
+comparison failed, 2: an input cannot be read). ``compare RUN_A RUN_B [RUN_C ...] [--plot FILE.png]``:
+two or more run directories, their difference table and overlaid curves
 (:mod:`megatron_ext.runs.side_by_side`; exit 2: an input is not a run or they differ in kind)."""
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory (or a metrics JSON file)")
     parser.add_argument("golden", help="golden-value JSON, or a second run directory")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="two runs: overlay their curves in this PNG"
+        "more_runs", nargs="*", metavar="RUN", help="more run directories, compared with the first"
     )
+    parser.add_argument("--plot", metavar="FILE.png", help="runs: overlay their curves in this PNG")
     parser.add_argument(
         "--metrics", nargs="+", help="metrics to check (default: the run's test.metrics)"
     )
@@ -103,6 +104,11 @@ def main(args: argparse.Namespace) -> int:
             Path(args.golden)
         ):  # another directory stays "golden values ... is a directory"
             return _compare_runs(args)
+        if args.more_runs:
+            raise _BadInput(
+                f"{args.golden} is not a run directory: more than two inputs compare runs "
+                "(compare RUN_A RUN_B RUN_C ...)"
+            )
         if args.plot:
             raise _BadInput("--plot needs two run directories (compare RUN_A RUN_B --plot F.png)")
         return _compare(args)
@@ -115,25 +121,29 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _compare_runs(args: argparse.Namespace) -> int:
-    """Two runs: the difference table (and the plot); exit 0 (it judges nothing)."""
+    """Two or more runs: the difference table (and the plot); exit 0 (it judges nothing)."""
     from pathlib import Path
 
     from megatron_ext.runs import side_by_side as run_compare
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise _BadInput(f"--plot {args.plot}: give a .png file name")
-    a, b = run_compare.read(Path(args.run)), run_compare.read(Path(args.golden))
-    sets = run_compare.metric_sets(a, b)
+    curves = [run_compare.read(Path(p)) for p in [args.run, args.golden, *args.more_runs]]
+    sets = run_compare.metric_sets(*curves)
     names = sets.common
     if args.metrics:
         unknown = [m for m in args.metrics if m not in names]
         if unknown:
-            raise _BadInput(f"--metrics {unknown}: not logged by both runs (both log {names})")
+            every, all_ = ("both runs", "both") if len(curves) == 2 else ("every run", "all")
+            raise _BadInput(f"--metrics {unknown}: not logged by {every} ({all_} log {names})")
         names = list(args.metrics)
-    lines = run_compare.table(a, b, run_compare.differences(a, b, names))
-    print("\n".join(lines + run_compare.only_in_one_run(a, b, sets)))
+    lines = run_compare.table(curves, run_compare.differences(curves, names))
+    print("\n".join(lines + run_compare.only_in_one_run(curves, sets)))
     if args.plot:
-        print(f"plot: {run_compare.plot(Path(args.plot), a, b, names)}")
+        drawn, flat = run_compare.plotted(curves, names)
+        if flat:
+            print("\n".join(run_compare.wrapped("constant in every run (not plotted):", flat)))
+        print(f"plot: {run_compare.plot(Path(args.plot), curves, drawn)}")
     return 0
 
 

@@ -141,7 +141,7 @@ def figure(run_metrics: dict, title: str):
     panels = list(axes.flat)
     panels.pop().remove()  # seven panels on a 2 x 4 grid
     _draw_panels(panels, run_metrics)
-    fig.suptitle(f"{title}: mHC", fontsize=10)
+    fig.suptitle(f"mHC: {title}", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -913,15 +913,16 @@ def finalize(
             0, cmp.compare(run_metrics, golden, rules, title=f"golden values {golden_path}")
         )
 
+    title = plot_title(request)
     write_run_plot(
         run_dir / "loss.png",
         run_metrics,
         golden=golden,
         resumed=resumed,
         resume_step=resume_step,
-        title=f"{request.name} ({request.platform})",
+        title=title,
     )
-    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, f"{request.name} ({request.platform})")
+    mhc_plot = mhc_report.write_plot(run_dir, run_metrics, title)
     lines = [line for report in reports for line in report.lines()]
     (run_dir / "comparison.txt").write_text("\n".join(lines) + ("\n" if lines else ""))
     for line in lines:
@@ -982,6 +983,19 @@ def _readable_golden(path: Path, echo: Echo) -> bool:
     except (ValueError, TypeError, AttributeError, OSError) as exc:
         echo(f"  golden values: {path} is not golden-value JSON ({exc})")
         return False
+
+
+def plot_title(request: RunRequest, width: int = 90) -> str:
+    """loss.png's and mhc.png's title: the recipe and platform, then the overrides (secrets
+    redacted), wrapped; a ``model.mhc.variant=deepseek-v4`` run's plots read like the
+    default's without them (issue 41, item 7)."""
+    import textwrap
+
+    title = f"{request.name} ({request.platform})"
+    if not request.shown_overrides:
+        return title
+    lines = textwrap.wrap(" ".join(request.shown_overrides), width=width, break_on_hyphens=False)
+    return "\n".join([title] + lines)
 
 
 def _performance(recipe, run_metrics: met.Metrics, phase_results: list[dict]) -> dict:
