@@ -74,10 +74,30 @@ def _by_layer(state_dict: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]],
     return layers, other
 
 
+def _has_upstream_names(rest: str) -> bool:
+    """A key within a layer that PR #6401/dev's ``HyperConnectionHybridLayer`` names."""
+    return rest.startswith((UPSTREAM_HYPER_CONNECTION + ".", UPSTREAM_INNER + "."))
+
+
+def is_upstream_layer(entries: Mapping[str, Any]) -> bool:
+    """Every key of the layer is already under ``hyper_connection.`` or ``inner_layer.``."""
+    return bool(entries) and all(_has_upstream_names(rest) for rest in entries)
+
+
+def is_our_layer(entries: Mapping[str, Any]) -> bool:
+    """No key of the layer is under upstream's wrapper names: megatron-ext's layout already
+    (a layer without mHC has the same names in both layouts)."""
+    return not any(_has_upstream_names(rest) for rest in entries)
+
+
 def hybrid_to_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """megatron-ext Hybrid keys -> PR #6401/dev ``hyper_connection`` + ``inner_layer`` keys."""
+    """megatron-ext Hybrid keys -> PR #6401/dev ``hyper_connection`` + ``inner_layer`` keys.
+    A layer already in upstream's layout is kept as it is."""
     layers, converted = _by_layer(state_dict)
     for head, entries in layers.items():
+        if is_upstream_layer(entries):
+            converted.update({f"{head}{rest}": value for rest, value in entries.items()})
+            continue
         found = sorted({rest.split(".", 1)[0] for rest in entries} & set(OUR_HYPER_CONNECTIONS))
         if len(found) != 1:
             raise ConversionError(
@@ -95,9 +115,14 @@ def hybrid_to_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_from_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """PR #6401/dev Hybrid keys -> megatron-ext's (the inverse of :func:`hybrid_to_upstream`)."""
+    """PR #6401/dev Hybrid keys -> megatron-ext's (the inverse of :func:`hybrid_to_upstream`).
+    A layer already in megatron-ext's layout (e.g. megatron-ext's own checkpoint converted for
+    its format only: issue 41, item 9) is kept as it is."""
     layers, converted = _by_layer(state_dict)
     for head, entries in layers.items():
+        if is_our_layer(entries):
+            converted.update({f"{head}{rest}": value for rest, value in entries.items()})
+            continue
         inner = {
             rest[len(UPSTREAM_INNER) + 1 :]: v
             for rest, v in entries.items()
@@ -151,6 +176,21 @@ def notes_for(source: str, model: str, state_dict: Mapping[str, Any]) -> list[st
             "beyond renaming (upstream's e_proj/h_proj), and are not converted."
         )
     return notes
+
+
+def already_named_note(state_dict: Mapping[str, Any], model: str, to: str) -> str | None:
+    """A note when the input's decoder layers already carry ``to``'s names, so the keys are
+    written unchanged (a format change only); None otherwise."""
+    if model != "hybrid":
+        return None
+    layers, _ = _by_layer(state_dict)
+    if not layers:
+        return None
+    done = is_upstream_layer if to == "upstream" else is_our_layer
+    if not all(done(entries) for entries in layers.values()):
+        return None
+    names = "upstream Megatron-LM's" if to == "upstream" else "megatron-ext's"
+    return f"the input already has {names} Hybrid names: keys written unchanged"
 
 
 def convert_state_dict(state_dict: Mapping[str, Any], model: str, to: str) -> dict[str, Any]:
@@ -299,10 +339,14 @@ def convert_file(
         for entry in entries:
             _check_keys(checkpoint[entry], f"{source_path}'s {entry!r}")
             notes += notes_for(source, model, checkpoint[entry])
+            if convert is convert_state_dict:
+                notes += filter(None, [already_named_note(checkpoint[entry], model, to)])
             converted[entry] = convert(checkpoint[entry], model, to)
     else:
         _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
+        if convert is convert_state_dict:
+            notes += filter(None, [already_named_note(checkpoint, model, to)])
         converted = convert(checkpoint, model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
@@ -351,6 +395,8 @@ def convert_path(
         state, _ = _read_torch_dist(source_path, trust_pickle)
         weights = torch_dist.model_weights(state)
         notes = notes_for(source, model, weights)
+        if convert is convert_state_dict and (note := already_named_note(weights, model, to)):
+            notes.append(note)
         if (output_format or "torch_dist") == "torch":
             _check_output_file(target_path)
             _save_atomically(convert(weights, model, to), target_path)

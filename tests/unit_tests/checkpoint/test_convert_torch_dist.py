@@ -169,3 +169,61 @@ def test_mhc_names_on_a_torch_dist_input_round_trip_exactly(tmp_path, names, cap
     assert back.keys() == weights.keys()
     for key, value in weights.items():
         assert torch.equal(back[key], value), key
+
+
+def test_our_own_checkpoint_converts_to_our_names_for_its_format_only(tmp_path, capsys):
+    """Issue 41, item 9: megatron-ext's own torch_dist checkpoint, `--to megatron-ext --format
+    torch`, was refused with "an upstream Hybrid mHC layer holds only hyper_connection.* ...";
+    it is a format change: the keys are written unchanged, and a note says so."""
+    from megatron_ext.cli import main as cli_main
+
+    source = _save(tmp_path / "ours")
+    out = tmp_path / "w.pt"
+    assert (
+        cli_main(
+            [
+                "convert-checkpoint",
+                str(source),
+                str(out),
+                "--model",
+                "hybrid",
+                "--to",
+                "megatron-ext",
+                "--format",
+                "torch",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr()
+    assert "already has megatron-ext's Hybrid names" in printed.out
+    assert "GPT" not in printed.out + printed.err and "non-mHC" not in printed.out + printed.err
+    plain = torch.load(out, weights_only=True)
+    weights = {
+        k: v
+        for k, v in HYBRID.items()
+        if not k.startswith(("optimizer.", "common_state")) and "/shard_" not in k
+    }
+    assert plain.keys() == weights.keys()
+    assert all(torch.equal(plain[k], v) for k, v in weights.items())
+    # torch_dist -> torch_dist keeps every key (optimizer state too)
+    convert.convert_path(str(source), str(tmp_path / "same"), "hybrid", "megatron-ext", "dev")
+    same, _ = torch_dist.read(tmp_path / "same")
+    assert same.keys() == HYBRID.keys()
+
+
+def test_an_upstream_checkpoint_to_upstream_is_kept_and_not_called_gpt(tmp_path):
+    source = _save(tmp_path / "ours")
+    convert.convert_path(str(source), str(tmp_path / "up"), "hybrid", "upstream", "pr6401")
+    notes = convert.convert_path(
+        str(tmp_path / "up"), str(tmp_path / "up.pt"), "hybrid", "upstream", "dev", "torch"
+    )
+    assert any("already has upstream Megatron-LM's Hybrid names" in n for n in notes)
+    plain = torch.load(tmp_path / "up.pt", weights_only=True)
+    assert "decoder.layers.1.inner_layer.mlp.linear_fc1.weight" in plain
+    assert "decoder.layers.1.hyper_connection.bias" in plain
+    # a renaming that has work to do carries no such note
+    notes = convert.convert_path(
+        str(source), str(tmp_path / "o.pt"), "hybrid", "upstream", "dev", "torch"
+    )
+    assert not any("already has" in n for n in notes)
