@@ -48,10 +48,20 @@ def layout(recipe: Any) -> dict[str, Any]:
     return {name: getattr(p, name, None) for name in LAYOUT_FIELDS}
 
 
+WORLD = "world"
+"""The key of a changed world size (ranks) in a change: dp stays as the recipe sets it, so
+``parallelism.pp=4`` on a PP2 run doubles the ranks, which the user must be told (issue 41,
+item 10)."""
+
+
 def changed(before: Any, after: Any) -> dict[str, list[Any]]:
-    """{field: [before, after]} of every parallel setting that differs."""
+    """{field: [before, after]} of every parallel setting that differs, and ``world`` when the
+    number of ranks does."""
     old, new = layout(before), layout(after)
-    return {k: [old[k], new[k]] for k in LAYOUT_FIELDS if old[k] != new[k]}
+    change = {k: [old[k], new[k]] for k in LAYOUT_FIELDS if old[k] != new[k]}
+    if change and before.world_size != after.world_size:
+        change[WORLD] = [before.world_size, after.world_size]
+    return change
 
 
 def change_problem(before: Any, after: Any) -> str | None:
@@ -105,7 +115,10 @@ def record(run_dir: Path, change: dict[str, list[Any]], iteration: int | None) -
 
 
 def describe(change: dict[str, list[Any]]) -> str:
-    return ", ".join(f"{k} {old} -> {new}" for k, (old, new) in change.items())
+    """``pp 2 -> 4, world 4 -> 8 ranks``."""
+    return ", ".join(
+        f"{k} {old} -> {new}" + (" ranks" if k == WORLD else "") for k, (old, new) in change.items()
+    )
 
 
 def shown(run_record: dict) -> list[str]:

@@ -305,6 +305,7 @@ def _reap(procs: dict[int, subprocess.Popen], peak_rss_kib: dict[int, int]) -> N
         try:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         except ChildProcessError:  # already reaped elsewhere: Popen knows its status
+            proc.poll()
             continue
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
@@ -336,8 +337,9 @@ def launch(
         # A rank whose training returned has no save handler left (Megatron's is gone): the
         # signal would kill a finished rank and turn success into failure (issue 34, item 8).
         done = {r for r, beat in watchdog.read().items() if beat.get("finished") is True}
+        _reap(procs, peak_rss_kib)  # not Popen.poll: it would reap a rank and lose its peak RSS
         for rank, proc in procs.items():
-            if rank not in asked and rank not in done and proc.poll() is None:
+            if rank not in asked and rank not in done and proc.returncode is None:
                 asked.add(rank)
                 with contextlib.suppress(ProcessLookupError):
                     assert job.save_signal is not None  # asked only of jobs that save on a signal
@@ -388,7 +390,10 @@ def launch(
                 if follower:
                     follower.poll()
                 _reap(procs, peak_rss_kib)
-                codes = {r: p.poll() for r, p in procs.items()}
+                # what _reap saw, not Popen.poll: a rank ending between the two was reaped by
+                # poll, without its peak RSS (the peak-memory line missed a rank: issue 41,
+                # item 10); the next _reap collects it
+                codes = {r: p.returncode for r, p in procs.items()}
                 if failed_rank is None:
                     # Several may have ended since the last poll: a rank killed by a signal
                     # caused its peers' communication errors, not the other way round.
@@ -417,6 +422,7 @@ def launch(
             stop(procs, grace_s=2.0)
             raise
         finally:
+            _reap(procs, peak_rss_kib)  # ranks that ended while stop() was not yet needed
             if follower:
                 follower.poll(final=True)
             del store  # the ranks are gone; close the rendezvous server

@@ -188,6 +188,8 @@ def report_megatron_placement() -> None:
             "cp": ps.get_context_parallel_rank(),
             "dp": ps.get_data_parallel_rank(),
             "pp": ps.get_pipeline_model_parallel_rank(),
+            # a MoE run's expert-parallel coordinate (0 without experts; issue 41, item 10)
+            "ep": ps.get_expert_model_parallel_rank(),
         }
     )
 

@@ -1021,7 +1021,11 @@ def _performance(recipe, run_metrics: met.Metrics, phase_results: list[dict]) ->
         if phase.get("phase") == "train"
     }
     if rss:
-        out["peak_rss_mib_per_rank"] = rss
+        # every rank, None where none was measured (a rank stopped by the launcher): a rank
+        # missing from the line read as if the run had fewer (issue 41, item 10)
+        out["peak_rss_mib_per_rank"] = {
+            str(rank): rss.get(str(rank)) for rank in range(recipe.world_size)
+        } | rss
     for tag in ("mem-max-allocated-bytes", "mem-allocated-bytes"):
         series = run_metrics.get(tag)
         if series:
@@ -1041,7 +1045,8 @@ def _performance_lines(performance: dict) -> list[str]:
     if "peak_rss_mib_per_rank" in performance:
         rss = performance["peak_rss_mib_per_rank"]
         lines.append(
-            "peak RSS per rank (MiB): " + ", ".join(f"{r}: {v:.0f}" for r, v in rss.items())
+            "peak RSS per rank (MiB): "
+            + ", ".join(f"{r}: {'n/a' if v is None else f'{v:.0f}'}" for r, v in rss.items())
         )
     if "mem_max_allocated_bytes" in performance:
         lines.append(

@@ -33,6 +33,20 @@ def test_a_layout_change_is_named_field_by_field():
     assert layout.changed(before, _recipe("training.iterations=20")) == {}
 
 
+def test_a_layout_change_that_changes_the_world_size_says_so():
+    """Issue 41, item 10: ``parallelism.pp=4`` on a PP2 resume doubles the ranks (dp is kept);
+    the layout-change line said only "pp 2 -> 4"."""
+    before = _recipe()
+    after = _recipe("parallelism.pp=4")
+    assert after.world_size == 2 * before.world_size
+    change = layout.changed(before, after)
+    assert change == {"pp": [2, 4], "world": [before.world_size, after.world_size]}
+    assert layout.describe(change) == f"pp 2 -> 4, world {before.world_size} -> 8 ranks"
+    assert layout.shown({"layout_changes": [{"at_iteration": 3, "changed": change}]}) == [
+        f"layout     changed at iteration 3: pp 2 -> 4, world {before.world_size} -> 8 ranks"
+    ]
+
+
 def test_the_resume_flags_keep_the_saved_padded_vocabulary(monkeypatch, tmp_path):
     saved = argparse.Namespace(padded_vocab_size=256, tensor_model_parallel_size=2)
     monkeypatch.setattr(layout.start_from, "saved_args", lambda root: saved)

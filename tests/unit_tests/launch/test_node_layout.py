@@ -134,3 +134,29 @@ def test_placement_lines_round_trip(monkeypatch, capsys):
     monkeypatch.delenv("SLURM_STEP_ID")
     nodes.report_placement({"tp": 0})
     assert capsys.readouterr().out == ""  # outside Slurm: silent
+
+
+def test_megatron_placement_lines_carry_the_expert_parallel_coordinate(monkeypatch, capsys):
+    """Issue 41, item 10: the placement lines showed tp/cp/dp/pp but no ep."""
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("RANK", "5")
+    coordinates = {
+        "get_tensor_model_parallel_rank": 1,
+        "get_context_parallel_rank": 0,
+        "get_data_parallel_rank": 2,
+        "get_pipeline_model_parallel_rank": 1,
+        "get_expert_model_parallel_rank": 3,
+    }
+    for getter, value in coordinates.items():
+        monkeypatch.setattr(ps, getter, lambda value=value: value)
+    nodes.report_megatron_placement()
+    (place,) = nodes.parse_placements(capsys.readouterr().out)
+    assert (place["tp"], place["cp"], place["dp"], place["pp"], place["ep"]) == (
+        "1",
+        "0",
+        "2",
+        "1",
+        "3",
+    )
