@@ -692,6 +692,21 @@ declare(
 
 declare(
     Seam(
+        "multiprocessing.util:_exit_function",
+        "private_function",
+        "A failing rank leaves at once through os._exit (launch.faults.run_failing_fast), "
+        "which skips multiprocessing's clean-up: a Manager's server process stays and its "
+        "pymp-* temporary directory with the listener-* socket is left behind (issue 41 item "
+        "13). This is the function multiprocessing registers with atexit for that clean-up "
+        "(shut Managers and Pools down, remove the temporary directory); Python has no public "
+        "name for it.",
+        None,
+        _PYTHON,
+    )
+)
+
+declare(
+    Seam(
         "atexit:_run_exitfuncs",
         "private_function",
         "The megatron-ext program and the training entries (after a returned training, "

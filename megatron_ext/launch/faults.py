@@ -227,7 +227,22 @@ def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     except BaseException as exc:  # noqa: BLE001 - any error must end this rank, not hang it
         sys.stdout.flush()  # what the rank printed before, so the report ends its log
         report_failure(exc)
+        _clean_up_multiprocessing()
         os._exit(1)
+
+
+def _clean_up_multiprocessing() -> None:
+    """What multiprocessing's exit handler does (shut a Manager's server down, stop Pool
+    workers, remove its pymp-* temporary directory), which os._exit skips: without it a failing
+    rank that had started a Manager (megatron's dist-checkpoint results queue outside
+    megatron.training) left the server process and its directory behind (issue 41, item 13).
+    Errors are ignored: the rank is already failing and must still exit."""
+    from megatron_ext import registry
+
+    try:
+        registry.private("multiprocessing.util:_exit_function")()
+    except Exception:  # noqa: BLE001 - never keep a failing rank from exiting
+        pass
 
 
 # ---- reading it back (launchers) -----------------------------------------------------------------
