@@ -214,7 +214,8 @@ def plotted(curves: list[RunCurves], names: list[str]) -> tuple[list[str], list[
     """(the metrics to draw, those left out): a metric constant in every run (e.g. num-zeros
     at 0, a fixed learning rate) draws a flat panel that says nothing (issue 41, item 7); it
     is drawn when any run varies, or when the runs' constants differ."""
-    drawn, flat = [], []
+    drawn: list[str] = []
+    flat: list[str] = []
     for name in names:
         series = [c.metrics[name] for c in curves]
         firsts = {next(iter(s.values())) for s in series if s}
