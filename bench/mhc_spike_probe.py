@@ -85,10 +85,14 @@ def probe(argv=None) -> list[dict]:
     n = args.streams if ab.ARMS[own.arm].get("enable_mhc_connections") else 1
     order = torch.Generator().manual_seed(own.seed)
     records, seen = [], {}
+    donor = None
+    if own.init_from:  # drawn first, from a fresh RNG state, as that arm's own run draws it
+        with model_parallel(seed=own.seed):
+            donor = _build(ab, args, own.init_from, own.seed, vocab)[1]
     with model_parallel(seed=own.seed):
         plan, model = _build(ab, args, own.arm, own.seed, vocab)
-        if own.init_from:
-            _copy_dense_init(model, _build(ab, args, own.init_from, own.seed, vocab)[1])
+        if donor is not None:
+            _copy_dense_init(model, donor)
         trained = [
             p
             for name, p in model.named_parameters()
@@ -115,12 +119,14 @@ def probe(argv=None) -> list[dict]:
             batch = iter([ab.as_batch(rows)])
             reports = forward_backward(plan, gpt_forward_step, [model], batch, 1)
             share = ab._layer0_share(model)["grad_share_layer0"]
+            split = ab._grad_norms(model)
             embedding, after0 = seen["embedding"], seen["after0"]
             written = _rms(after0 - embedding) / _rms(embedding)
             record = dict(
                 step=step,
                 loss=round(float(reports[0]["lm loss"]), 3),
                 grad_norm=round(float(torch.nn.utils.clip_grad_norm_(every, plan.clip_grad)), 2),
+                grad_norm_mhc=round(split["grad_norm_mhc"], 2),
                 grad_share_layer0=round(share, 3),
                 embedding_rms=round(float(_rms(embedding).median()), 4),
                 layer0_write_over_embedding=round(float(written.median()), 2),
