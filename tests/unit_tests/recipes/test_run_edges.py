@@ -212,3 +212,17 @@ def test_a_mistyped_multimodule_field_is_rejected_before_start():
     )
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
     assert problems and all(p.startswith("model.modules: ") for p in problems), problems
+
+
+# ---- run on a megatron-core megatron-ext refuses: that first, before any recipe problem ---------
+def test_run_names_the_version_refusal_before_any_recipe_problem(tmp_path, capsys, monkeypatch):
+    """Issue 39: a refused megatron-core is what run reports, not the recipe's first problem
+    (a recipe that does not even exist here) nor every rank's death at start-up."""
+    from megatron_ext import registry
+
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
+    assert cli.main(["run", str(tmp_path / "no-such-recipe.yaml")]) == runner.EXIT_INVALID
+    errors = capsys.readouterr().err
+    assert errors.startswith("megatron-ext run: megatron-ext's patches are verified on")
+    assert "0.99.0" in errors and "no-such-recipe" not in errors
