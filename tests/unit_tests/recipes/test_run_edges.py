@@ -188,7 +188,9 @@ def test_tensorboard_scalars_are_read_per_step_with_a_log_fallback(tmp_path):
 
 def test_summary_versions_name_the_packages_and_the_commit():
     versions = runner.versions()
-    assert versions["megatron-core"] == "0.19.2" and versions["torch"]
+    from importlib import metadata
+
+    assert versions["megatron-core"] == metadata.version("megatron-core") and versions["torch"]
     assert (
         versions["megatron-ext-git-commit"] is None
         or len(versions["megatron-ext-git-commit"]) >= 40
