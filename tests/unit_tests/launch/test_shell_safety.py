@@ -22,7 +22,7 @@ from megatron_ext.runs import runner
 from megatron_ext.runs.submit import SlurmOptions, submit
 from megatron_ext.testing import timing
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 STUBS = {
     # Every stub records its argv (NUL-separated) and, for srun, the environment it got.
@@ -156,7 +156,7 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     overrides += [f"description=line one\ntouch {canary}\n", "test.type=ckpt-resume"]
     loaded = load(_write_minimal(tmp_path), overrides=overrides)
     # No whitespace: a run directory with it is refused for #SBATCH lines (issue 34, item 10;
-    # recipes/test_hostile_use.py); ${IFS} runs the same payload when unquoted.
+    # runs/test_hostile_use.py); ${IFS} runs the same payload when unquoted.
     run_dir = tmp_path / f"run$(touch${{IFS}}{canary})`touch${{IFS}}{canary}`;x"
     image = f"nvcr.io/img:1$(touch {canary})"
     mount = f"/data:/data;touch {canary}"
