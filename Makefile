@@ -40,7 +40,7 @@ test-lanes:
 # .pre-commit-config.yaml runs the same commands (its mypy hook is `make mypy`).
 MYPY_PATHS := megatron_ext/mhc megatron_ext/pipeline megatron_ext/schedules megatron_ext/parallel_plan.py \
 	megatron_ext/registry.py megatron_ext/declarations.py megatron_ext/config megatron_ext/errors.py \
-	megatron_ext/mhc_flags.py megatron_ext/launch/shell.py megatron_ext/recipes megatron_ext/runs megatron_ext/upstream_cases \
+	megatron_ext/mhc_flags.py megatron_ext/recipe_flags.py megatron_ext/launch/shell.py megatron_ext/recipes megatron_ext/runs megatron_ext/upstream_cases \
 	megatron_ext/checkpoint megatron_ext/cli/_quiet.py
 lint:
 	.venv/bin/ruff format --check .

@@ -16,9 +16,15 @@ import re
 import string
 from typing import Any
 
+from megatron_ext.errors import suggestion
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
-from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
+from megatron_ext.recipe_flags import (
+    PATTERN_LIST_FLAGS,
+    PIPELINE_SPLIT_FLAGS,
+    conflicts,
+    layer_list,
+)
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schema import (
     HYBRID_SYMBOLS,
@@ -94,8 +100,6 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 f"extra_args.{name}",
                 "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'",
             )
-    from megatron_ext.recipes.flags import conflicts
-
     problems += conflicts(r.extra_args)
     return problems
 
@@ -715,8 +719,6 @@ def _check_test(r: Recipe, add) -> None:
             continue
         for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
-                from megatron_ext.recipes.schema import suggestion
-
                 add(
                     f"test.tolerances.{metric}.{key}",
                     "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)),

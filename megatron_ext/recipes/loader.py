@@ -28,8 +28,9 @@ from typing import Any
 import yaml
 
 from megatron_ext.mhc_flags import MHC_ALIASES
+from megatron_ext.recipe_flags import DEFAULT_PLATFORM
 from megatron_ext.recipes import schema
-from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
+from megatron_ext.recipes.schema import Problem, Recipe, RecipeError
 from megatron_ext.upstream_cases import model_config as upstream
 
 MAX_ALIASES = 32
@@ -472,7 +473,9 @@ def load(
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
-        conversion = upstream.convert(raw, path.resolve().parent, duplicates=tuple(duplicates))
+        conversion = upstream.convert(
+            raw, path.resolve().parent, duplicates=tuple(duplicates), defaults=Recipe().to_dict()
+        )
         if conversion.refused:  # not a case megatron-ext trains: its one line, nothing more
             raise RecipeError(str(path), conversion.problems)
         raw = conversion.recipe
@@ -495,7 +498,12 @@ def platforms_of(path: str | Path) -> list[str]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return [DEFAULT_PLATFORM]
     if upstream.is_test_case(raw):
-        return [DEFAULT_PLATFORM, *upstream.convert(raw, path.resolve().parent).gpu_platforms]
+        return [
+            DEFAULT_PLATFORM,
+            *upstream.convert(
+                raw, path.resolve().parent, defaults=Recipe().to_dict()
+            ).gpu_platforms,
+        ]
     platforms = raw.get("platforms") if isinstance(raw, dict) else None
     return [
         DEFAULT_PLATFORM,

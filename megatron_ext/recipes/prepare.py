@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from megatron_ext.launch.nodes import GPT_ORDER, MODULE_ORDER, Grid
 from megatron_ext.recipes import command
 from megatron_ext.recipes.loader import LoadedRecipe, dump, load
 from megatron_ext.recipes.request import CHECKPOINTS_PLACEHOLDER, RunRequest
@@ -69,6 +70,7 @@ def prepare(
         iterations=recipe.training.iterations,
         test_type=recipe.test.type,
         golden_path=loaded.golden_path(),
+        grids=_grids(recipe, ok),
         problems=tuple(problems),
         refusal=refusal,
         **derived,
@@ -141,6 +143,33 @@ def _schedule_plan(loaded: LoadedRecipe) -> Any:
     from megatron_ext.recipes.schedule import plan_from_loaded
 
     return plan_from_loaded(loaded)
+
+
+def _grids(recipe: Recipe, ok: bool) -> tuple[Grid, ...]:
+    """:func:`node_grids`; none for a multi-module recipe whose modules make no plan."""
+    try:
+        return node_grids(recipe)
+    except _INVALID_RECIPE_ERRORS:
+        if ok:
+            raise
+        return ()
+
+
+def node_grids(recipe: Recipe) -> tuple[Grid, ...]:
+    """The grids the recipe's ranks form, in megatron's rank order (fastest first): one for a
+    GPT or Hybrid model, one per module of a multi-module recipe. The node layout of a Slurm
+    job (:mod:`megatron_ext.launch.nodes`) places them on nodes."""
+    if recipe.model.type == "multimodule":
+        from megatron_ext.recipes.multimodule import plan_of
+
+        plan = plan_of(recipe, recipe.world_size)
+        return tuple(
+            Grid(name, m.first_rank, tuple((k, getattr(m, k)) for k in MODULE_ORDER))
+            for name, m in plan.modules.items()
+        )
+    p = recipe.parallelism
+    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+    return (Grid("model", 0, tuple((k, sizes[k]) for k in GPT_ORDER)),)
 
 
 def resolved_plan(loaded: LoadedRecipe) -> dict:

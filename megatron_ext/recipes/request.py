@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_ext.launch.nodes import Grid
 from megatron_ext.recipes.schema import Problem, Recipe
 
 RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
@@ -84,6 +85,9 @@ class RunRequest:
     """Variables every rank gets on top of the launcher's own."""
     plan: Mapping[str, Any]
     """summary.json's ``plan``: sizes, virtual stages, micro-batches, the world."""
+    grids: tuple[Grid, ...]
+    """The grids the ranks form (:func:`megatron_ext.recipes.prepare.node_grids`): a Slurm job's
+    node layout places them."""
     schedule_plan: Any
     """The :class:`~megatron_ext.schedules.schedule.SchedulePlan` the ranks train with and its
     message size (``run --trace`` compares the measured timeline with it); None when refused."""

@@ -24,8 +24,8 @@ from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes.request import RunRequest
-from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs import resume as rsm, runner
+from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 
@@ -51,9 +51,7 @@ def build_job(
     world = recipe.world_size
     gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
     tasks = gpus if recipe.launch.device == "gpu" else None
-    problems = node_layout.layout_problems(
-        world, nodes, tasks, node_layout.layout(recipe, 1, world).grids, cfg.tp_within_node
-    )
+    problems = node_layout.layout_problems(world, nodes, tasks, request.grids, cfg.tp_within_node)
     if nodes < 1 or world % nodes:
         return None, problems
     per_node = world // nodes
@@ -230,7 +228,7 @@ def submit(
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
     if dry_run:
-        layout = node_layout.layout(request.recipe, job.nodes, job.tasks_per_node)
+        layout = node_layout.layout(request.grids, job.nodes, job.tasks_per_node)
         for line in layout.lines():
             echo(line)
         print(script, end="")
