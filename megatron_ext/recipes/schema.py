@@ -447,6 +447,13 @@ class Recipe:
         multi-module entry has its own loop) outside the ckpt-resume test (which is a resume)."""
         return self.model.type != "multimodule" and self.test.type != "ckpt-resume"
 
+    @property
+    def logs_mhc_stats(self) -> bool:
+        """Whether the run logs mHC stats: ``model.mhc.log_stats``, or a multi-module recipe's
+        ``model.modules.<name>.mhc.log_stats``."""
+        modules = self.model.modules or {}
+        return self.model.mhc.log_stats or any(m.mhc.log_stats for m in modules.values())
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
