@@ -305,15 +305,15 @@ def test_an_error_line_never_echoes_a_secret_value(override):
 
 
 def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_path, monkeypatch):
-    from megatron_ext.recipes import command as plan
-
     run_dir = tmp_path / "R"
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
     (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
     envs = []
     monkeypatch.setattr(
-        runner, "_run_phases", lambda loaded, *a, **k: envs.append(plan.run_environment(loaded))
+        runner,
+        "_run_phases",
+        lambda request, *a, **k: envs.append(dict(request.launch.environment)),
     )
     monkeypatch.delenv("HF_TOKEN", raising=False)
     lines: list[str] = []
