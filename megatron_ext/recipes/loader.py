@@ -19,6 +19,7 @@ close, the key that was probably meant.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.launch.shell import redact_env, redact_override
 from megatron_ext.mhc_flags import MHC_ALIASES
 from megatron_ext.recipe_flags import DEFAULT_PLATFORM
 from megatron_ext.recipes import schema
@@ -224,8 +226,6 @@ def deep_merge(base: dict, overlay: dict) -> dict:
 
 
 def _known_keys_at(path: list[str]) -> list[str]:
-    import dataclasses
-
     tp = schema.field_type(".".join(f'"{p}"' if "." in p else p for p in path)) if path else Recipe
     tp = schema._strip_optional(tp)
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
@@ -321,8 +321,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 
 def _shown(override: str) -> str:
     """An override as an error line may show it: a secret's value never (issue 34, item 7)."""
-    from megatron_ext.launch.shell import redact_override
-
     return redact_override(override)
 
 
@@ -514,8 +512,6 @@ def platforms_of(path: str | Path) -> list[str]:
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
-    from megatron_ext.launch.shell import redact_env, redact_override
-
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name
     data.pop("platforms", None)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.launch import nodes as node_layout, shell, slurm
+from megatron_ext.launch import faults, nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes.request import RunRequest
@@ -185,8 +185,6 @@ def container_image_warning(image: str | None) -> str | None:
 
 def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
     """The earliest failure any rank reported (rank, where, original error)."""
-    from megatron_ext.launch import faults
-
     logs = [step.log_dir / f"rank-{r}.log" for step in job.steps for r in range(job.world_size)]
     failure = faults.first_failure(logs)
     if failure is not None:

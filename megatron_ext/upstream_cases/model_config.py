@@ -45,6 +45,11 @@ from typing import Any
 
 from megatron_ext.errors import Problem, suggestion
 from megatron_ext.mhc_flags import MHC_ALIASES
+from megatron_ext.parallel_plan import (
+    OPTIMIZER_INSTANCES_FLAG,
+    ParallelPlan,
+    smallest_instances_dp,
+)
 from megatron_ext.recipe_flags import (
     DEFAULT_PLATFORM,
     FIELD_FLAGS,
@@ -934,8 +939,6 @@ def _run_args_key(raw: dict, key: str, conversion: Conversion) -> None:
 def _expert_dp(full: dict) -> int:
     """The data-parallel size the imported case needs: the smallest whose world the expert
     grid divides (expert TP defaults to TP, as megatron's does), 1 without experts."""
-    from megatron_ext.parallel_plan import ParallelPlan
-
     sizes = {k: _get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp", "ep")}
     etp = _get(full, "extra_args.--expert-tensor-parallel-size", None)
     if sizes["ep"] <= 1 or not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
@@ -946,8 +949,6 @@ def _expert_dp(full: dict) -> int:
 
 def _instances_dp(full: dict) -> int:
     """The smallest dp whose dp * cp --num-distributed-optimizer-instances divides (1 without)."""
-    from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
-
     instances = _get(full, f"extra_args.{OPTIMIZER_INSTANCES_FLAG}", 1)
     cp = _get(full, "parallelism.cp", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (instances, cp)):
