@@ -130,16 +130,17 @@ def finished_run_continues(run_dir: Path, recipe: Any) -> bool:
     return recipe.training.iterations > latest
 
 
-def apply(run_dir: Path, before: Any, request: Any, latest: int | None, echo: Any) -> list[str]:
-    """Once a resume with overrides may start: the new recipe (``request``, a
+def apply(
+    run_dir: Path, before: Any, recipe: Any, request: Any, latest: int | None, echo: Any
+) -> list[str]:
+    """Once a resume with overrides may start: the new ``recipe`` (answered by ``request``, a
     :class:`~megatron_ext.recipes.request.RunRequest`) becomes the run's (recipe.yaml, run.json's
     overrides and layout_changes) and the Megatron flags it needs are returned."""
-    recipe = request.recipe
     change = changed(before, recipe)
-    (Path(run_dir) / "recipe.yaml").write_text(request.recipe_yaml)
+    (Path(run_dir) / "recipe.yaml").write_text(request.display.recipe_yaml)
     path = Path(run_dir) / "run.json"
     data = json.loads(path.read_text())
-    data["overrides"] = list(request.overrides)
+    data["overrides"] = list(request.display.overrides)
     path.write_text(json.dumps(data, indent=2) + "\n")
     if change:
         record(run_dir, change, latest)

@@ -53,14 +53,3 @@ def pickle_problem(
         except safe_pickle.UnsafeCheckpoint as exc:
             return f"{where}: {exc}"
     return None
-
-
-def start_problem(recipe: Any, echo: Any) -> str | None:
-    """``checkpoint.load``'s problems (:func:`megatron_ext.checkpoint.start_from.problems`),
-    each echoed on its own line; the summary, or None when it can start."""
-    from megatron_ext.checkpoint import start_from
-
-    found = start_from.problems(recipe)
-    for line in found:
-        echo(line)
-    return f"{len(found)} problem(s) with checkpoint.load" if found else None

@@ -41,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_ext.recipes.loader import parse_document, yaml_error_line
+    from megatron_ext.recipes.schema import Recipe
     from megatron_ext.upstream_cases import model_config as upstream
 
     source = Path(args.test_case)
@@ -71,7 +72,9 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    conversion = upstream.convert(raw, source.resolve().parent, duplicates=tuple(duplicates))
+    conversion = upstream.convert(
+        raw, source.resolve().parent, duplicates=tuple(duplicates), defaults=Recipe().to_dict()
+    )
     # A recipe file has no placeholders: one the environment cannot fill would be written
     # literally and fail on the GPU machine, so it is an error here.
     conversion.problems += [

@@ -17,9 +17,15 @@ import string
 from dataclasses import replace
 from typing import Any
 
+from megatron_ext.errors import suggestion
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
-from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
+from megatron_ext.recipe_flags import (
+    PATTERN_LIST_FLAGS,
+    PIPELINE_SPLIT_FLAGS,
+    conflicts,
+    layer_list,
+)
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schedule import plan_from_loaded
 from megatron_ext.recipes.schema import (
@@ -98,8 +104,6 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 f"extra_args.{name}",
                 "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'",
             )
-    from megatron_ext.recipes.flags import conflicts
-
     problems += conflicts(r.extra_args)
     return problems
 
@@ -743,8 +747,6 @@ def _check_test(r: Recipe, add) -> None:
             continue
         for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
-                from megatron_ext.recipes.schema import suggestion
-
                 add(
                     f"test.tolerances.{metric}.{key}",
                     "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)),

@@ -43,8 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import Problem, suggestion
 from megatron_ext.mhc_flags import MHC_ALIASES
-from megatron_ext.recipes.flags import (
+from megatron_ext.parallel_plan import (
+    OPTIMIZER_INSTANCES_FLAG,
+    ParallelPlan,
+    smallest_instances_dp,
+)
+from megatron_ext.recipe_flags import (
+    DEFAULT_PLATFORM,
     FIELD_FLAGS,
     PATTERN_LIST_FLAGS,
     PIPELINE_SPLIT_FLAGS,
@@ -52,7 +59,6 @@ from megatron_ext.recipes.flags import (
     layer_list,
     layer_list_text,
 )
-from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
 UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "LAUNCHER", "MODE")
 REFUSED_KEYS = {
@@ -679,22 +685,22 @@ def _without_moe_act_recompute(extra: dict) -> list[str]:
     return ["extra_args: left out moe_act from --recompute-modules (it needs grouped GEMM)"]
 
 
-def _schema_default(path: str) -> Any:
-    node: Any = Recipe().to_dict()
+def _schema_default(defaults: Mapping[str, Any], path: str) -> Any:
+    node: Any = defaults
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
-    return node
+    return copy.deepcopy(node)
 
 
-def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
-    """What merged over ``cpu`` gives ``full``: changed values, and schema defaults for keys
-    only the cpu sections set."""
+def _overlay(full: dict, cpu: dict, defaults: Mapping[str, Any], prefix: str = "") -> dict:
+    """What merged over ``cpu`` gives ``full``: changed values, and schema defaults (``defaults``:
+    the default recipe as a mapping) for keys only the cpu sections set."""
     out: dict = {}
     for key, value in full.items():
         if isinstance(value, dict) and isinstance(cpu.get(key), dict):
-            inner = _overlay(value, cpu[key], f"{prefix}{key}.")
+            inner = _overlay(value, cpu[key], defaults, f"{prefix}{key}.")
             if inner:
                 out[key] = inner
         elif key not in cpu or cpu[key] != value:
@@ -702,7 +708,9 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
     for key in cpu:
         if key not in full:
             out[key] = (
-                None if prefix.startswith("extra_args") else _schema_default(f"{prefix}{key}")
+                None
+                if prefix.startswith("extra_args")
+                else _schema_default(defaults, f"{prefix}{key}")
             )
     return out
 
@@ -785,9 +793,14 @@ def convert(
     case_dir: Path,
     env: Mapping[str, str] | None = None,
     duplicates: tuple[str, ...] = (),
+    *,
+    defaults: Mapping[str, Any],
 ) -> Conversion:
     """A Megatron-LM test case as a recipe mapping (see the module docstring). ``duplicates``:
-    the keys the file gives twice (``section.key``), noted (the last value is read)."""
+    the keys the file gives twice (``section.key``), noted (the last value is read);
+    ``defaults``: the default recipe as a mapping (``Recipe().to_dict()``: the schema is the
+    caller's, handed in so that this package imports nothing of ``recipes/``), which a GPU
+    platform resets the keys to that only the cpu overlay sets."""
     env = os.environ if env is None else env
     case_dir = Path(case_dir)
     conversion = Conversion(recipe={})
@@ -815,8 +828,6 @@ def convert(
                 "and read there"
             )
         elif key not in UPSTREAM_KEYS:
-            from megatron_ext.recipes.schema import suggestion
-
             conversion.problems.append(
                 Problem(
                     str(key),
@@ -863,7 +874,7 @@ def convert(
         DEFAULT_GPU_PLATFORM
     ]
     cpu["test"]["golden_values"] = golden_file(case_dir, DEFAULT_PLATFORM)
-    overlay = _overlay(full, cpu)
+    overlay = _overlay(full, cpu, defaults)
     platforms = {}
     for platform in conversion.gpu_platforms:
         platforms[platform] = {
@@ -928,8 +939,6 @@ def _run_args_key(raw: dict, key: str, conversion: Conversion) -> None:
 def _expert_dp(full: dict) -> int:
     """The data-parallel size the imported case needs: the smallest whose world the expert
     grid divides (expert TP defaults to TP, as megatron's does), 1 without experts."""
-    from megatron_ext.parallel_plan import ParallelPlan
-
     sizes = {k: _get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp", "ep")}
     etp = _get(full, "extra_args.--expert-tensor-parallel-size", None)
     if sizes["ep"] <= 1 or not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
@@ -940,8 +949,6 @@ def _expert_dp(full: dict) -> int:
 
 def _instances_dp(full: dict) -> int:
     """The smallest dp whose dp * cp --num-distributed-optimizer-instances divides (1 without)."""
-    from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
-
     instances = _get(full, f"extra_args.{OPTIMIZER_INSTANCES_FLAG}", 1)
     cp = _get(full, "parallelism.cp", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (instances, cp)):

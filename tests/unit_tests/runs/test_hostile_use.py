@@ -14,7 +14,7 @@ import torch
 
 from megatron_ext.recipes import load
 from megatron_ext.recipes.prepare import RunDirRecipes, prepare
-from megatron_ext.runs import lock as run_lock, resume as rsm, runner
+from megatron_ext.runs import lock as run_lock, resume as rsm, runner, verdict
 from megatron_ext.runs.options import RunOptions
 
 from recipe_texts import REPO_ROOT
@@ -276,7 +276,7 @@ def test_a_secret_name_written_with_yaml_escapes_is_redacted_everywhere(tmp_path
     assert loaded.recipe.launch.env["HF_TOKEN"] == "hf_abc123"  # YAML unescaped the names
     run_dir = tmp_path / "R"
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
     )
     for name in ("command.sh", "recipe.yaml", "run.json", "summary.json"):
@@ -305,15 +305,15 @@ def test_an_error_line_never_echoes_a_secret_value(override):
 
 
 def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_path, monkeypatch):
-    from megatron_ext.recipes import command as plan
-
     run_dir = tmp_path / "R"
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
     (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
     envs = []
     monkeypatch.setattr(
-        runner, "_run_phases", lambda loaded, *a, **k: envs.append(plan.run_environment(loaded))
+        runner,
+        "_run_phases",
+        lambda request, *a, **k: envs.append(dict(request.launch.environment)),
     )
     monkeypatch.delenv("HF_TOKEN", raising=False)
     lines: list[str] = []
@@ -476,7 +476,7 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
     loaded = load(BASE, "cpu", BASE_OVERRIDES)
     run_dir = tmp_path / "R"
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
     )
     before = (run_dir / "summary.json").read_text()
@@ -487,7 +487,7 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
         raise OSError(errno.ENOSPC, "")  # the kernel's errno, no message of its own
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "passed", [], [], 2.0
     )
     monkeypatch.undo()

@@ -13,7 +13,7 @@ from megatron_ext.recipes import load
 from megatron_ext.recipes.loader import dump
 from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
-from megatron_ext.runs import metrics as met, runner
+from megatron_ext.runs import metrics as met, runner, verdict
 
 from recipe_texts import MINIMAL, REPO_ROOT
 
@@ -187,7 +187,7 @@ def test_tensorboard_scalars_are_read_per_step_with_a_log_fallback(tmp_path):
 
 
 def test_summary_versions_name_the_packages_and_the_commit():
-    versions = runner.versions()
+    versions = verdict.versions()
     from importlib import metadata
 
     assert versions["megatron-core"] == metadata.version("megatron-core") and versions["torch"]
