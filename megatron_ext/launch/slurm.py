@@ -22,7 +22,9 @@ it requeues itself (``scontrol requeue``; ``#SBATCH --requeue``) at most ``max_r
 times. A restarted job loads the latest complete checkpoint and writes its logs and TensorBoard
 events to ``resumed-$SLURM_RESTART_COUNT`` segments. SIGTERM (``scancel``, preemption, the
 time limit itself) also makes the ranks save (``MEGATRON_EXT_SAVE_ON``); the job then ends
-"stopped, resumable" (exit 75) without requeueing itself.
+"stopped, resumable" (exit 75) without requeueing itself. A restart never takes a Slurm step
+id an earlier start of the job used (:func:`_skip_used_step_ids_lines`): Slurm would deliver
+a signal it queued for the lost start's step to the restart's step of the same number.
 """
 
 from __future__ import annotations
