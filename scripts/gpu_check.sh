@@ -21,6 +21,11 @@ log() { echo "[gpu-check] $*"; }
 log "installing megatron-ext from $wheelhouse into $scratch/venv"
 "$PY" -m venv --system-site-packages --without-pip "$scratch/venv"
 venv_py="$scratch/venv/bin/python"
+# When $PY is itself a venv's python (the GPU image's /opt/torch/.venv), --system-site-packages
+# reaches the base interpreter's packages, not that venv's torch: a .pth adds $PY's own
+# site-packages after the new venv's, so torch is found and our wheels still come first.
+"$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+  > "$("$venv_py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_parent_site.pth"
 "$PY" -m pip --python "$venv_py" install --no-index --find-links "$wheelhouse" megatron-ext pytest \
   > "$scratch/install.log" 2>&1
 install_rc=$?

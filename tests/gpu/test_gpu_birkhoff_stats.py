@@ -148,6 +148,7 @@ def _float64_on_cpu(connection):
         n=connection.n,
         h_res_method=connection.h_res_method,
         sinkhorn_iterations=connection.sinkhorn_iterations,
+        maps_form=connection.maps_form,
         mapping_proj=SimpleNamespace(weight=connection.mapping_proj.weight.detach().cpu().double()),
         **params,
     )

@@ -75,13 +75,24 @@ def _loss_and_grads(model):
 
 
 def _gpt_te(config):
-    from megatron_ext.models.gpt import GPTModel, get_gpt_layer_with_transformer_engine_spec
+    from megatron_ext.models.gpt import get_gpt_layer_with_transformer_engine_spec
 
-    torch.manual_seed(1)
+    return _gpt(config, get_gpt_layer_with_transformer_engine_spec(enable_mhc_connections=True))
+
+
+def _gpt_local(config):
+    from megatron_ext.models.gpt import get_gpt_layer_local_spec
+
+    return _gpt(config, get_gpt_layer_local_spec(enable_mhc_connections=True))
+
+
+def _gpt(config, spec):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_ext.models.gpt import GPTModel
+
+    torch.manual_seed(1)
     model_parallel_cuda_manual_seed(1)
-    spec = get_gpt_layer_with_transformer_engine_spec(enable_mhc_connections=True)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
 
 
@@ -126,16 +137,20 @@ def test_hybrid_te_spec_with_mhc_trains_a_step(one_gpu_model_parallel, pattern):
     _assert_trains(model)
 
 
-def test_bf16_through_float16module_matches_fp32(one_gpu_model_parallel):
+@pytest.mark.parametrize("layers", ["local", "te"])
+def test_bf16_through_float16module_matches_fp32(one_gpu_model_parallel, layers):
     """megatron's Float16Module casts the model to bf16; mHC's mapping maths stay fp32 inside.
-    The bf16 loss must follow the fp32 model's with the same weights."""
+    The bf16 loss must follow the fp32 model's with the same weights (megatron-core's local
+    layers always, Transformer Engine's where installed)."""
     from megatron.core.transformer.module import Float16Module
 
-    _te()
-    reference = _gpt_te(_config())
+    if layers == "te":
+        _te()
+    build = _gpt_te if layers == "te" else _gpt_local
+    reference = build(_config())
     ref_loss, _ = _loss_and_grads(reference)
     config16 = _config(torch.bfloat16)
-    model16 = _gpt_te(config16)
+    model16 = build(config16)
     model16.load_state_dict(reference.state_dict())
     wrapped = Float16Module(config16, model16)
     assert next(model16.parameters()).dtype == torch.bfloat16

@@ -4,13 +4,14 @@ reason (issue 33, items 6 and 7): the parts fixed here."""
 from __future__ import annotations
 
 import yaml
-from test_upstream_cases import write_case
 
 from megatron_ext.recipes import load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import run_environment
 from megatron_ext.recipes.validate import argv_problems
 from megatron_ext.upstream_cases import model_config as upstream
+
+from recipe_texts import write_case
 
 
 def _convert(path):

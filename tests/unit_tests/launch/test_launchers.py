@@ -15,7 +15,7 @@ from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs.submit import SlurmOptions, build_job
 from megatron_ext.testing import timing
 
-from conftest import REPO_ROOT
+from recipe_texts import REPO_ROOT
 
 RANK_MODULE = """
 import os, sys, time
@@ -290,7 +290,7 @@ def test_slurm_wait_gives_a_new_step_its_start_up_allowance(tmp_path, monkeypatc
 def test_submit_reports_the_stalled_rank_of_a_cancelled_job(tmp_path, monkeypatch):
     from megatron_ext.runs import submit as submit_module
 
-    from conftest import MINIMAL
+    from recipe_texts import MINIMAL
 
     log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
     recipe = tmp_path / "r.yaml"
@@ -330,7 +330,7 @@ def test_submit_names_the_step_a_frozen_rank_logged_last_not_start_up(
     third start, whose ranks log into ``resumed-2`` (an older segment logged step 9)."""
     from megatron_ext.runs import submit as submit_module
 
-    from conftest import MINIMAL
+    from recipe_texts import MINIMAL
 
     log = _stub_slurm(tmp_path, monkeypatch, running_polls=1000)
     recipe = tmp_path / "r.yaml"

@@ -3,7 +3,7 @@ stages (m=3: no steady state, rank 0 never fills its warm-up) and odd (m=7); and
 recompute with TP=2 x PP=2 and sequence parallelism (megatron's full recompute, plain; mHC's
 recompute). Each matches the single-rank reference (loss, every gradient, weights after the
 step) and its W steps computed deferred weight gradients (mHC, 4 streams, unless stated).
-Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_matrix_4ranks.py"""
+Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline/test_zero_bubble_matrix_4ranks.py"""
 
 import pytest
 from zero_bubble_cases import check_zb, zb_plan

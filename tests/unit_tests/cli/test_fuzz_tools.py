@@ -5,7 +5,7 @@ included) with at most a one-line message from megatron-ext, never an exception 
 traceback for the user) and never a hang (each call is bounded by SIGALRM). CI runs a few
 examples per tool; a soak run raises the count:
 
-    MEGATRON_EXT_FUZZ_EXAMPLES=2000 python -m pytest tests/unit_tests/recipes/test_fuzz_tools.py
+    MEGATRON_EXT_FUZZ_EXAMPLES=2000 python -m pytest tests/unit_tests/cli/test_fuzz_tools.py
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from megatron_ext import cli  # noqa: E402
 
-from conftest import MINIMAL  # noqa: E402
+from recipe_texts import MINIMAL  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MEGATRON_EXT_FUZZ_EXAMPLES", "8"))
 FUZZ = settings(

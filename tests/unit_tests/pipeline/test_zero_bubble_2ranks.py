@@ -1,7 +1,7 @@
 """ZB-H1 (megatron_ext.pipeline.zero_bubble) on 2 ranks: PP=2 with mHC matches the single-rank
 reference and megatron's 1F1B, every W step computes deferred weight gradients, and the
 traced order is build_schedule's, action for action.
-Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_2ranks.py"""
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline/test_zero_bubble_2ranks.py"""
 
 import pytest
 from mhc_moe_mla_cases import MOE

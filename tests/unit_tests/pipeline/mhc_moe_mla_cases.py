@@ -6,7 +6,7 @@ from megatron_ext.config import MHCMLATransformerConfig, MHCTransformerConfig
 from megatron_ext.testing.equivalence import TrainPlan, check_equivalence
 
 STREAMS = 4
-# See tests/unit_tests/pipeline_parallel/mhc_pipeline_cases.py: Adam turns the rounding noise
+# See tests/unit_tests/pipeline/mhc_pipeline_cases.py: Adam turns the rounding noise
 # of alpha_res's init-time gradient into full steps; a small lr keeps the final weights close.
 MHC_LR = 1e-4
 

@@ -3,7 +3,7 @@ sequence parallelism and DP=2 x PP=2 with the distributed optimizer (DDP's overl
 reduction off and on) match the single-rank reference (loss, every gradient of every step,
 weights after the last) with every W step computing deferred weight gradients; PP=4 equals
 megatron's 1F1B; the traced order is build_schedule's, action for action.
-Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_4ranks.py"""
+Run: torchrun --nproc_per_node 4 -m pytest tests/unit_tests/pipeline/test_zero_bubble_4ranks.py"""
 
 import pytest
 from zero_bubble_cases import (

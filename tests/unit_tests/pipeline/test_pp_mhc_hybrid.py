@@ -1,7 +1,7 @@
 """Hybrid mHC under pipeline parallelism on 2 ranks: '|' segments become stages and virtual
 chunks, every exchange carries n*h, and each run matches the single-rank reference (the same
 pattern without '|'): loss, every gradient of every step and the weights after 3 steps.
-Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_pp_mhc_hybrid.py"""
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline/test_pp_mhc_hybrid.py"""
 
 import os
 from functools import partial

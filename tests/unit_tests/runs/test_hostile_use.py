@@ -17,7 +17,7 @@ from megatron_ext.recipes.prepare import RunDirRecipes, prepare
 from megatron_ext.runs import lock as run_lock, resume as rsm, runner
 from megatron_ext.runs.options import RunOptions
 
-from conftest import REPO_ROOT
+from recipe_texts import REPO_ROOT
 
 BASE = REPO_ROOT / "recipes" / "gpt_tp2_pp2.yaml"
 BASE_OVERRIDES = ["parallelism.tp=1", "training.iterations=40", "checkpoint.save_interval=1"]

@@ -4,7 +4,7 @@ selective, megatron-ext's mHC recompute: B re-runs the forward, W must use what 
 recomputed forward saw), the Hybrid model with and without MTP, MoE with linear biases, MLA,
 and untied embeddings. Each matches the single-rank reference (loss, every gradient of every
 step, weights after the last) and its W steps computed deferred weight gradients.
-Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline_parallel/test_zero_bubble_matrix_2ranks.py"""
+Run: torchrun --nproc_per_node 2 -m pytest tests/unit_tests/pipeline/test_zero_bubble_matrix_2ranks.py"""
 
 import pytest
 from mhc_moe_mla_cases import MHC_LR, MLA, MOE

@@ -20,7 +20,7 @@ the same way whether or not ``prepare-data --example`` was run here. Everything 
 resolved field) must match.
 
 Regenerate (only for an intended change, and say why in the commit):
-``PYTHONPATH=$PWD python tests/unit_tests/recipes/test_run_snapshots.py``.
+``PYTHONPATH=$PWD python tests/unit_tests/runs/test_run_snapshots.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import runner
 from megatron_ext.runs.options import RunOptions
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 SECRET_VALUES = ("hf_x", "pw-1", "pat-2", "sk-3")
 

@@ -14,7 +14,7 @@ import pytest
 from megatron_ext import checkout, registry
 from megatron_ext.testing import timing
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_checkout(root: Path, version=(0, 19, 1)) -> Path:

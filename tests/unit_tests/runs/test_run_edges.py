@@ -15,7 +15,7 @@ from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
 from megatron_ext.runs import metrics as met, runner
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 GOLDEN = {
     "lm loss": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 5.0, "2": 4.0}}

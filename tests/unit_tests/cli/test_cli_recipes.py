@@ -7,7 +7,7 @@ import sys
 from megatron_ext.recipes.loader import parse_yaml
 from megatron_ext.testing import timing
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 
 def _cli(*args, cwd=REPO_ROOT):

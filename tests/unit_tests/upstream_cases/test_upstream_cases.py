@@ -8,51 +8,18 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megatron_ext import cli
 from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.validate import validate
 from megatron_ext.upstream_cases import model_config as upstream
 
-from conftest import MINIMAL
+from recipe_texts import BASE_ARGS, MINIMAL, write_case
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 OUR_CASE = (
     REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu/model_config.yaml"
 )
-
-BASE_ARGS = {
-    "--num-layers": 4,
-    "--hidden-size": 64,
-    "--num-attention-heads": 4,
-    "--seq-length": 32,
-    "--max-position-embeddings": 32,
-    "--micro-batch-size": 2,
-    "--global-batch-size": 8,
-    "--train-iters": 8,
-    "--tensor-model-parallel-size": 2,
-    "--pipeline-model-parallel-size": 2,
-    "--mock-data": True,
-    "--tokenizer-type": "NullTokenizer",
-    "--vocab-size": 128,
-}
-
-
-def write_case(
-    tmp_path: Path, model_args: dict | None = None, name: str = "gpt3_case", **top
-) -> Path:
-    case = tmp_path / "gpt" / name
-    case.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "ENV_VARS": {"CUDA_DEVICE_MAX_CONNECTIONS": 1},
-        "MODEL_ARGS": {**BASE_ARGS, **(model_args or {})},
-        "TEST_TYPE": "regular",
-        **top,
-    }
-    path = case / "model_config.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
 
 
 def _gpu(tmp_path, model_args=None, **top):

@@ -27,7 +27,7 @@ from megatron_ext.runs.submit import (
     container_image_warning,
 )
 
-from conftest import REPO_ROOT
+from recipe_texts import REPO_ROOT
 
 SAVING_RANK = """
 import os, signal, sys, time

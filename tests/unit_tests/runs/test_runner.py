@@ -5,7 +5,7 @@ from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs import runner
 from megatron_ext.runs.runner import Progress, command_script, phases, prepare_resume
 
-from conftest import REPO_ROOT
+from recipe_texts import REPO_ROOT
 
 RESUME_RECIPE = REPO_ROOT / "recipes/gpt_mhc_pp2_standalone_embedding_loss.yaml"
 

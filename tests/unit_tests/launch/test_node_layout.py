@@ -11,7 +11,7 @@ from megatron_ext.recipes import load
 from megatron_ext.recipes.prepare import prepare
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
-from conftest import REPO_ROOT, shared_build_dir
+from recipe_texts import REPO_ROOT, shared_build_dir
 
 TP2_PP2_SP = REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml"
 

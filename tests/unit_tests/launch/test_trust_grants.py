@@ -19,7 +19,7 @@ from megatron_ext.recipes.validate import validate
 from megatron_ext.runs import runner
 from megatron_ext.runs.options import RunOptions
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 CASE = REPO_ROOT / "tests/functional_tests/test_cases/gpt/gpt3_mcore_tp2_pp2_cpu"
 GRANT_REMOTE = "--trust-remote-code"  # env_policy.REMOTE_CODE_FLAG

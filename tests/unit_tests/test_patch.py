@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO_ROOT
+from recipe_texts import REPO_ROOT
 
 PATCHES = {
     # script: (patch file, its base blob at Megatron-LM core_v0.19.0 (patches/README.md), model provider)

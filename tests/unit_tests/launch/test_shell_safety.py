@@ -22,7 +22,7 @@ from megatron_ext.runs import runner
 from megatron_ext.runs.submit import SlurmOptions, submit
 from megatron_ext.testing import timing
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 STUBS = {
     # Every stub records its argv (NUL-separated) and, for srun, the environment it got.
@@ -158,7 +158,7 @@ def test_generated_scripts_run_hostile_values_as_data(tmp_path, stubs, monkeypat
     # the variables are not tuning knobs: the user allows them (--allow-env) for this test
     loaded.allowed_env = tuple(f"HOSTILE_{i}" for i in range(len(hostile)))
     # No whitespace: a run directory with it is refused for #SBATCH lines (issue 34, item 10;
-    # recipes/test_hostile_use.py); ${IFS} runs the same payload when unquoted.
+    # runs/test_hostile_use.py); ${IFS} runs the same payload when unquoted.
     run_dir = tmp_path / f"run$(touch${{IFS}}{canary})`touch${{IFS}}{canary}`;x"
     image = f"nvcr.io/img:1$(touch {canary})"
     mount = f"/data:/data;touch {canary}"
