@@ -8,7 +8,7 @@ import contextlib
 import pytest
 from mhc_pipeline_cases import check_mhc, mhc_plan
 
-from megatron_ext.mhc import transformer_block
+from megatron_ext.mhc import single_pass
 from megatron_ext.pipeline.payload import PRE_MIX
 from megatron_ext.testing.equivalence import EquivalenceError, TrainPlan
 
@@ -25,10 +25,22 @@ def single_pass_plan(**kwargs) -> TrainPlan:
     return mhc_plan(config_overrides=overrides, **kwargs)
 
 
+DEEPSEEK_MAPS = ("deepseek-v4", "glm5")
+"""The variants whose single pass is upstream's (Megatron-LM #7500, DeepSeek-V4.1)."""
+
+
+def deepseek_single_pass_plan(variant: str = "deepseek-v4", **kwargs) -> TrainPlan:
+    """:func:`single_pass_plan` on DeepSeek's maps, gates at 0.5 instead of 0.01 so the maps
+    are far from uniform from the first step (the softmax Sinkhorn and the ε terms matter)."""
+    overrides = dict(mhc_variant=variant, mhc_init_gating_factor=0.5)
+    overrides.update(kwargs.pop("config_overrides", {}))
+    return single_pass_plan(config_overrides=overrides, **kwargs)
+
+
 @contextlib.contextmanager
 def coefficient_gradient_cut(monkeypatch):
     """Every received payload's ``pre_mix`` field detached: its gradient never goes back."""
-    unpack = transformer_block.unpack
+    unpack = single_pass.unpack
 
     def unpack_detached(payload, wire):
         fields = unpack(payload, wire)
@@ -36,7 +48,7 @@ def coefficient_gradient_cut(monkeypatch):
             fields[PRE_MIX] = fields[PRE_MIX].detach()
         return fields
 
-    monkeypatch.setattr(transformer_block, "unpack", unpack_detached)
+    monkeypatch.setattr(single_pass, "unpack", unpack_detached)
     yield
 
 

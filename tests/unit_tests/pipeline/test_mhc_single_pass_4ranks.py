@@ -8,7 +8,7 @@ import os
 import pytest
 from mhc_moe_mla_cases import MLA, check, moe_plan
 from mhc_pipeline_cases import all_ranks, check_mhc, recorded_p2p_shapes
-from single_pass_cases import single_pass_plan
+from single_pass_cases import deepseek_single_pass_plan, single_pass_plan
 
 pytestmark = [
     pytest.mark.world_size(4),
@@ -31,6 +31,11 @@ def test_tp2_pp2_sequence_parallel_matches_reference(monkeypatch):
         check_mhc(plan)
     shapes = {shape for records in all_ranks(seen) for _, shape in records}
     assert shapes == {(plan.seq_length // 2, plan.micro_batch_size, plan.hidden_size * 4 + 4)}
+
+
+def test_tp2_pp2_sequence_parallel_deepseek_maps_match_reference():
+    """Upstream's single pass (DeepSeek's maps) with each TP rank holding half the sequence."""
+    check_mhc(deepseek_single_pass_plan(tp=2, pp=2, sequence_parallel=True))
 
 
 def test_cp2_pp2_matches_reference(monkeypatch):

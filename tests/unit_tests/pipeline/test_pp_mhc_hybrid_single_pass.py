@@ -10,7 +10,7 @@ import pytest
 from mhc_pipeline_cases import all_ranks, recorded_p2p_shapes
 from test_pp_mhc_hybrid import check_hybrid, fresh_mtp_loss_tracker, mhc_hybrid_plan  # noqa: F401
 
-from megatron_ext.models.hybrid import hybrid_stack
+from megatron_ext.mhc import single_pass
 from megatron_ext.pipeline.payload import PRE_MIX
 from megatron_ext.testing.equivalence import EquivalenceError
 
@@ -45,14 +45,14 @@ def test_pp2_attention_mlp_moe_with_mtp_matches_reference(monkeypatch):
 def test_pp2_cutting_the_coefficient_gradient_differs_from_reference(monkeypatch):
     """Negative control: the received ``pre_mix`` detached, the stage-0 site whose pre only
     stage 1 reads gets no gradient through it, and the run differs from the reference."""
-    unpack = hybrid_stack.unpack
+    unpack = single_pass.unpack
 
     def unpack_detached(payload, wire):
         fields = unpack(payload, wire)
         fields[PRE_MIX] = fields[PRE_MIX].detach()
         return fields
 
-    monkeypatch.setattr(hybrid_stack, "unpack", unpack_detached)
+    monkeypatch.setattr(single_pass, "unpack", unpack_detached)
     pattern = "*-E|*-/*-"
     plan = mhc_hybrid_plan(pattern, config_overrides=SINGLE_PASS, pp=2, steps=1)
     with pytest.raises(EquivalenceError) as raised:

@@ -259,13 +259,19 @@ def test_single_pass_differs_from_two_pass():
             "'mhc' in recompute_modules",
         ),
         (dict(mhc_learned_output_contract=True), "mhc_learned_output_contract"),
-        (dict(mhc_variant="deepseek-v4"), "mhc_variant='deepseek-v4'"),
     ],
 )
 def test_single_pass_refuses_what_it_cannot_do_yet(overrides, named, monkeypatch):
     monkeypatch.setattr(guards, "check_fused_mhc", lambda config: None)  # no triton needed
     with pytest.raises(guards.UnsupportedCombinationError, match=f"mhc_single_pass=True .*{named}"):
         _config(**overrides)
+
+
+@pytest.mark.parametrize("variant", ["deepseek-v4", "glm5"])
+def test_single_pass_takes_deepseek_maps(variant):
+    """Upstream's single pass is on DeepSeek's maps (issue 42): no longer refused."""
+    config = _config(mhc_variant=variant)
+    assert config.mhc_single_pass and config.mhc_variant == variant
 
 
 def test_single_pass_needs_mhc():

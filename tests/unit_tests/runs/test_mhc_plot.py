@@ -22,6 +22,12 @@ def _metrics(gain_noise: float = 1e-7) -> dict:
         metrics[f"{name}/h_post_max"] = {s: 1.8 - shift for s in STEPS}
         metrics[f"{name}/h_res_identity_dist"] = {s: 0.5 + 0.1 * s + shift for s in STEPS}
         metrics[f"{name}/h_res_uniform_dist"] = {s: 1.2 - 0.1 * s for s in STEPS}
+        metrics[f"{name}/stream_rms_min"] = {s: 0.5 - shift for s in STEPS}
+        metrics[f"{name}/stream_rms_max"] = {s: 1.0 + s + shift for s in STEPS}
+        metrics[f"{name}/h_pre_sum_max"] = {s: 2.0 + shift for s in STEPS}
+        metrics[f"{name}/h_post_sum_max"] = {s: 4.0 + shift * s for s in STEPS}
+        metrics[f"{name}/h_res_row_err"] = {s: 10.0 ** (-s) + shift for s in STEPS}
+        metrics[f"{name}/h_res_col_err"] = {s: 1e-7 for s in STEPS}
     return metrics
 
 
@@ -31,13 +37,22 @@ def _lines(ax) -> dict[str, list[float]]:
 
 def test_the_panels_show_ranges_distances_and_gains_on_a_fixed_axis(tmp_path):
     fig = mhc_report.figure(_metrics(), "gpt")
-    pre, post, distances, gains = fig.axes
+    pre, post, distances, gains, streams, amplitudes, sinkhorn = fig.axes
     assert _lines(pre) == {"min": [0.1] * 3, "max": [0.7] * 3}  # over both sub-layers
     assert _lines(post) == {"min": [0.2] * 3, "max": [1.8] * 3}
     worst = _lines(distances)
     assert [round(v, 9) for v in worst["from the identity (no mixing)"]] == [0.7, 0.8, 0.9]
     assert [round(v, 9) for v in worst["from uniform mixing (J/n)"]] == [1.1, 1.0, 0.9]
     assert gains.get_ylim() == mhc_report.GAIN_AXIS  # 1 ± 1e-7 stays a flat line at 1
+    # What moves while the gains stay at 1 (issue 42): the streams, the amplitudes, Sinkhorn.
+    assert _lines(streams) == {"smallest stream": [0.4] * 3, "largest stream": [2.1, 3.1, 4.1]}
+    assert _lines(amplitudes) == {
+        "Σ H_pre (read)": [2.1] * 3,
+        "Σ H_post (write-back)": [4.1, 4.2, 4.3],
+    }
+    lines = _lines(sinkhorn)
+    assert [round(v, 9) for v in lines["max |row sum − 1|"]] == [0.2, 0.11, 0.101]
+    assert lines["max |column sum − 1|"] == [1e-7] * 3 and sinkhorn.get_yscale() == "log"
     path = mhc_report.write_plot(tmp_path, _metrics(), "gpt")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
