@@ -76,6 +76,11 @@ class MHCTransformerConfig(TransformerConfig):
     linears defer their weight gradients, megatron_ext.pipeline.wgrad). Not an upstream field
     (megatron-core 0.19.2's delay_wgrad_compute requires overlap_moe_expert_parallel_comm)."""
 
+    pipeline_schedule_file: str | None = None
+    """With pipeline_schedule "zb-h1": a schedule text (megatron_ext.schedules.text: one line
+    per rank, F0 B0 W0 ...) whose order the ZB-H1 runtime executes instead of the built one,
+    after the same checks (dependencies, P2P pairing, peak in-flight). None: the built order."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it

@@ -96,7 +96,8 @@ class HybridHyperConnectionLayer(HyperConnectionTransformerLayer):
     """
 
     def __init__(self, *args: Any, is_mtp_layer: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, is_mtp_layer=False, **kwargs)
+        kwargs["is_mtp_layer"] = False  # the base's own check; the flag is recorded below
+        super().__init__(*args, **kwargs)
         self.is_mtp_layer = is_mtp_layer
 
 

@@ -101,7 +101,8 @@ def test_disabled_mhc_is_exactly_transformer_config():
     core = dataclasses.asdict(TransformerConfig(**BASE))
     ext_fields = {name for name in ours if name not in core}
     assert ours["pipeline_schedule"] == "1f1b"  # megatron's schedule (issue 21's field)
-    mhc_fields = ext_fields - {"pipeline_schedule"}
+    assert ours["pipeline_schedule_file"] is None  # the built order (issue 43's field)
+    mhc_fields = ext_fields - {"pipeline_schedule", "pipeline_schedule_file"}
     assert mhc_fields == {
         "enable_mhc_connections",
         "mhc_num_residual_streams",
