@@ -117,16 +117,11 @@ def main(args: argparse.Namespace) -> int:
     conversion.problems += env_problems(
         conversion.recipe.get("launch", {}).get("env", {}), args.allow_env, "ENV_VARS"
     )
-<<<<<<< HEAD
     conversion.problems += remote_code_problems(
         _flag_words(conversion.recipe), args.allow_env, "MODEL_ARGS"
     )
-    for problem in conversion.problems:
-        print(f"{source}: {problem}", file=sys.stderr)
-=======
     for found in conversion.problems:
         print(f"{source}: {found}", file=sys.stderr)
->>>>>>> main
     if conversion.problems:
         return 2
     recipe = conversion.recipe
