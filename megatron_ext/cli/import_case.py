@@ -33,6 +33,35 @@ def _output_problem(out, source) -> str | None:
     return None
 
 
+def _flag_words(recipe: dict) -> list[str]:
+    """Every flag and value the recipe's extra_args (and its platforms') put on the command
+    line."""
+    words: list[str] = []
+    for section in [recipe, *recipe.get("platforms", {}).values()]:
+        for flag, value in (section.get("extra_args") or {}).items():
+            if value is not None and value is not False:
+                words += [str(flag), *map(str, value if isinstance(value, list) else [value])]
+    return words
+
+
+def _without_secrets(recipe: dict) -> list[str]:
+    """Drop every secret of the case's ENV_VARS from the recipe written or printed (a recipe
+    file is shared and shown; the ranks inherit the variable from the environment they are
+    started in), one note each."""
+    from megatron_ext.launch.shell import is_secret
+
+    notes = []
+    for section in [recipe, *recipe.get("platforms", {}).values()]:
+        env = section.get("launch", {}).get("env") or {}
+        for key in [k for k in env if is_secret(k)]:
+            del env[key]
+            notes.append(
+                f"ENV_VARS.{key} is a secret: not written into the recipe; export {key} where "
+                "you run it (the ranks inherit it)"
+            )
+    return notes
+
+
 def main(args: argparse.Namespace) -> int:
     """A Megatron-LM test case (model_config.yaml) as a megatron-ext recipe YAML."""
     import os
@@ -86,10 +115,13 @@ def main(args: argparse.Namespace) -> int:
         )
         for name, flag in conversion.unresolved.items()
     ]
-    from megatron_ext.launch.env_policy import env_problems
+    from megatron_ext.launch.env_policy import env_problems, remote_code_problems
 
     conversion.problems += env_problems(
         conversion.recipe.get("launch", {}).get("env", {}), args.allow_env, "ENV_VARS"
+    )
+    conversion.problems += remote_code_problems(
+        _flag_words(conversion.recipe), args.allow_env, "MODEL_ARGS"
     )
     for found in conversion.problems:
         print(f"{source}: {found}", file=sys.stderr)
@@ -104,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
     for overlay in recipe["platforms"].values():
         overlay["test"]["golden_values"] = os.path.join(base, overlay["test"]["golden_values"])
     notes = [*conversion.notes.get("mapping", []), *conversion.notes.get("cpu", [])]
+    notes += _without_secrets(recipe)
     text = "\n".join([f"# Imported by megatron-ext from {source}", *[f"# {n}" for n in notes]])
     text += "\n" + yaml.safe_dump(recipe, sort_keys=False, width=100)
     if out is None:

@@ -166,7 +166,8 @@ class LoadedRecipe:
     """What reading the file changed or dropped (a Megatron-LM test case: the mapping and the
     cpu overlay), one line each; ``validate`` and ``run`` print them."""
     allowed_env: tuple[str, ...] = ()
-    """Code-loading launch.env keys the user allowed with ``--allow-env KEY`` (see
+    """What the command line granted: launch.env keys off the allow-list given with
+    ``--allow-env KEY``, and ``--trust-remote-code`` when given (see
     :mod:`megatron_ext.launch.env_policy`); never read from a recipe file."""
 
     @property

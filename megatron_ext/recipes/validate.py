@@ -302,6 +302,30 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def _words_of(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [w for k, v in value.items() for w in (str(k), *_words_of(v))]
+    if isinstance(value, (list, tuple)):
+        return [w for v in value for w in _words_of(v)]
+    return [str(value)]
+
+
+def _rank_argv(loaded: LoadedRecipe) -> list[str]:
+    """Every word the recipe may put on the ranks' command line: its Megatron flags when they
+    can be derived, and every key and value of ``extra_args`` (also when they cannot)."""
+    extra = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
+    # a flag whose value is null or false is left off the command line, as command._flag does
+    words = [
+        w
+        for k, v in extra.items()
+        if v is not None and v is not False
+        for w in (str(k), *_words_of(v))
+    ]
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
+        words += command.megatron_args(loaded)
+    return words
+
+
 def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     """Every value of the recipe that no quoting can make safe (the rules of
     :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
@@ -324,6 +348,7 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
                 )
             )
     problems += env_policy.env_problems(recipe.launch.env, loaded.allowed_env)
+    problems += env_policy.remote_code_problems(_rank_argv(loaded), loaded.allowed_env)
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(

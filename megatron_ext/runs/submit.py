@@ -183,12 +183,49 @@ def container_image_warning(image: str | None) -> str | None:
     )
 
 
-def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
-    """The earliest failure any rank reported (rank, where, original error)."""
-    logs = [step.log_dir / f"rank-{r}.log" for step in job.steps for r in range(job.world_size)]
+def _echo_first_failure(job: slurm.SlurmJob, job_id: str, echo) -> None:
+    """Why the job's last start ended: the earliest failure a rank of that start reported
+    (rank, where, original error), else what srun said of its tasks there. A requeued job's
+    earlier starts failed too (a lost node's peers: a gloo error) but are not why it ended
+    (issue 40, item 7)."""
+    restart, logs = _last_start_logs(job)
     failure = faults.first_failure(logs)
+    where = f" (start {restart + 1} of the job, restart count {restart})" if restart else ""
     if failure is not None:
-        echo(f"  first failure: {failure}")
+        echo(f"  first failure{where}: {failure}")
+        return
+    said = _srun_errors_of_last_start(job.run_dir / f"slurm-{job_id}.out")
+    if said:
+        echo(f"  last start{where}: {said[0]}")
+
+
+def _last_start_logs(job: slurm.SlurmJob) -> tuple[int, list[Path]]:
+    """(restart count, rank logs) of the job's last start: a requeued job's N-th restart
+    writes into the ``resumed-N`` segment of its logs."""
+    ranks = range(job.world_size)
+    if job.requeue is None:
+        return 0, [step.log_dir / f"rank-{r}.log" for step in job.steps for r in ranks]
+    for restart in range(job.requeue.max_requeues, 0, -1):
+        segment = f"{rsm.SEGMENT_PREFIX}{restart}"
+        dirs = [step.log_dir / segment for step in job.steps if (step.log_dir / segment).is_dir()]
+        if dirs:
+            return restart, [d / f"rank-{r}.log" for d in dirs for r in ranks]
+    return 0, [step.log_dir / f"rank-{r}.log" for step in job.steps for r in ranks]
+
+
+def _srun_errors_of_last_start(slurm_out: Path) -> list[str]:
+    """srun's "error: NODE: tasks A-B: Terminated"-style lines after the last start's line."""
+    try:
+        text = slurm_out.read_text(errors="replace")
+    except OSError:
+        return []
+    last = text.rfind("[megatron-ext] start ")
+    tail = text[last:] if last >= 0 else text
+    return [
+        " ".join(line.split())[:300]
+        for line in tail.splitlines()
+        if line.startswith("srun: error:") and ": tasks " in line
+    ]
 
 
 def submit(
@@ -315,7 +352,7 @@ def submit(
         phase_results[0]["stalled_rank"] = result.stall.rank
     elif not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
-        _echo_first_failure(job, echo)
+        _echo_first_failure(job, job_id, echo)
     for lost in node_layout.lost_nodes(run_dir / f"slurm-{job_id}.out"):
         echo(f"  {lost}" + (" (the job was requeued)" if result.ok else ""))
     if not result.ok:

@@ -203,6 +203,9 @@ class Conversion:
     problems: list[Problem] = field(default_factory=list)
     unresolved: dict[str, str] = field(default_factory=dict)
     """Placeholder variable -> the flag that uses it, for variables the environment lacks."""
+    secrets: dict[str, str] = field(default_factory=dict)
+    """Placeholder naming a secret (or filled with one's value) -> the flag that uses it:
+    never filled in (:func:`secret_problems`)."""
     gpu_platforms: list[str] = field(default_factory=list)
     refused: bool = False
     """The case is not one megatron-ext trains (its family, mode or test type, or no flags):
@@ -261,9 +264,27 @@ def _get(data: dict, path: str, default: Any = None) -> Any:
     return node
 
 
-def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[str, str]) -> Any:
+def _secret_values(env: Mapping[str, str]) -> dict[str, str]:
+    """value -> name of the environment's secrets (long enough not to match by chance)."""
+    from megatron_ext.launch.shell import is_secret
+
+    return {v: k for k, v in env.items() if is_secret(k) and len(str(v)) >= MIN_SECRET_CHARS}
+
+
+MIN_SECRET_CHARS = 8
+"""A secret's value shorter than this is not looked for in a filled placeholder (``1``, ``on``
+would match everywhere)."""
+
+
+def _substitute(value: Any, flag: str, env: Mapping[str, str], conversion: Conversion) -> Any:
+    """``value`` with its ``${NAME}`` placeholders filled (run-directory paths, CI values, the
+    environment). A secret is never filled in: a flag's value is written to command.sh,
+    recipe.yaml, the rank logs, TensorBoard and the checkpoint's arguments (issue 40, item 14),
+    so a placeholder naming a secret, or filled with a secret's value, is a problem."""
+    from megatron_ext.launch.shell import is_secret
+
     if isinstance(value, list):
-        return [_substitute(v, flag, env, unresolved) for v in value]
+        return [_substitute(v, flag, env, conversion) for v in value]
     if not isinstance(value, str):
         return value
     whole = PLACEHOLDER.fullmatch(value)
@@ -276,12 +297,32 @@ def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[
             return RUN_DIR_PLACEHOLDERS[name]
         if name in CI_VALUES:
             return str(CI_VALUES[name])
+        if is_secret(name):
+            conversion.secrets.setdefault(name, flag)
+            return match.group(0)
         if name in env:
+            if (secret := _secret_values(env).get(str(env[name]))) is not None:
+                conversion.secrets.setdefault(f"{name} (the value of {secret})", flag)
+                return match.group(0)
             return env[name]
-        unresolved.setdefault(name, flag)
+        conversion.unresolved.setdefault(name, flag)
         return match.group(0)
 
     return PLACEHOLDER.sub(fill, value)
+
+
+def secret_problems(conversion: Conversion) -> list[Problem]:
+    """One problem per MODEL_ARGS flag a secret would have been filled into."""
+    return [
+        Problem(
+            f"MODEL_ARGS.{flag}",
+            f"${{{name.split()[0]}}} would put a secret ({name}) on the ranks' command line, "
+            "which is written to command.sh, recipe.yaml, the rank logs, TensorBoard and the "
+            "checkpoint; remove it from MODEL_ARGS (the ranks inherit the variable from your "
+            "environment)",
+        )
+        for name, flag in conversion.secrets.items()
+    ]
 
 
 def _listed(value: Any) -> Any:
@@ -378,7 +419,7 @@ def model_args_to_sections(
                 )
             )
             continue
-        value = _substitute(raw_value, flag, env, conversion.unresolved)
+        value = _substitute(raw_value, flag, env, conversion)
         if flag not in PATTERN_LIST_FLAGS:  # a per-layer list is one value, never split
             value = _listed(value)
         if value is None or value is False:
@@ -842,6 +883,7 @@ def convert(
     _launcher_note(raw, conversion)
     case = case_dir.parent.name if case_dir.parent.name else ""
     full = model_args_to_sections(args, case, env, conversion)
+    conversion.problems += secret_problems(conversion)
 
     env_vars = raw.get("ENV_VARS") or {}
     if not isinstance(env_vars, dict):
