@@ -256,14 +256,22 @@ def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 class _Progress:
+    """A line every ``interval`` documents, and also at the first document and whenever
+    :data:`QUIET_S` passed without one (issue 41, item 11: a 2,152-document corpus printed
+    nothing for two minutes, the default interval never reached)."""
+
+    QUIET_S = 10.0
+
     def __init__(self, interval: int, stream=None):
         # sys.stderr is looked up now, not when the module was imported: a default bound at
         # import time keeps whatever stream was current then (pytest's capture, since closed).
         self.interval, self.stream = interval, stream if stream is not None else sys.stderr
-        self.start = time.time()
+        self.start = self.last = time.time()
 
     def update(self, count: int, nbytes: int) -> None:
-        if count % self.interval == 0:
+        now = time.time()
+        if count == 1 or count % self.interval == 0 or now - self.last >= self.QUIET_S:
+            self.last = now
             elapsed = max(time.time() - self.start, 1e-9)
             print(
                 f"Processed {count} documents ({count / elapsed:.1f} docs/s, "
@@ -288,6 +296,11 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     tag = f".tmp{os.getpid()}"
     temp = {key: (f"{p}.bin{tag}", f"{p}.idx{tag}") for key, p in prefixes.items()}
     encoder = Encoder(args)
+    print(
+        f"prepare-data: tokenizing {args.input} with {args.workers} worker(s)",
+        file=sys.stderr,
+        flush=True,
+    )
     pool, builders = None, {}
     try:
         builders = {key: IndexedDatasetBuilder(b, dtype=dtype) for key, (b, _) in temp.items()}

@@ -48,6 +48,7 @@ KNOWN_METRICS = (
     "mem-allocated-bytes",
     "mem-max-allocated-bytes",
     "lm loss validation",
+    "lm loss test",
 )
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 

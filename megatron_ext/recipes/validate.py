@@ -326,6 +326,24 @@ def _rank_argv(loaded: LoadedRecipe) -> list[str]:
     return words
 
 
+def unused_split_note(loaded: LoadedRecipe) -> list[str]:
+    """data.split set (in the file or an override) where it is not used: with valid_paths or
+    test_paths, Megatron reads data.paths whole as --train-data-path and ignores --split
+    (issue 41, item 6: validate said OK without a word)."""
+    from megatron_ext.recipes.schema import Data
+
+    data = loaded.recipe.data
+    per_split = [name for name in ("valid_paths", "test_paths") if getattr(data, name)]
+    overridden = any(o.split("=", 1)[0].strip() == "data.split" for o in loaded.overrides)
+    if data.type != "indexed" or not per_split or (data.split == Data().split and not overridden):
+        return []
+    return [
+        f"data.split {data.split!r} is not used: with data.{' and data.'.join(per_split)} set, "
+        "data.paths is the whole training set (--train-data-path); remove data.split, or drop "
+        f"data.{per_split[0]} to split data.paths"
+    ]
+
+
 def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     """Every value of the recipe that no quoting can make safe (the rules of
     :mod:`~megatron_ext.recipes.safety` and :mod:`~megatron_ext.launch.shell`, applied to the
@@ -377,7 +395,7 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         + fsdp_problems(loaded)
     )
     if not result.problems:  # worth knowing once the recipe itself is right
-        result.notes += golden_notes(loaded)
+        result.notes += golden_notes(loaded) + unused_split_note(loaded)
     if not _module_importable("tensorboard"):
         result.notes.append(
             "tensorboard is not installed here: run metrics fall back to the log lines "

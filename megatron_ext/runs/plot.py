@@ -34,7 +34,7 @@ def _pyplot():
 
 
 def _panel_of(metric: str) -> str | None:
-    if metric.endswith("loss") or metric.endswith("loss validation"):  # Megatron's eval tag
+    if metric.endswith(("loss", "loss validation", "loss test")):  # Megatron's eval tags
         return "loss"
     return PANELS.get(metric)
 

@@ -57,7 +57,13 @@ from megatron_ext.recipes.request import (
     RunRequest,
 )
 from megatron_ext.recipes.schema import RecipeError
-from megatron_ext.runs import lock as run_lock, metrics as met, resume as rsm, trace as run_trace
+from megatron_ext.runs import (
+    lock as run_lock,
+    metrics as met,
+    options as run_options,
+    resume as rsm,
+    trace as run_trace,
+)
 from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs.outcome import (
     EXIT_INVALID,
@@ -366,7 +372,12 @@ def fault_problem(request: RunRequest) -> str | None:
     return None
 
 
-def write_run_files(request: RunRequest, run_dir: Path, launcher: str = "torchrun") -> None:
+def write_run_files(
+    request: RunRequest,
+    run_dir: Path,
+    launcher: str = "torchrun",
+    options: RunOptions = RunOptions(),
+) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     shown = request.display
     (run_dir / "recipe.yaml").write_text(shown.recipe_yaml)
@@ -379,6 +390,7 @@ def write_run_files(request: RunRequest, run_dir: Path, launcher: str = "torchru
             "overrides": list(shown.shown_overrides),
             "launcher": launcher,
             "resumable": request.phases.resumable,
+            "options": run_options.to_record(options),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
     )
@@ -457,7 +469,7 @@ def _run_in(
         return Outcome(EXIT_INVALID, None, message=why)
     results: list[dict] = []
     try:
-        write_run_files(request, run_dir)
+        write_run_files(request, run_dir, options=options)
     except OSError as exc:
         why = cannot_write(exc, run_dir)
         echo(f"cannot run: {why}")
@@ -678,6 +690,7 @@ def _resume_in(
         if why := layout.override_problem(overrides):
             raise rsm.ResumeError(why)
         record = rsm.read_run_record(run_dir)
+        options = run_options.for_resume(record.get("options"), options)
         if not record.get("resumable"):
             raise rsm.ResumeError(
                 f"{run_dir}: this run cannot be resumed (a ckpt-resume test recipe or the "

@@ -105,7 +105,7 @@ def finalize(
         )
     elif not golden_path.exists():
         echo(
-            f"  golden values: none at {golden_path}; create them with "
+            f"  golden values: not compared, none at {golden_path}; create them with "
             f"`megatron-ext run {shown.source} --platform {shown.platform} --write-golden`"
         )
     elif judged.numerics_overridden and not options.force_compare:
@@ -151,6 +151,7 @@ def finalize(
         pipeline=pipeline,
         performance=performance,
         metrics_source=source,
+        losses=met.final_losses(run_metrics),
     )
     losses = run_metrics.get("lm loss", {})
     if losses:
@@ -160,6 +161,9 @@ def finalize(
             f"  lm loss ({per_step}) {losses[first]:.4f} (step {first}) -> "
             f"{losses[last]:.4f} (step {last})"
         )
+    for name in (met.VALIDATION_METRIC, met.TEST_METRIC):
+        if name in (final := met.final_losses(run_metrics)):
+            echo(f"  {name} {final[name]['value']:.4f} (step {final[name]['step']})")
     for line in mhc_report.summary_lines(run_metrics):
         echo(f"  {line}")
     echo(f"  metrics {run_dir / 'metrics.json'}, plot {run_dir / 'loss.png'}")
@@ -289,6 +293,7 @@ def write_summary(
     pipeline: dict | None = None,
     performance: dict | None = None,
     metrics_source: str | None = None,
+    losses: dict | None = None,
 ) -> None:
     shown, golden = request.display, request.verdict.golden_path
     summary = {
@@ -306,6 +311,7 @@ def write_summary(
         "host": os.uname().nodename,
         "metrics_source": metrics_source,
         "performance": performance or {},
+        "losses": losses or {},
         "versions": versions(),
         "plan": dict(shown.plan),
     }

@@ -57,14 +57,20 @@ TRAINED_ELSEWHERE = {
 # by the unit tests (PP4 x VPP2: pipeline/test_pp_mhc_compatibility_4ranks.py; Hybrid
 # TP2 x PP2 + SP with MTP and the VPP2 empty chunk with MTP: pipeline/
 # test_pp_mhc_hybrid*.py; MoE + MLA at EP2 x PP2: pipeline/test_mhc_moe_mla_4ranks.py),
-# and the recipe runs below still train pretrain_hybrid at TP2 x PP2 (hybrid_mhc_tp2_pp2_real_data)
-# and MoE + MLA through pretrain_gpt (gpt_mhc_v4_moe_mla_pp2).
+# and the recipe runs below still train pretrain_hybrid at TP2 x PP2 with MTP and a resume
+# (hybrid_mhc_tp2_pp2_mtp: `make run`'s demo, so the front page's command is checked against
+# its golden values in every `make test`, issue 41) and MoE + MLA through pretrain_gpt
+# (gpt_mhc_v4_moe_mla_pp2). hybrid_mhc_tp2_pp2_real_data moved to the soak tier in its place:
+# the same entry and layout, and indexed real data trains in gpt_mhc_pp2_real_data and in
+# tests/functional_tests/test_own_data.py.
 SOAK_RECIPES = {
     "gpt_mhc_pp4_vpp2",
-    "hybrid_mhc_tp2_pp2_mtp",
+    "hybrid_mhc_tp2_pp2_real_data",
     "hybrid_mhc_tp1_pp2_vpp2_empty_mtp",
     "gpt_mhc_moe_mla_ep2_pp2",
 }
+MAKE_RUN_RECIPE = "hybrid_mhc_tp2_pp2_mtp"
+"""The recipe `make run` trains (Makefile): never soak-only."""
 # MEGATRON_EXT_RECIPES=a,b: exactly those shipped recipes (the megatron-core 0.20 lane, `make
 # test-mcore-0.20`, trains its four there; every recipe for the soak tier on each 0.20 build).
 CHOSEN_ENV = "MEGATRON_EXT_RECIPES"
@@ -151,6 +157,20 @@ def assert_messages_are_the_payload(pipeline: dict) -> None:
     assert messages["sent"] > 0 and messages["bytes_measured"] == messages["bytes_expected"]
     assert list(messages["fields"]) == ["hidden_states", "pre_mix"], messages
     assert sum(messages["fields"].values()) == messages["bytes_expected"]
+
+
+def test_make_runs_recipe_is_checked_in_the_default_tier():
+    """Issue 41, item 14: `make run`'s demo was soak-only, so the front page's command was never
+    checked against its golden values in CI."""
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    demo = re.search(r"^run:.*\n\t.*megatron-ext run recipes/(\w+)\.yaml", makefile, re.M)
+    assert demo and demo.group(1) == MAKE_RUN_RECIPE
+    default_tier = (
+        {r.stem for r in sorted((REPO_ROOT / "recipes").glob("*.yaml"))}
+        - TRAINED_ELSEWHERE
+        - SOAK_RECIPES
+    )
+    assert MAKE_RUN_RECIPE in default_tier
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=_case_id)

@@ -127,7 +127,7 @@ def test_shipped_recipes_are_listed_and_copied_out_with_their_golden_values(tmp_
     assert cli.main(["recipes"]) == 0
     listing = capsys.readouterr().out
     assert listing.startswith("gpt_mhc_cp2_pp2  ") and "\ngpt_tp2_pp2 " in listing
-    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path)]) == 0
+    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path), "--with-golden"]) == 0
     loaded = load(tmp_path / "gpt_tp2_pp2.yaml")
     assert loaded.golden_path() == tmp_path / "golden/gpt_tp2_pp2/golden_values_cpu.json"
     assert loaded.golden_path().is_file()
@@ -136,6 +136,18 @@ def test_shipped_recipes_are_listed_and_copied_out_with_their_golden_values(tmp_
     assert cli.main(["recipes", "--copy", "gpt_tp2", str(tmp_path)]) == 2
     errors = capsys.readouterr().err
     assert "gpt_tp2_pp2.yaml exists" in errors and "did you mean 'gpt_tp2_pp2'?" in errors
+
+
+def test_a_copied_recipe_carries_no_golden_values_unless_asked(tmp_path, capsys):
+    """Issue 41, item 1: the shipped golden values were measured on the shipped data; a copy
+    pointed at a user's corpus would fail against them, so ``--copy`` leaves them out."""
+    from megatron_ext import cli
+    from megatron_ext.recipes import load
+
+    assert cli.main(["recipes", "--copy", "gpt_mhc_pp2_real_data", str(tmp_path)]) == 0
+    written = capsys.readouterr().out
+    assert "golden" not in written and not (tmp_path / "golden").exists(), written
+    assert not load(tmp_path / "gpt_mhc_pp2_real_data.yaml").golden_path().exists()
 
 
 def test_verbose_shows_the_upstream_warnings_doctor_hides():
