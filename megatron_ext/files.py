@@ -46,17 +46,21 @@ def kind_of(mode: int) -> str:
 class NotRegularFile(OSError):
     """An input that is a FIFO, socket, device or directory where a file is read (one line)."""
 
+    kind = "not a regular file"
+
 
 class InputTooLarge(OSError):
     """An input that holds more than the reader's bound (one line)."""
 
 
 def not_regular(path: str | os.PathLike, mode: int) -> NotRegularFile:
-    return NotRegularFile(
+    exc = NotRegularFile(
         errno.EINVAL,
         f"{path} is {kind_of(mode)}, not a regular file; give a regular file",
         str(path),
     )
+    exc.kind = kind_of(mode)
+    return exc
 
 
 def open_regular(path: str | os.PathLike, mode: str = "rb", **kwargs: Any) -> IO[Any]:
