@@ -155,6 +155,35 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Path:
+    """``figure.savefig`` written beside ``path`` and renamed over it, so a full or read-only
+    disk leaves neither a truncated image nor a temporary file; raises :class:`OSError`
+    naming ``path`` (callers print :func:`cannot_write`)."""
+    problem = output_problem(path)
+    if problem is not None:
+        raise OSError(errno.EEXIST, problem, str(path))
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(
+        dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix
+    )
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            figure.savefig(stream, format=target.suffix.lstrip(".") or "png", **savefig_kwargs)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise OSError(exc.errno, failure_reason(exc), str(target)) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return target
+
+
 def failure_reason(exc: OSError) -> str:
     """Why a write failed, in words: the system's text for its errno (ENOSPC: "No space left
     on device"), never a bare "OSError" when the error carries no message of its own."""
@@ -164,6 +193,42 @@ def failure_reason(exc: OSError) -> str:
         return os.strerror(exc.errno)
     text = " ".join(str(exc).split())
     return text or f"{type(exc).__name__} without a reason"
+
+
+# The errors that say the disk (not the input) is the problem: full, over quota, too large a
+# file, read-only, not permitted.
+WRITE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+)
+
+
+# Of those, the ones only a disk (never an input's permissions) gives.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def is_write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a disk refusing a write."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in WRITE_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def write_errno(exc: BaseException) -> OSError | None:
+    """The first :func:`is_write_failure` error in ``exc``'s chain (None: none)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in WRITE_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def cannot_write(path: str | os.PathLike, exc: OSError) -> str:
+    """The one line for a write that failed: ``cannot write PATH: No space left on device``."""
+    return f"cannot write {path}: {failure_reason(exc)}"
 
 
 def inside(root: Path, path: Path) -> bool:
