@@ -123,6 +123,12 @@ def tokenizer_problems(
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
+    if tokenizer_type in SENTENCEPIECE_TYPES and model and Path(model).exists():
+        problem = sentencepiece_problem(model)
+        if problem:
+            problems.append(
+                f"{where}model: {problem}" if where else f"--tokenizer-model: {problem}"
+            )
     if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
         problem = _vocab_json_problem(vocab_file)
         if problem:
@@ -130,6 +136,31 @@ def tokenizer_problems(
                 f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
             )
     return problems
+
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+MAX_SENTENCEPIECE_BYTES = 1 << 30
+
+
+def sentencepiece_problem(model: str) -> str | None:
+    """Why ``model`` is not a SentencePiece model the ranks can load (None: it is): read as a
+    regular file within a bound, then parsed by sentencepiece itself (issue 40, item 13)."""
+    try:
+        blob = files.read_bounded(model, MAX_SENTENCEPIECE_BYTES, "SentencePiece model")
+    except OSError as e:
+        return f"{model} cannot be read: {files.failure_reason(e)}"
+    import sentencepiece
+
+    try:
+        size = sentencepiece.SentencePieceProcessor(model_proto=blob).vocab_size()
+        if size < 1:
+            raise ValueError("no pieces")
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError, OSError...
+        return (
+            f"{model} is not a SentencePiece model ({' '.join(str(e).split())[:120]}); give the "
+            ".model file sentencepiece trained"
+        )
+    return None
 
 
 def _vocab_json_problem(vocab_file: str) -> str | None:
