@@ -82,7 +82,7 @@ test-soak: setup
 # make test-upstream-cases MEGATRON_LM_CASES=/path/to/Megatron-LM/tests/functional_tests/test_cases
 test-upstream-cases:
 	@test -n "$(MEGATRON_LM_CASES)" || { echo "give MEGATRON_LM_CASES=/path/to/Megatron-LM/tests/functional_tests/test_cases"; exit 2; }
-	MEGATRON_LM_CASES=$(MEGATRON_LM_CASES) $(PY) -m pytest tests/unit_tests/recipes/test_upstream_case_tree.py -k upstream_case
+	MEGATRON_LM_CASES=$(MEGATRON_LM_CASES) $(PY) -m pytest tests/unit_tests/upstream_cases/test_upstream_case_tree.py -k upstream_case
 
 # Build the wheel and install it, as a user would, beside the megatron-core already installed
 # (a venv layered on .venv, pip --no-index): megatron-core must stay, `megatron-ext doctor` pass.

@@ -37,7 +37,7 @@ setup(
         "matplotlib",  # schedule timelines and loss plots
     ],
     extras_require={
-        "test": ["pytest", "hypothesis"],  # hypothesis: recipe fuzzing (tests/unit_tests/recipes)
+        "test": ["pytest", "hypothesis"],  # hypothesis: fuzzing (tests/unit_tests/recipes, cli)
         # GPU only; the Dockerfile's NVIDIA PyTorch base image brings it (and apex).
         "te": ["transformer-engine[pytorch]"],
         # Logging back-ends behind Megatron's --tensorboard-dir / --wandb-project flags. Recipe

@@ -302,12 +302,6 @@ def check_mhc_single_pass(config: Any) -> None:
             "mhc_learned_output_contract=True: single-pass mHC contracts with the last site's "
             "coefficients and has no hc_head; set mhc_learned_output_contract=False",
         ),
-        (
-            getattr(config, "mhc_variant", "megatron") != "megatron",
-            f"mhc_variant={getattr(config, 'mhc_variant', None)!r}: single-pass is built on the "
-            "megatron maps only (the DeepSeek maps under single pass are not implemented); "
-            "set mhc_variant='megatron' (--mhc-variant megatron)",
-        ),
     )
     for refused, reason in refusals:
         if refused:

@@ -21,22 +21,27 @@ unvalidated); NeMo Automodel PR #3855 (DeepSeek-V4.1-Flash training with single-
 PP); vLLM #56438 (under PP the stage boundary carries the hidden states and the delayed
 ``pre_mix``).
 
-Choices where the sources are silent or differ from megatron-ext's mHC:
+Choices where the sources are silent or differ from megatron-ext's two-pass mHC:
 
-- The maps are megatron-ext's megatron variant (:class:`~megatron_ext.mhc.HyperConnectionModule`:
-  RMS factor 1/(‖x‖/√(nh) + 1e-6), pre = σ, post = 2σ, res by Sinkhorn or Birkhoff, H_resᵀ
-  mixing), not DeepSeek-V4's (rsqrt(mean + eps), pre = σ + eps, softmax-first Sinkhorn): the
-  single-pass order of operations is independent of how a site computes its maps.
-- The coefficients stay fp32 between sites and across stages; the aggregation casts them to
-  the activation dtype, as megatron-ext's two-pass aggregation does (the V4.1 reference
-  aggregates in fp32; identical for fp32 activations).
+- The maps are the site's variant (``mhc_variant``). ``deepseek-v4`` and ``glm5`` give
+  upstream's single-pass numbers (#7500 computes DeepSeek's maps: ``rsqrt(mean(x²) + eps)``,
+  ``σ(·) + ε`` for pre, ``2σ(·)`` for post, ``softmax(-1) + ε`` then a column normalisation
+  and ``iterations − 1`` × [row, column], each denominator ``+ ε``); the two are one function
+  here, since single pass has no head (GLM-5-Next's mean head and DeepSeek-V4's learned one
+  both give way to the last pre). ``megatron`` (the default) runs the same order on the paper's
+  maps (RMS factor ``1/(‖x‖/√(nh) + 1e-6)``, pre = σ, exp/clamp Sinkhorn): not a published
+  single-pass form. ε is ``hc_eps`` = 1e-6 (upstream's ``--mhc-epsilon`` default), the RMS
+  eps is the model's ``layernorm_epsilon``.
+- The coefficients stay fp32 between sites and across stages, and the aggregation
+  ``Σ_j pre[j]·x[j]`` (a site's input and the final contraction) runs in fp32 and is cast to
+  the activation dtype afterwards, as upstream does (identical for fp32 activations).
 - Under pipeline parallelism the last site of a stage hands pre_last to the next stage as the
   payload field ``pre_mix`` ([s', b, n] fp32, with its gradient; :mod:`megatron_ext.pipeline.payload`);
   a stage without layers (a standalone embedding stage) forwards e_0.
 
 :func:`megatron_ext.guards.check_mhc_single_pass` refuses what this does not do yet, each with
-its reason: the fused kernels, the "mhc" selective recompute, the learned contraction and a
-DeepSeek variant (full recompute is refused for every mHC model).
+its reason: the fused kernels, the "mhc" selective recompute and the learned contraction (full
+recompute is refused for every mHC model).
 
 Where it runs: GPT's :class:`~megatron_ext.mhc.transformer_block.HyperConnectionTransformerBlock`
 and the Hybrid stack (:class:`~megatron_ext.models.hybrid.hybrid_stack.HybridStack`: attention,
@@ -53,8 +58,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.mhc.hyper_connection import _mix_matrices, _post_cols, aggregate
+from megatron_ext import registry
+from megatron_ext.mhc.hyper_connection import _mix_matrices, _post_cols, aggregate_rows
 from megatron_ext.mhc.reference import reference_aggregate
+from megatron_ext.pipeline.payload import HIDDEN_STATES, PRE_MIX
+from megatron_ext.pipeline.payload_wire import unpack
 
 
 @dataclass
@@ -71,6 +79,34 @@ def initial_pre_mix(streams: torch.Tensor, n: int) -> torch.Tensor:
     return pre
 
 
+def start_single_pass(
+    owner, hidden_states: torch.Tensor | None, layers, input_tensor_seam: str
+) -> SinglePassState:
+    """The coefficients a stage starts with, handed to each of its ``layers``' sites: e_0
+    where ``owner`` (a GPT block or Hybrid stack) expands the streams, the payload's
+    ``pre_mix`` where it receives them (the received wire is unpacked and ``owner``'s
+    ``input_tensor``, megatron's seam ``input_tensor_seam``, becomes its hidden states)."""
+    if owner.pre_process:
+        assert hidden_states is not None
+        pre_mix = initial_pre_mix(hidden_states, owner.num_residual_streams)
+    else:
+        fields = unpack(owner.payload, owner.input_tensor)
+        registry.assign(owner, "input_tensor", fields[HIDDEN_STATES], input_tensor_seam)
+        pre_mix = fields[PRE_MIX]
+    state = SinglePassState(pre_mix)
+    for layer in layers:
+        layer.single_pass_state = state
+    return state
+
+
+def aggregate_in_fp32(streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    """``Σ_j pre[j]·x[j]``: ``[s,b,n*h], [s,b,n] -> [s,b,h]`` computed in fp32 (float64 stays
+    float64) and cast to the streams' dtype, as upstream's single pass aggregates."""
+    compute = torch.promote_types(streams.dtype, torch.float32)
+    pre_rows = pre_mix.reshape(-1, 1, pre_mix.shape[-1]).to(compute)
+    return aggregate_rows(streams.to(compute), pre_rows).to(streams.dtype)
+
+
 def single_pass_site(connection, streams: torch.Tensor, state: SinglePassState):
     """One site: ``(sub-layer input [s, b, h], post, res)`` with post and res in the form the
     connection's ``merge_fn`` takes; ``state.pre_mix`` becomes this site's pre."""
@@ -79,15 +115,22 @@ def single_pass_site(connection, streams: torch.Tensor, state: SinglePassState):
         layer_input = reference_aggregate(streams, state.pre_mix)
         post, res = h_post, h_res
     else:
-        layer_input = aggregate(streams, state.pre_mix)
+        layer_input = aggregate_in_fp32(streams, state.pre_mix)
         post, res = _post_cols(h_post, streams.dtype), _mix_matrices(h_res, streams.dtype)
     state.pre_mix = h_pre
     return layer_input, post, res
 
 
 def contract_with_pre_mix(streams: torch.Tensor, state: SinglePassState) -> torch.Tensor:
-    """``[s, b, n*h] -> [s, b, h]`` by the last site's coefficients."""
-    return aggregate(streams, state.pre_mix)
+    """``[s, b, n*h] -> [s, b, h]`` by the last site's coefficients (in fp32)."""
+    return aggregate_in_fp32(streams, state.pre_mix)
 
 
-__all__ = ["SinglePassState", "contract_with_pre_mix", "initial_pre_mix", "single_pass_site"]
+__all__ = [
+    "SinglePassState",
+    "aggregate_in_fp32",
+    "contract_with_pre_mix",
+    "initial_pre_mix",
+    "single_pass_site",
+    "start_single_pass",
+]

@@ -8,8 +8,12 @@ logged step's first micro-batch, as each hyper connection sees them:
   ``h_res_row_err`` = max |row sum − 1| and ``h_res_col_err`` = max |column sum − 1| (Sinkhorn
   leaves some; birkhoff is exact to rounding), H_res's largest Frobenius distance from the
   identity and from uniform mixing (``h_res_identity_dist``, ``h_res_uniform_dist``: what the
-  learned mixing moves, when the gains stay at 1 up to rounding), and the ranges
-  ``h_pre_min/max``, ``h_post_min/max``;
+  learned mixing moves, when the gains stay at 1 up to rounding), the ranges
+  ``h_pre_min/max``, ``h_post_min/max``, the largest amplitudes ``h_pre_sum_max`` (Σ_i H_pre_i:
+  how much of the streams the sub-layer reads) and ``h_post_sum_max`` (Σ_i H_post_i: how much of
+  its output it writes back), and the residual streams' size as the sub-layer receives them,
+  ``stream_rms_min/max`` (the RMS over h of each stream, extremes over streams and tokens): what
+  moves when the maps stay doubly stochastic but the streams grow or drift apart;
 * over the model (``mhc/forward_gain``, ``mhc/backward_gain``): the paper's "Amax Gain
   Magnitude" of the composite residual mixing of the decoder. A sub-layer maps the streams by
   ``x ↦ H_resᵀ x`` (our orientation, see :mod:`megatron_ext.mhc.hyper_connection`), so the
@@ -77,6 +81,7 @@ class Sample(NamedTuple):
     h_post: torch.Tensor  # [T, n]
     h_res: torch.Tensor  # [T, n, n] float64
     holder: bool  # whether this rank's copy counts (first DP replica; first TP rank w/o SP)
+    stream_rms: torch.Tensor  # [T, n] float64: each stream's RMS over h
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -143,15 +148,16 @@ class Recorder:
             empty = torch.zeros(0, n, dtype=torch.float64)
             self.samples[key] = (
                 connection,
-                Sample(taken, empty, empty, empty.view(0, n, n), False),
+                Sample(taken, empty, empty, empty.view(0, n, n), False, empty),
             )
             return
         with torch.no_grad():
-            h_pre, h_post, h_res = connection.compute_mappings(
-                x.index_select(0, taken.to(x.device))[:, :1].detach()
-            )
+            tokens = x.index_select(0, taken.to(x.device))[:, :1].detach()
+            h_pre, h_post, h_res = connection.compute_mappings(tokens)
+            streams = tokens.double().reshape(-1, n, tokens.shape[-1] // n)
+            stream_rms = streams.square().mean(dim=-1).sqrt()
         maps = (h_pre.reshape(-1, n), h_post.reshape(-1, n), h_res.reshape(-1, n, n).double())
-        self.samples[key] = (connection, Sample(positions[taken], *maps, holder))
+        self.samples[key] = (connection, Sample(positions[taken], *maps, holder, stream_rms))
 
 
 _recorder: Recorder | None = None
@@ -174,8 +180,14 @@ def recorder() -> Recorder | None:
 
 
 # ---- the figures -------------------------------------------------------------------------------
-def sublayer_figures(h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> dict:
-    """Per-sub-layer figures from maps ``[T, n]``, ``[T, n]``, ``[T, n, n]``.
+def sublayer_figures(
+    h_pre: torch.Tensor,
+    h_post: torch.Tensor,
+    h_res: torch.Tensor,
+    stream_rms: torch.Tensor | None = None,
+) -> dict:
+    """Per-sub-layer figures from maps ``[T, n]``, ``[T, n]``, ``[T, n, n]`` and the streams'
+    RMS ``[T, n]`` (when given).
 
     Where H_res sits between the two ends of the Birkhoff polytope: its largest Frobenius
     distance (over the sample tokens) from the identity (no mixing, the plain residual) and
@@ -184,7 +196,7 @@ def sublayer_figures(h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Ten
     ``||I - J/n||_F = sqrt(n - 1)``)."""
     n = h_res.shape[-1]
     identity = torch.eye(n, dtype=h_res.dtype, device=h_res.device)
-    return {
+    figures = {
         "h_res_row_err": (h_res.sum(-1) - 1).abs().max().item(),
         "h_res_col_err": (h_res.sum(-2) - 1).abs().max().item(),
         "h_res_identity_dist": torch.linalg.matrix_norm(h_res - identity).max().item(),
@@ -193,7 +205,13 @@ def sublayer_figures(h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Ten
         "h_pre_max": h_pre.max().item(),
         "h_post_min": h_post.min().item(),
         "h_post_max": h_post.max().item(),
+        "h_pre_sum_max": h_pre.sum(-1).max().item(),
+        "h_post_sum_max": h_post.sum(-1).max().item(),
     }
+    if stream_rms is not None:
+        figures["stream_rms_min"] = stream_rms.min().item()
+        figures["stream_rms_max"] = stream_rms.max().item()
+    return figures
 
 
 def compose(operators: list[torch.Tensor]) -> torch.Tensor:
@@ -234,6 +252,7 @@ class Entry(NamedTuple):
     h_pre: torch.Tensor
     h_post: torch.Tensor
     h_res: torch.Tensor
+    stream_rms: torch.Tensor
 
 
 def contribution(samples: dict, holders_only: bool = True) -> list[Entry]:
@@ -258,6 +277,7 @@ def contribution(samples: dict, holders_only: bool = True) -> list[Entry]:
                         sample.h_pre.detach().double().cpu(),
                         sample.h_post.detach().double().cpu(),
                         sample.h_res.detach().double().cpu(),
+                        sample.stream_rms.detach().double().cpu(),
                     )
                 )
     return entries
@@ -282,7 +302,7 @@ def _merged(contributions: list) -> dict[str, Entry]:
             positions[keep],
             *(
                 torch.cat([getattr(p, f) for p in pieces])[keep]
-                for f in ("h_pre", "h_post", "h_res")
+                for f in ("h_pre", "h_post", "h_res", "stream_rms")
             ),
         )
     return merged
@@ -301,7 +321,8 @@ def combine(contributions: list) -> dict[str, float]:
     merged = sorted(_merged(contributions).values(), key=lambda entry: entry.order)
     figures: dict[str, float] = {}
     for entry in merged:
-        for name, value in sublayer_figures(entry.h_pre, entry.h_post, entry.h_res).items():
+        maps = (entry.h_pre, entry.h_post, entry.h_res, entry.stream_rms)
+        for name, value in sublayer_figures(*maps).items():
             figures[f"{entry.name}/{name}"] = value
     decoder = [entry for entry in merged if entry.order[0] == 0]
     figures.update(_composite_gains(decoder, GAIN_NAMES))

@@ -39,6 +39,14 @@ DISTANCES = (
     ("h_res_identity_dist", "from the identity (no mixing)"),
     ("h_res_uniform_dist", "from uniform mixing (J/n)"),
 )
+AMPLITUDES = (
+    ("h_pre_sum_max", "Σ H_pre (read)"),
+    ("h_post_sum_max", "Σ H_post (write-back)"),
+)
+SINKHORN_RESIDUALS = (
+    ("h_res_row_err", "max |row sum − 1|"),
+    ("h_res_col_err", "max |column sum − 1|"),
+)
 GAIN_AXIS = (0.0, 2.0)
 """The gains' fixed axis: a projected H_res keeps them at 1 up to float rounding (1 ± 1e-7),
 which an autoscaled axis would draw as spikes; growth past 2 widens it."""
@@ -49,6 +57,35 @@ def _per_step(run_metrics: dict, suffix: str, pick) -> dict[int, float]:
     series = [s for name, s in run_metrics.items() if name.endswith(f"/{suffix}") and s]
     steps = sorted({step for s in series for step in s})
     return {step: pick(s[step] for s in series if step in s) for step in steps}
+
+
+def _draw_worst(ax, run_metrics: dict, keys, title: str, pick=max) -> None:
+    """One line per ``(suffix, label)``: ``pick`` over the sub-layers, per logged step."""
+    for key, label in keys:
+        worst = _per_step(run_metrics, key, pick)
+        ax.plot(
+            sorted(worst), [worst[s] for s in sorted(worst)], marker="o", markersize=3, label=label
+        )
+    ax.set_title(title, fontsize=9)
+
+
+def _draw_streams(axes, run_metrics: dict) -> None:
+    """What moves while the gains stay at 1: the streams' RMS range, the H_pre/H_post
+    amplitudes and Sinkhorn's residual (log axis: 1e-7 to 1e-1 all show)."""
+    _draw_worst(
+        axes[0],
+        run_metrics,
+        (("stream_rms_min", "smallest stream"),),
+        "residual streams' RMS (over streams and sub-layers)",
+        pick=min,
+    )
+    _draw_worst(axes[0], run_metrics, (("stream_rms_max", "largest stream"),), axes[0].get_title())
+    _draw_worst(axes[1], run_metrics, AMPLITUDES, "H_pre / H_post amplitudes (largest)")
+    _draw_worst(axes[2], run_metrics, SINKHORN_RESIDUALS, "H_res: Sinkhorn residual (largest)")
+    if axes[2].has_data() and all(
+        min(line.get_ydata(), default=0) > 0 for line in axes[2].get_lines()
+    ):
+        axes[2].set_yscale("log")
 
 
 def _draw_panels(axes, run_metrics: dict) -> None:
@@ -82,6 +119,7 @@ def _draw_panels(axes, run_metrics: dict) -> None:
             highest = max(highest, 1.1 * max(series.values()))
     axes[3].set_ylim(GAIN_AXIS[0], highest)
     axes[3].set_title("composite gains (fixed axis)", fontsize=9)
+    _draw_streams(axes[4:], run_metrics)
     for ax in axes:
         if ax.has_data():
             ax.legend(fontsize=7)
@@ -91,14 +129,18 @@ def _draw_panels(axes, run_metrics: dict) -> None:
 
 def figure(run_metrics: dict, title: str):
     """mhc.png's figure: H_pre and H_post ranges, H_res's distances from the identity and from
-    uniform mixing, and the gains on :data:`GAIN_AXIS` (None when the run logged no gain)."""
+    uniform mixing, the gains on :data:`GAIN_AXIS`, then what moves while the gains stay at 1:
+    the residual streams' RMS range, the H_pre/H_post amplitudes and Sinkhorn's residual (None
+    when the run logged no gain)."""
     if not any(run_metrics.get(name) for name in GAIN_NAMES):
         return None
     from megatron_ext.runs.plot import _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
-    _draw_panels(list(axes.flat), run_metrics)
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7), squeeze=False)
+    panels = list(axes.flat)
+    panels.pop().remove()  # seven panels on a 2 x 4 grid
+    _draw_panels(panels, run_metrics)
     fig.suptitle(f"{title}: mHC", fontsize=10)
     fig.tight_layout()
     return fig

@@ -53,9 +53,9 @@ TRAINED_ELSEWHERE = {
 }
 # Recipes trained only in the soak tier (`make test-soak`), to keep `make test` within its 20
 # minutes. Each one's layout is proven against a single-rank reference (loss and every gradient)
-# by the unit tests (PP4 x VPP2: pipeline_parallel/test_pp_mhc_compatibility_4ranks.py; Hybrid
-# TP2 x PP2 + SP with MTP and the VPP2 empty chunk with MTP: pipeline_parallel/
-# test_pp_mhc_hybrid*.py; MoE + MLA at EP2 x PP2: pipeline_parallel/test_mhc_moe_mla_4ranks.py),
+# by the unit tests (PP4 x VPP2: pipeline/test_pp_mhc_compatibility_4ranks.py; Hybrid
+# TP2 x PP2 + SP with MTP and the VPP2 empty chunk with MTP: pipeline/
+# test_pp_mhc_hybrid*.py; MoE + MLA at EP2 x PP2: pipeline/test_mhc_moe_mla_4ranks.py),
 # and the recipe runs below still train pretrain_hybrid at TP2 x PP2 (hybrid_mhc_tp2_pp2_real_data)
 # and MoE + MLA through pretrain_gpt (gpt_mhc_v4_moe_mla_pp2).
 SOAK_RECIPES = {

@@ -172,6 +172,10 @@ def _cpu_figures(inputs):
         figures[f"{name}/h_res_uniform_dist"] = max(((m - 1 / N) ** 2).sum().sqrt() for m in h_res)
         figures[f"{name}/h_pre_min"], figures[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         figures[f"{name}/h_post_min"], figures[f"{name}/h_post_max"] = h_post.min(), h_post.max()
+        figures[f"{name}/h_pre_sum_max"] = h_pre.sum(-1).max().item()
+        figures[f"{name}/h_post_sum_max"] = h_post.sum(-1).max().item()
+        rms = sample.reshape(-1, N, sample.shape[-1] // N).square().mean(-1).sqrt()
+        figures[f"{name}/stream_rms_min"], figures[f"{name}/stream_rms_max"] = rms.min(), rms.max()
         operators.append(h_res.transpose(-1, -2))  # a sub-layer maps the streams by H_resᵀ
     composite = operators[0]
     for operator in operators[1:]:  # explicit products in layer order

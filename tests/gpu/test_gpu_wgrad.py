@@ -1,5 +1,5 @@
 """Deferred weight gradients (megatron_ext.pipeline.wgrad, ZB-H1's W) on one CUDA device
-(marked ``gpu``, skipped without CUDA). tests/unit_tests/pipeline_parallel/test_wgrad.py checks
+(marked ``gpu``, skipped without CUDA). tests/unit_tests/pipeline/test_wgrad.py checks
 the same behaviour on CPU; on CUDA autograd runs the backward on its own device thread (the
 reason wgrad's store is process-global) and ``torch.amp.custom_fwd/custom_bwd`` ("cuda")
 bring autocast into the backward, neither of which a CPU run reaches.

@@ -53,13 +53,12 @@ from megatron.core.models.hybrid.hybrid_block import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_ext import registry
 from megatron_ext.mhc.hyper_connection import expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
-from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix, initial_pre_mix
+from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix, start_single_pass
 from megatron_ext.pipeline.payload import HIDDEN_STATES, PRE_MIX, stage_payload
-from megatron_ext.pipeline.payload_wire import pack, unpack
+from megatron_ext.pipeline.payload_wire import pack
 
 # HybridStack.forward reads a receiving stage's input from input_tensor (declared seam).
 INPUT_TENSOR_SEAM = "megatron.core.models.hybrid.hybrid_block:HybridStack.set_input_tensor"
@@ -164,17 +163,9 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         return [layer for layer in self.layers if hasattr(layer, "single_pass_state")]
 
     def _start_single_pass(self, hidden_states) -> None:
-        """The coefficients this stage starts with: e_0 where the streams are expanded, the
-        payload's ``pre_mix`` where they are received (the received wire is unpacked)."""
-        if self.pre_process:
-            pre_mix = initial_pre_mix(hidden_states, self.num_residual_streams)
-        else:
-            fields = unpack(self.payload, self.input_tensor)
-            registry.assign(self, "input_tensor", fields[HIDDEN_STATES], INPUT_TENSOR_SEAM)
-            pre_mix = fields[PRE_MIX]
-        self._single_pass_state = SinglePassState(pre_mix)
-        for layer in self._single_pass_layers():
-            layer.single_pass_state = self._single_pass_state
+        self._single_pass_state = start_single_pass(
+            self, hidden_states, self._single_pass_layers(), INPUT_TENSOR_SEAM
+        )
 
     def _finish_single_pass(self) -> SinglePassState | None:
         state, self._single_pass_state = self._single_pass_state, None

@@ -2,7 +2,7 @@
 from (every layer an mHC layer, dense/MoE by moe_layer_freq, local norms), the MLA config with
 the mHC fields, and GPT MTP with mHC at PP=1 (plain MTP layers on the contracted decoder
 output, as upstream PR #4945 builds them). Multi-rank equivalence: tests/unit_tests/
-pipeline_parallel/test_mhc_moe_mla_{2,4}ranks.py."""
+pipeline/test_mhc_moe_mla_{2,4}ranks.py."""
 
 import pytest
 import torch

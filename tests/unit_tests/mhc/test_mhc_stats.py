@@ -63,6 +63,18 @@ def _forward(model):
     return model(tokens, positions, mask)
 
 
+def _direct_amplitudes(name, h_pre, h_post, x):
+    """The amplitude figures: Σ H_pre, Σ H_post and each stream's RMS over h (numpy)."""
+    streams = x[:8, :1].detach().double().numpy().reshape(-1, N, x.shape[-1] // N)
+    rms = np.sqrt((streams**2).mean(axis=-1))
+    return {
+        f"{name}/h_pre_sum_max": h_pre.sum(axis=1).max(),
+        f"{name}/h_post_sum_max": h_post.sum(axis=1).max(),
+        f"{name}/stream_rms_min": rms.min(),
+        f"{name}/stream_rms_max": rms.max(),
+    }
+
+
 def _direct(inputs):
     """Figures from the captured streams, one loop per formula (float64, numpy)."""
     figures, composite = {}, None
@@ -82,6 +94,7 @@ def _direct(inputs):
         )
         figures[f"{name}/h_pre_min"], figures[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         figures[f"{name}/h_post_min"], figures[f"{name}/h_post_max"] = h_post.min(), h_post.max()
+        figures.update(_direct_amplitudes(name, h_pre, h_post, x))
         operator = np.transpose(h_res, (0, 2, 1))  # x -> H_resᵀ x
         composite = operator if composite is None else np.matmul(operator, composite)
     figures["mhc/forward_gain"] = np.abs(composite).sum(axis=2).max()
@@ -149,7 +162,7 @@ def _entry(layer, h_res, positions=None, index=0, depth=0):
     positions = torch.arange(tokens) if positions is None else positions
     maps = torch.rand(tokens, N, dtype=torch.float64)
     name = f"mhc/layer{layer:02d}.s{index}" if not depth else f"mhc/mtp{depth}.layer{layer:02d}"
-    return stats.Entry(name, (depth, layer, index), positions, maps, maps, h_res)
+    return stats.Entry(name, (depth, layer, index), positions, maps, maps, h_res, maps)
 
 
 def test_sublayers_combine_in_global_layer_order_whatever_the_rank_order():
@@ -313,6 +326,7 @@ def test_hybrid_mtp_stats_match_a_direct_computation(monkeypatch, method):
         expected[f"{name}/h_pre_min"], expected[f"{name}/h_pre_max"] = h_pre.min(), h_pre.max()
         expected[f"{name}/h_post_min"] = h_post.min()
         expected[f"{name}/h_post_max"] = h_post.max()
+        expected.update(_direct_amplitudes(name, h_pre, h_post, x))
         operators.append(np.transpose(h_res, (0, 2, 1)))
     expected.update(_direct_gains(operators[:2], stats.GAIN_NAMES))
     expected.update(_direct_gains(operators, stats.MTP_GAIN_NAMES))

@@ -7,7 +7,7 @@ there. Here: megatron's linear still has the problem (so the fix is still needed
 bit-identical values and gradients without it, GPT (with and without mHC) and Hybrid MoE
 models with biases train, and shared experts with a bias are refused before any model is built.
 The 2-rank comparisons with the single-rank reference are in
-tests/unit_tests/pipeline_parallel/test_mhc_moe_mla_2ranks.py.
+tests/unit_tests/pipeline/test_mhc_moe_mla_2ranks.py.
 """
 
 from __future__ import annotations

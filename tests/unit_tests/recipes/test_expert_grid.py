@@ -4,11 +4,12 @@ grid, and imported MoE cases get the smallest world both admit (issue 33, item 5
 from __future__ import annotations
 
 import pytest
-from test_upstream_cases import write_case
 
 from megatron_ext.parallel_plan import ParallelPlan
 from megatron_ext.recipes import load
 from megatron_ext.recipes.checks import plan_problems
+
+from recipe_texts import write_case
 
 MOE = {"--num-experts": 4, "--expert-model-parallel-size": 2}
 

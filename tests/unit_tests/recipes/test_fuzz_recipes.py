@@ -19,7 +19,7 @@ from megatron_ext.recipes import RecipeError, load  # noqa: E402
 from megatron_ext.recipes.schema import documented_fields  # noqa: E402
 from megatron_ext.recipes.validate import validate  # noqa: E402
 
-from conftest import MINIMAL  # noqa: E402
+from recipe_texts import MINIMAL  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MEGATRON_EXT_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

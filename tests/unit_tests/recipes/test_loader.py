@@ -6,7 +6,7 @@ from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.loader import dump, parse_yaml, resolve
 from megatron_ext.recipes.schema import documented_fields
 
-from conftest import MINIMAL, RECIPES
+from recipe_texts import MINIMAL, RECIPES
 
 
 def _problems(exc: RecipeError) -> list[str]:

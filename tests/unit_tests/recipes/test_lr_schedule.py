@@ -9,7 +9,7 @@ from megatron_ext.recipes import load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import megatron_args
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 
 def _problems(write_recipe, overrides) -> list[str]:

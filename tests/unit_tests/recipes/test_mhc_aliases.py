@@ -5,7 +5,7 @@ import pytest
 from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.command import megatron_args
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 
 @pytest.mark.parametrize(

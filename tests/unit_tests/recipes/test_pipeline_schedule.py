@@ -9,7 +9,7 @@ from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import describe, megatron_args
 from megatron_ext.recipes.flags import conflicts
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 TP2_PP2_SP = REPO_ROOT / "recipes/gpt_mhc_tp2_pp2_sp.yaml"
 ZB_H1 = "parallelism.schedule=zb-h1"

@@ -8,7 +8,7 @@ from megatron_ext.recipes.command import megatron_args, run_environment, save_ar
 from megatron_ext.recipes.loader import parse_yaml
 from megatron_ext.recipes.schema import layout_stages
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 
 def _flags(args: list[str]) -> dict[str, list[str]]:

@@ -2,7 +2,7 @@
 
 from megatron_ext.recipes.schema import SCHEMA_VERSION, markdown_table
 
-from conftest import RECIPES, REPO_ROOT
+from recipe_texts import RECIPES, REPO_ROOT
 
 
 def test_readme_field_table_is_the_schema():

@@ -10,7 +10,7 @@ import pytest
 from megatron_ext.recipes import load
 from megatron_ext.recipes.validate import validate
 
-from conftest import MINIMAL, REPO_ROOT
+from recipe_texts import MINIMAL, REPO_ROOT
 
 
 def _check(path, overrides=(), platform="cpu"):

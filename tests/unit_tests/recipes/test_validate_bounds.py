@@ -14,7 +14,7 @@ from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
-from conftest import MINIMAL
+from recipe_texts import MINIMAL
 
 
 def _problems(path, overrides):

@@ -15,7 +15,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:enable_mhc_connections=True without mHC recompute"),
 ]
 
-# Why 1e-4: see MHC_LR in tests/unit_tests/pipeline_parallel/mhc_pipeline_cases.py.
+# Why 1e-4: see MHC_LR in tests/unit_tests/pipeline/mhc_pipeline_cases.py.
 MHC_LR = 1e-4
 
 
