@@ -73,24 +73,10 @@ def change_problem(before: Any, after: Any) -> str | None:
             "run --resume keeps the model; start a new run with checkpoint.load: RUN_DIR and "
             "the pattern's '|' re-split for the new stages (the layers keep their names)"
         )
-    return ep_change_problem(
+    return start_from.ep_change_problem(
         before.parallelism.ep,
         after.parallelism.ep,
         "start a new run with checkpoint.load: RUN_DIR and checkpoint.load_optim: false",
-    )
-
-
-def ep_change_problem(old: int | None, new: int | None, other_way: str) -> str | None:
-    """Why an optimizer state saved under expert parallelism ``old`` cannot be loaded under
-    ``new`` (None: it can); the one rule for ``run --resume`` and ``checkpoint.load``.
-    ``other_way``: the caller's alternative to keeping the EP side."""
-    old, new = old or 1, new or 1
-    if (old > 1) == (new > 1):
-        return None
-    return (
-        f"parallelism.ep {old} -> {new}: Megatron keeps the experts' optimizer state apart "
-        f"only when ep > 1 and cannot load it across that change; keep ep "
-        f"{'> 1' if old > 1 else '= 1'}, or {other_way}"
     )
 
 

@@ -147,13 +147,12 @@ def _moe_checkpoint(root, optimizer=True):
 
 
 def test_an_ep_change_with_optimizer_state_is_refused_as_resume_refuses_it(tmp_path):
-    from megatron_ext.checkpoint import layout
 
     root = _moe_checkpoint(tmp_path / "ckpt")
     found = start_from.problems(_recipe(f"checkpoint.load={root}"))  # ep=1 here
     assert len(found) == 1 and "\n" not in found[0], found
     assert found[0].startswith("checkpoint.load: parallelism.ep 2 -> 1: ")
-    same_rule = layout.ep_change_problem(2, 1, "X")
+    same_rule = start_from.ep_change_problem(2, 1, "X")
     assert same_rule and found[0].split(": ", 1)[1].startswith(same_rule.split("; keep")[0])
     assert (
         start_from.problems(_recipe(f"checkpoint.load={root}", "checkpoint.load_optim=false")) == []
