@@ -163,6 +163,11 @@ def _split(key: str) -> tuple[str, str, str]:
     return head, key, tail
 
 
+def parameter_name(key: str) -> str:
+    """The parameter (or module) name inside a torch_dist key (optimizer and shard parts off)."""
+    return _split(key)[1]
+
+
 def rename_keys(
     state: Mapping[str, Any], convert: Callable[[Mapping[str, Any]], Mapping[str, Any]]
 ) -> dict[str, Any]:

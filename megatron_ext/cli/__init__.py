@@ -73,7 +73,7 @@ VERBOSE_HELP = "show upstream warnings (missing TE/Apex, deprecations) instead o
 _ROLE = re.compile(r":(?:func|class|mod|meth|data|attr):`~?([^`]+)`")
 
 
-def plain(text: str) -> str:
+def plain(text: str | None) -> str:
     """reStructuredText as a terminal shows it: ``code`` and :func:`name` become their text."""
     return _ROLE.sub(r"\1", text or "").replace("``", "")
 

@@ -90,8 +90,8 @@ def main(args: argparse.Namespace) -> int:
     conversion.problems += env_problems(
         conversion.recipe.get("launch", {}).get("env", {}), args.allow_env, "ENV_VARS"
     )
-    for problem in conversion.problems:
-        print(f"{source}: {problem}", file=sys.stderr)
+    for found in conversion.problems:
+        print(f"{source}: {found}", file=sys.stderr)
     if conversion.problems:
         return 2
     recipe = conversion.recipe

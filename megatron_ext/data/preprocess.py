@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
@@ -172,7 +173,7 @@ class Encoded:
 class Encoder:
     """Tokenizes one JSONL line; a process-wide tokenizer is built once per worker."""
 
-    tokenizer = None
+    tokenizer: Any = None  # megatron's tokenizer (no stubs), built in each worker
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -292,6 +293,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     pool, builders = None, {}
     try:
         builders = {key: IndexedDatasetBuilder(b, dtype=dtype) for key, (b, _) in temp.items()}
+        encoded: Iterator[Encoded]
         if args.workers == 1:
             Encoder.tokenizer = tokenizer
             encoded = map(encoder.encode, _numbered_lines(args.input))

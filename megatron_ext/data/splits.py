@@ -122,9 +122,9 @@ def split_problems(
         shares = split_shares(split or "")
         bounds = split_bounds(shares)
     problems = []
-    for i in range(len(SPLITS)):
-        if bounds[i] is not None:
-            problem = _one_split(blend, i, bounds[i], shares, needed[i], seq_length, split)
+    for i, bound in enumerate(bounds):
+        if bound is not None:
+            problem = _one_split(blend, i, bound, shares, needed[i], seq_length, split)
             if problem:
                 problems.append(problem)
     return problems

@@ -331,6 +331,7 @@ def _requeue_epilogue(job: SlurmJob) -> list[str]:
     from megatron_ext.launch.stop_signals import EXIT_STOPPED
 
     r = job.requeue
+    assert r is not None  # written only for jobs that requeue
     q = shlex.quote
     tracker = q(str(Path(r.checkpoint_dir) / "latest_checkpointed_iteration.txt"))
     final, most = int(r.final_iteration), int(r.max_requeues)
@@ -396,6 +397,7 @@ class StepWatch:
         if not started:
             return None  # the job's first step has not begun
         ended = (self.dirs[started[-1]] / ENDED).exists()
+        start: str | None
         try:
             start = (self.dirs[started[-1]] / START).read_text().strip()
         except OSError:
@@ -409,6 +411,7 @@ class StepWatch:
         self.ended = ended
         if ended:
             return None  # between steps, requeued, or the job is finishing
+        assert self.watchdog is not None  # made when the first step started (above)
         stall = self.watchdog.check()
         return stall.with_logged_step(self.rank_logs()) if stall is not None else None
 

@@ -14,12 +14,14 @@ import importlib.util
 import math
 import re
 import string
+from dataclasses import replace
 from typing import Any
 
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
 from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
 from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.schedule import plan_from_loaded
 from megatron_ext.recipes.schema import (
     HYBRID_SYMBOLS,
     Problem,
@@ -29,6 +31,7 @@ from megatron_ext.recipes.schema import (
     layout_stages,
 )
 from megatron_ext.schedules.schedule import ZB_H1
+from megatron_ext.schedules.text import ScheduleTextError, schedule_of
 
 KNOWN_METRICS = (
     "lm loss",
@@ -79,6 +82,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
         _check_model(r, add)
         _check_parallel_plan(r, add)
     _check_schedule(r, add)
+    _check_schedule_file(loaded, add)
     _check_training(r, add)
     _check_data(loaded, add)
     _check_test(r, add)
@@ -385,6 +389,30 @@ def _check_schedule(r: Recipe, add) -> None:
                 f"is not supported with parallelism.schedule: zb-h1 ({why}); remove it or set "
                 "parallelism.schedule: 1f1b",
             )
+
+
+def _check_schedule_file(loaded: LoadedRecipe, add) -> None:
+    """``parallelism.schedule_file``: with zb-h1 only, and a schedule text of this recipe's
+    plan that passes every check ZB-H1 makes before running it (read here, so a bad file is
+    refused before any rank starts)."""
+    r = loaded.recipe
+    p = r.parallelism
+    if not p.schedule_file:
+        return
+    if p.schedule != ZB_H1:
+        add(
+            "parallelism.schedule_file",
+            f"only ZB-H1 runs an order given as text (parallelism.schedule is {p.schedule}); "
+            "set parallelism.schedule: zb-h1 or remove the file",
+        )
+        return
+    plan, _ = plan_from_loaded(loaded)
+    if replace(plan, order_file=None).problems():
+        return  # reported by the schedule and batch checks
+    try:
+        schedule_of(plan)
+    except ScheduleTextError as exc:
+        add("parallelism.schedule_file", f"{p.schedule_file}: {exc}")
 
 
 # Megatron flags that give attention a non-causal mask, which the local context-parallel

@@ -52,6 +52,7 @@ FIELD_FLAGS: dict[str, str] = {
     "--expert-model-parallel-size": "parallelism.ep",
     "--sequence-parallel": "parallelism.sp",
     "--pipeline-schedule": "parallelism.schedule",
+    "--pipeline-schedule-file": "parallelism.schedule_file",
     "--train-iters": "training.iterations",
     "--micro-batch-size": "training.micro_batch_size",
     "--global-batch-size": "training.global_batch_size",

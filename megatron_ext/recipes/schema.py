@@ -194,6 +194,12 @@ class Parallelism:
         "weight gradients fill the bubble; needs pp > 1 and no virtual stages)",
         default="1f1b",
     )
+    schedule_file: str | None = _doc(
+        "--pipeline-schedule-file: with schedule zb-h1, a schedule text whose order ZB-H1 "
+        "runs (one line per rank, F0 B0 W0 ...; megatron-ext schedule --format text writes "
+        "one), relative to the recipe file; None: the built order",
+        default=None,
+    )
 
 
 @dataclass

@@ -24,8 +24,8 @@ from megatron_ext.launch import nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes.request import RunRequest
-from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs import resume as rsm, runner
+from megatron_ext.runs.options import RunOptions
 from megatron_ext.runs.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
 
 

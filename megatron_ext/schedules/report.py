@@ -211,10 +211,12 @@ def report(
     size: MessageSize | None = None,
     steps: bool = False,
     costs: Costs | None = None,
+    schedule: Schedule | None = None,
 ) -> tuple[list[str], Schedule]:
-    """The printed report and the schedule it describes."""
+    """The printed report and the schedule it describes (``schedule``: an order of ``plan``
+    read from text, :mod:`megatron_ext.schedules.text`; None: the built one)."""
     costs = costs or Costs()
-    schedule = build_schedule(plan)
+    schedule = schedule or build_schedule(plan)
     zero_bubble = plan.schedule == ZB_H1
     timeline = costs.simulate(schedule)
     ranks = len(schedule.ranks)
