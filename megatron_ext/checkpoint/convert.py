@@ -237,13 +237,22 @@ def load_checkpoint(path: str, trust_pickle: bool = False) -> Any:
 
     import torch
 
-    try:
-        if trust_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        from megatron_ext.checkpoint.safe_pickle import allowed_globals
+    from megatron_ext import files
 
-        with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+    try:  # only a regular file: a FIFO would block torch.load forever (issue 40, item 6)
+        stream = files.open_regular(path, "rb")
+    except files.NotRegularFile as exc:
+        raise ConversionError(str(exc.strerror)) from None
+    except OSError as exc:
+        raise ConversionError(f"{path} cannot be read: {files.failure_reason(exc)}") from None
+    try:
+        with stream:
+            if trust_pickle:
+                return torch.load(stream, map_location="cpu", weights_only=False)
+            from megatron_ext.checkpoint.safe_pickle import allowed_globals
+
+            with torch.serialization.safe_globals(allowed_globals()):
+                return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):
             raise ConversionError(f"{path} is not a torch.save file ({_first_line(exc)})") from None

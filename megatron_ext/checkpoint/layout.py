@@ -73,15 +73,11 @@ def change_problem(before: Any, after: Any) -> str | None:
             "run --resume keeps the model; start a new run with checkpoint.load: RUN_DIR and "
             "the pattern's '|' re-split for the new stages (the layers keep their names)"
         )
-    old, new = before.parallelism.ep or 1, after.parallelism.ep or 1
-    if (old > 1) != (new > 1):
-        return (
-            f"parallelism.ep {old} -> {new}: Megatron keeps the experts' optimizer state apart "
-            "only when ep > 1 and cannot load it across that change; keep ep "
-            f"{'> 1' if old > 1 else '= 1'}, or start a new run with checkpoint.load: "
-            "RUN_DIR and checkpoint.load_optim: false"
-        )
-    return None
+    return start_from.ep_change_problem(
+        before.parallelism.ep,
+        after.parallelism.ep,
+        "start a new run with checkpoint.load: RUN_DIR and checkpoint.load_optim: false",
+    )
 
 
 def resume_args(ckpt_dir: Path, recipe: Any, layout_changed: bool) -> list[str]:

@@ -81,9 +81,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-ext import: -o {out}: {problem}", file=sys.stderr)
         return 2
     try:
-        if source.is_file() and source.stat().st_size > MAX_TEST_CASE_BYTES:
-            raise OSError(f"{source.stat().st_size} bytes, more than a test case's 1 MiB")
-        raw, duplicates = parse_document(source.read_text(encoding="utf-8"))
+        from megatron_ext import files
+
+        # bounded by the bytes read, not the size claimed (/dev/zero claims 0; issue 40)
+        text = files.read_text_bounded(source, MAX_TEST_CASE_BYTES, "test case")
+        raw, duplicates = parse_document(text)
     except yaml.YAMLError as exc:
         print(f"megatron-ext import: cannot read {source}: {yaml_error_line(exc)}", file=sys.stderr)
         return 2

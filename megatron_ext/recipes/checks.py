@@ -715,7 +715,10 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
     try:
         largest = checks.max_token_id(prefix)
         lengths = splits.read_lengths(prefix)
-    except Exception as e:  # a corrupt index: megatron's reader asserts
+    except checks.IndexProblem as e:  # another dataset's .idx, a cut .idx, a FIFO...
+        add(where, str(e))
+        return None
+    except Exception as e:  # anything else the index holds that cannot be read
         add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
         return None
     if vocab is not None and largest is not None and largest >= vocab:

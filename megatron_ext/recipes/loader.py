@@ -114,19 +114,27 @@ MAX_RECIPE_BYTES = 1 << 20
 
 
 def _read_recipe_text(path: Path) -> str:
-    size = path.stat().st_size
-    if size > MAX_RECIPE_BYTES:
+    """The recipe's text, read with a bound on the bytes read (a device or a ``/proc`` file
+    claims a size of 0): a FIFO, socket or device is refused unread (issue 40, item 15)."""
+    from megatron_ext import files
+
+    try:
+        data = files.read_bounded(path, MAX_RECIPE_BYTES, "recipe")
+    except files.InputTooLarge:
         raise RecipeError(
             str(path),
             [
                 Problem(
                     "",
-                    f"{size} bytes, more than a recipe's limit of {MAX_RECIPE_BYTES} (1 MiB): "
+                    f"more than a recipe's limit of {MAX_RECIPE_BYTES} bytes (1 MiB): "
                     "is this the right file?",
                 )
             ],
-        )
-    return path.read_text(encoding="utf-8")
+        ) from None
+    except files.NotRegularFile as exc:
+        problem = f"cannot read: it is {exc.kind}, not a regular file; give a recipe file"
+        raise RecipeError(str(path), [Problem("", problem)]) from None
+    return data.decode("utf-8")
 
 
 def parse_document(text: str) -> tuple[Any, list[str]]:

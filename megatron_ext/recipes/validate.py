@@ -382,6 +382,22 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     return [p for p in problems if p is not None]
 
 
+def checkpoint_load_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """What ``checkpoint.load`` cannot start (another model, a layout change the optimizer
+    state cannot cross: :func:`megatron_ext.checkpoint.start_from.problems`), so ``validate``
+    and ``run --dry-run`` refuse what ``run`` would (issue 40, item 8). The checkpoint's
+    pickles were checked before any validation reads it."""
+    from megatron_ext.checkpoint import start_from
+
+    prefix = "checkpoint.load: "
+    return [
+        Problem("checkpoint.load", line.removeprefix(prefix))
+        if line.startswith(prefix)
+        else Problem("", line)
+        for line in start_from.problems(loaded.recipe)
+    ]
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
     sizes = size_problems(loaded)
@@ -394,6 +410,8 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         + optimizer_problems(loaded)
         + fsdp_problems(loaded)
     )
+    if not result.problems:  # the checkpoint is read only for a recipe that is right itself
+        result.problems += checkpoint_load_problems(loaded)
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded) + unused_split_note(loaded)
     if not _module_importable("tensorboard"):

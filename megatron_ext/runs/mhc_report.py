@@ -148,7 +148,9 @@ def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
     from megatron_ext.runs.plot import _pyplot
 
     path = Path(run_dir) / PLOT_NAME
-    fig.savefig(path, dpi=90)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=90)
     _pyplot().close(fig)
     return path
 

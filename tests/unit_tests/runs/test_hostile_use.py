@@ -694,3 +694,49 @@ def test_prepare_data_bounds_the_line_size(tmp_path, capsys, monkeypatch):
     rc = _prepare_data(tmp_path, ['{"text": "' + "1 " * 2000 + '"}'])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "in.jsonl:1: a line of more than" in err[-1], err[-2:]
+
+
+# ---- issue 40, item 5: a run directory's own entries resolve inside it --------------------------
+@pytest.mark.parametrize("entry", ["checkpoints", "logs", "checkpoints/" + rsm.TRACKER])
+def test_resume_refuses_a_run_whose_entries_lead_into_another_run(tmp_path, entry, no_training):
+    """`R/checkpoints -> OTHER/checkpoints`: the resume used to delete OTHER's cut-short save and
+    rewrite its tracker without OTHER's lock. Now refused, OTHER unchanged."""
+    other = _stopped_run(tmp_path)  # tracker 3, iteration 4 cut short
+    mine = _stopped_run(tmp_path / "mine")
+    link = mine / entry
+    (link.parent).mkdir(parents=True, exist_ok=True)
+    if link.is_dir():
+        import shutil
+
+        shutil.rmtree(link)
+    else:
+        link.unlink(missing_ok=True)
+    link.symlink_to(other / entry)
+    (other / "logs").mkdir(exist_ok=True)
+    before = sorted(p.name for p in rsm.checkpoint_dir(other).iterdir())
+    lines: list[str] = []
+    outcome = runner.resume_run(
+        mine, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
+    assert outcome.exit_code == runner.EXIT_INVALID
+    assert len(lines) == 1 and "leads outside the run directory" in lines[0], lines
+    assert sorted(p.name for p in rsm.checkpoint_dir(other).iterdir()) == before
+    assert (rsm.checkpoint_dir(other) / rsm.TRACKER).read_text() == "3"
+
+
+def test_a_new_run_refuses_a_linked_checkpoints_directory(tmp_path, no_training):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "R"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(run_lock.RunDirectoryEscapes, match="checkpoints leads outside"):
+        with run_lock.holding(run_dir):
+            pass
+    (run_dir / "checkpoints").unlink()
+    (run_dir / run_lock.LOCK_NAME).unlink()  # the first try's own lock file
+    (run_dir / run_lock.LOCK_NAME).symlink_to(elsewhere / "lock")
+    with pytest.raises(run_lock.RunDirectoryBusy):
+        with run_lock.holding(run_dir):
+            pass
+    assert not (elsewhere / "lock").exists()
