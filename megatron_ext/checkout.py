@@ -90,6 +90,7 @@ def compile_helpers_when_missing(original: Callable[[], None]) -> Callable[[], N
 
     def compile_helpers() -> None:
         utils = importlib.import_module("megatron.core.datasets.utils")
+        assert utils.__file__ is not None, "megatron.core.datasets.utils is a file's module"
         ensure_dataset_helpers(original, os.path.dirname(os.path.abspath(utils.__file__)))
 
     return compile_helpers
@@ -98,7 +99,9 @@ def compile_helpers_when_missing(original: Callable[[], None]) -> Callable[[], N
 def upstream_mhc_flags(config_class: type | None = None) -> list[str]:
     """The mHC flags that the imported megatron-core's TransformerConfig declares itself."""
     if config_class is None:
-        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config_class = TransformerConfig
     fields = getattr(config_class, "__dataclass_fields__", {})
     return [flag for name, flag in UPSTREAM_MHC_FIELDS.items() if name in fields]
 

@@ -41,6 +41,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_ext.multimodule.plan import MultiModulePlan
 from megatron_ext.recipes import multimodule as recipe_plan
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 HONOURED_FLAGS = recipe_plan.HONOURED_FLAGS
 
 
-def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """The typed recipe through the one recipe loader (schema, overrides); ValueError lists
     every problem. A pipeline schedule other than megatron's 1F1B is refused here too: started
     without ``megatron-ext run`` (which validates), this entry would otherwise ignore it."""
@@ -77,7 +79,7 @@ def _module_impls(recipe: Recipe, plan: MultiModulePlan) -> dict:
     model = recipe.model
     impls = {}
     for name, m in (model.modules or {}).items():
-        overrides = dict(
+        overrides: dict[str, Any] = dict(
             hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout
         )
         if m.mhc.enabled:
@@ -255,7 +257,8 @@ def train(
         grad_norm = global_grad_norm(pipeline)
         scale = min(1.0, t.clip_grad / (grad_norm + 1e-6)) if t.clip_grad > 0 else 1.0
         for p in params:
-            p.grad = p.main_grad * scale
+            # main_grad: megatron DDP's attribute, which torch's Parameter type does not declare
+            p.grad = p.main_grad * scale  # type: ignore[attr-defined]
         optimizer.step()
         elapsed_ms = (time.perf_counter() - start) * 1e3
         losses.append(loss)

@@ -198,6 +198,15 @@ def add_pipeline_schedule_arg(parser: argparse.ArgumentParser) -> None:
         "zero-bubble ZB-H1 (backward split into input and weight gradients, the weight "
         "gradients fill the pipeline bubble; more than one stage, no virtual stages)",
     )
+    _add_flag(
+        parser,
+        group,
+        selection.FILE_FLAG,
+        default=None,
+        help="with --pipeline-schedule zb-h1: a schedule text (one line per rank, F0 B0 W0 ..., "
+        "as megatron-ext schedule --format text writes) whose order ZB-H1 executes, after "
+        "checking its dependencies, P2P pairing and peak in-flight micro-batches",
+    )
 
 
 def reject_unsupported_flags(
@@ -308,6 +317,14 @@ def _check_config_schedule(args: argparse.Namespace, config: TransformerConfig) 
             f"error: {selection.FLAG} {wanted}: the model's config ({type(config).__name__}) "
             f"has {selection.FIELD}={built!r}; build it from MHCTransformerConfig (the "
             "entry's default config_class) or a subclass"
+        )
+    wanted_file = getattr(args, selection.FILE_FIELD, None)
+    if wanted_file != getattr(config, selection.FILE_FIELD, None):
+        raise SystemExit(
+            f"error: {selection.FILE_FLAG} {wanted_file}: the model's config "
+            f"({type(config).__name__}) has {selection.FILE_FIELD}="
+            f"{getattr(config, selection.FILE_FIELD, None)!r}; build it from "
+            "MHCTransformerConfig (the entry's default config_class) or a subclass"
         )
     guards.check_schedule_supported(config)
 
@@ -512,7 +529,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage: int
 
 
 # Every rank calls the provider; the builder itself decides which ranks build (see above).
-train_valid_test_datasets_provider.is_distributed = True
+# (megatron's attribute on the function, which a function's type does not declare)
+train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
 
 
 # ---- entry ---------------------------------------------------------------------------------------

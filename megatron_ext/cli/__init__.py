@@ -22,6 +22,7 @@ from megatron_ext.cli import (
     runs,
     schedule,
     submit,
+    train_tokenizer,
     validate,
 )
 from megatron_ext.launch.startup import exit_now, torch_compile_deferred
@@ -37,6 +38,7 @@ COMMANDS = (
     submit,
     convert,
     schedule,
+    train_tokenizer,
     prepare_data,
 )
 
@@ -57,6 +59,8 @@ DESCRIPTION = """\
 - ``megatron-ext schedule --pp P [--vpp V] --microbatches M [...]`` or ``--recipe RECIPE``:
   megatron-core's pipeline schedule as a grid, its bubble, peak in-flight micro-batches and
   bytes per pipeline edge, without starting anything.
+- ``megatron-ext train-tokenizer --input F.jsonl --output DIR --vocab-size N``: a BPE (or
+  ``--type sentencepiece``) tokenizer with an end-of-document token, trained on your corpus;
 - ``megatron-ext prepare-data --input F.jsonl --output-prefix P --tokenizer-type T ...``:
   JSONL into Megatron's indexed format (Megatron-LM's tools/preprocess_data.py's flags and
   files); ``--example DIR``: a corpus, tokenizers and datasets to train on, made offline.
@@ -73,7 +77,7 @@ VERBOSE_HELP = "show upstream warnings (missing TE/Apex, deprecations) instead o
 _ROLE = re.compile(r":(?:func|class|mod|meth|data|attr):`~?([^`]+)`")
 
 
-def plain(text: str) -> str:
+def plain(text: str | None) -> str:
     """reStructuredText as a terminal shows it: ``code`` and :func:`name` become their text."""
     return _ROLE.sub(r"\1", text or "").replace("``", "")
 

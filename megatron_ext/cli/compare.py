@@ -133,7 +133,13 @@ def _compare_runs(args: argparse.Namespace) -> int:
     lines = run_compare.table(a, b, run_compare.differences(a, b, names))
     print("\n".join(lines + run_compare.only_in_one_run(a, b, sets)))
     if args.plot:
-        print(f"plot: {run_compare.plot(Path(args.plot), a, b, names)}")
+        from megatron_ext import files
+
+        try:
+            written = run_compare.plot(Path(args.plot), a, b, names)
+        except OSError as exc:  # a full or read-only disk: one line, nothing left behind
+            raise _BadInput(f"--plot {files.cannot_write(args.plot, exc)}") from None
+        print(f"plot: {written}")
     return 0
 
 

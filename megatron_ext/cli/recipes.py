@@ -1,5 +1,6 @@
 """``megatron-ext recipes [--copy NAME [DIR]]``: the recipes that ship with megatron-ext (also
-in a pip-installed wheel), or one copied out with its golden values, ready to edit and run."""
+in a pip-installed wheel), or one copied out, ready to edit and run; ``--with-golden`` also copies
+the golden values measured on the shipped data (a run on other data has none: "not compared")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 NAME = "recipes"
-HELP = "list the shipped recipes, or copy one (with its golden values) out to edit"
+HELP = "list the shipped recipes, or copy one out to edit (--with-golden: and its golden values)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--copy",
         nargs="+",
         metavar=("NAME", "DIR"),
-        help="copy recipe NAME and golden/NAME/ into DIR (default: the current directory)",
+        help="copy recipe NAME into DIR (default: the current directory)",
+    )
+    parser.add_argument(
+        "--with-golden",
+        action="store_true",
+        help="also copy golden/NAME/: the golden values measured on the shipped data (they "
+        "fail on any other data; without them a run reports 'not compared')",
     )
 
 
@@ -38,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     name, destination = args.copy[0], Path(args.copy[1] if len(args.copy) > 1 else ".")
     try:
-        written = shipped.copy_out(name, destination)
+        written = shipped.copy_out(name, destination, with_golden=args.with_golden)
     except (ValueError, OSError) as exc:
         print(f"megatron-ext recipes: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 NAME = "schedule"
 HELP = "print megatron-core's pipeline schedule: grid, bubble, in-flight, bytes per edge"
@@ -93,6 +94,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", action="store_true", help="also list every rank's steps with its P2P calls"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the timeline with matplotlib")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="report",
+        help="report: grid, bubble, in-flight, bytes (default); text: the schedule's text "
+        "form, one line per rank, one action per token (F0 B0 W0; --from-text reads it)",
+    )
+    parser.add_argument(
+        "--from-text",
+        metavar="FILE",
+        help="read the order from a schedule text (--format text's) and report on it; the "
+        "plan is the text's own, or --recipe's / the flags' when given (checked against it)",
+    )
     parser.set_defaults(targets=[])
 
 
@@ -101,6 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # readable anyway. 64 stages x 4 chunks x 64 micro-batches fits.
 MAX_COMPUTE_STEPS = 20_000
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+FORMATS = ("report", "text")
 
 
 def _size_problem(plan, costs) -> str | None:
@@ -160,10 +175,17 @@ def _error(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_ext.pipeline.message_size import MessageSize
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.schedule import plan_from_recipe
     from megatron_ext.schedules import report as rep
     from megatron_ext.schedules.schedule import SCHEDULES, SchedulePlan
+    from megatron_ext.schedules.text import (
+        ScheduleTextError,
+        format_text,
+        read_schedule_file,
+        schedule_of,
+    )
 
     overrides = list(getattr(args, "targets", None) or [])
     if args.plot and (problem := _plot_problem(args.plot)):
@@ -183,6 +205,8 @@ def main(args: argparse.Namespace) -> int:
                 plan.microbatches = args.microbatches
             if args.schedule is not None:
                 plan.schedule = args.schedule
+        elif args.from_text and args.pp is None:
+            plan, size = _plan_of_text(args.from_text), None
         else:
             if args.pp is None or args.microbatches is None:
                 return _error("give --pp and --microbatches (or --recipe RECIPE)")
@@ -197,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
             if args.hidden is not None:
                 if args.seq is None or args.micro_batch_size is None:
                     return _error("--hidden needs --seq and --micro-batch-size")
-                size = rep.MessageSize(
+                size = MessageSize(
                     args.hidden,
                     args.seq,
                     args.micro_batch_size,
@@ -219,9 +243,25 @@ def main(args: argparse.Namespace) -> int:
             )
         if problem := _size_problem(plan, costs):
             return _error(problem)
-        lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs)
+        order, source = None, args.from_text or plan.order_file
+        if args.from_text:  # a plan of the text's own: the text's interleaving group too
+            text_plan = not args.recipe and args.pp is None
+            given = None if text_plan else replace(plan, order_file=None)
+            order = read_schedule_file(args.from_text, given)
+            plan = order.plan
+        elif plan.order_file:  # the recipe's parallelism.schedule_file
+            order = schedule_of(plan)
+        if args.format == "text":
+            print(format_text(order or rep.build_schedule(plan), _text_comment(plan)), end="")
+            return 0
+        lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs, schedule=order)
+        if order is not None:
+            lines.insert(2, _order_line(source, order, rep.build_schedule(plan)))
     except RecipeError as exc:
         return _error(f"{exc.source}: {exc.problems[0]}")
+    except ScheduleTextError as exc:
+        where = f"--from-text {args.from_text}" if args.from_text else "parallelism.schedule_file"
+        return _error(f"{where}: {exc}")
     except ValueError as exc:
         return _error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     print("\n".join(lines))
@@ -232,8 +272,6 @@ def main(args: argparse.Namespace) -> int:
         split = plan.schedule == "zb-h1"
         note = f"bubble {timeline.bubble():.1%}"
         if split:
-            from dataclasses import replace
-
             baseline = rep.build_schedule(replace(plan, schedule="1f1b"))
             note += f" (1F1B: {costs.simulate(baseline).bubble():.1%})"
         title = (
@@ -254,3 +292,37 @@ def main(args: argparse.Namespace) -> int:
             return _error(f"--plot {args.plot} cannot be written: {exc.strerror or exc}")
         print(f"timeline: {args.plot}")
     return 0
+
+
+def _plan_of_text(path: str):
+    """The plan a schedule text describes on its own (ranks, micro-batches, chunks, W steps),
+    read before any schedule is built so that the size limits apply first."""
+    from megatron_ext.schedules.text import infer_plan, parse_text, read_text
+
+    return infer_plan(parse_text(read_text(path)))
+
+
+def _text_comment(plan) -> str:
+    from megatron_ext.schedules import report as rep
+
+    return (
+        f"{rep.kind_of(plan).split(' (')[0]}: {plan.pp if plan.multimodule is None else 'multi-module'}"
+        f" pipeline rank(s)"
+        + (f" x {plan.vpp} chunks" if plan.vpp else "")
+        + f", {plan.microbatches} micro-batch(es); one line per rank"
+    )
+
+
+def _order_line(path: str | None, order, built) -> str:
+    """Whether the text's order is the built schedule's, and where it first differs."""
+    for rank in range(len(built.ranks)):
+        for index, (mine, theirs) in enumerate(
+            zip(order.computes(rank), built.computes(rank), strict=True)
+        ):
+            if mine != theirs:
+                chunks = built.chunks
+                return (
+                    f"order: from {path}; differs from the built schedule first at rank {rank}, "
+                    f"token {index + 1}: {mine.label(chunks)} (built: {theirs.label(chunks)})"
+                )
+    return f"order: from {path}, the built schedule's exactly"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext import guards
+from megatron_ext.mhc import native
 from megatron_ext.mhc_flags import MHC_DEFAULTS
 
 # Our entry in TransformerConfig.recompute_modules: output-discarding selective recompute of
@@ -76,6 +77,11 @@ class MHCTransformerConfig(TransformerConfig):
     linears defer their weight gradients, megatron_ext.pipeline.wgrad). Not an upstream field
     (megatron-core 0.19.2's delay_wgrad_compute requires overlap_moe_expert_parallel_comm)."""
 
+    pipeline_schedule_file: str | None = None
+    """With pipeline_schedule "zb-h1": a schedule text (megatron_ext.schedules.text: one line
+    per rank, F0 B0 W0 ...) whose order the ZB-H1 runtime executes instead of the built one,
+    after the same checks (dependencies, P2P pairing, peak in-flight). None: the built order."""
+
     def __post_init__(self):
         # megatron-core 0.19.2 asserts that every selective recompute_modules entry is one of
         # its own names and would reject "mhc", so hide it from the base validation and put it
@@ -85,12 +91,28 @@ class MHCTransformerConfig(TransformerConfig):
         wants_mhc_recompute = requested is not None and MHC_RECOMPUTE_MODULE in requested
         if requested is not None:
             self.recompute_modules = [m for m in requested if m != MHC_RECOMPUTE_MODULE]
-        super().__post_init__()
+        self._validate_base_without_native_mhc()
         if wants_mhc_recompute:
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)
         self._validate_mhc()
         guards.check_pipeline_schedule(self)
         guards.check_moe_bias(self)
+
+    def _validate_base_without_native_mhc(self) -> None:
+        """TransformerConfig's own validation. Where megatron-core declares the mHC fields
+        itself (its native mHC, :func:`megatron_ext.mhc.native.config_declares_mhc`), that
+        validation would judge megatron-ext's mHC by upstream's limits (no PP > 1, no MTP, no
+        full recompute): it runs with mHC hidden, and megatron-ext's guards (run next) judge
+        every mHC setting, upstream's checks among them, with megatron-ext's messages."""
+        enabled = self.enable_mhc_connections
+        hide = enabled and native.config_declares_mhc()
+        if hide:
+            self.enable_mhc_connections = False
+        try:
+            super().__post_init__()
+        finally:
+            if hide:
+                self.enable_mhc_connections = enabled
 
     @property
     def mhc_recompute_enabled(self) -> bool:

@@ -94,9 +94,10 @@ def ensure_example(directory: str) -> Path:
     manifest = root / "example.json"
     if _built_by(manifest, key):
         return root
+    remove_stale_staging(root)
     staging = root.with_name(f"{root.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    make_example(str(staging))
+    _build_in(staging)
     if _built_by(manifest, key):  # another process finished first: it may be reading it now
         shutil.rmtree(staging, ignore_errors=True)
         return root
@@ -107,6 +108,43 @@ def ensure_example(directory: str) -> Path:
     except OSError:  # another process put its identical copy there first
         shutil.rmtree(staging, ignore_errors=True)
     return root
+
+
+def _build_in(staging: Path) -> None:
+    """:func:`make_example` into ``staging``, removed again if the build does not finish: an
+    error, Ctrl-C, SIGTERM or SIGHUP (issue 41, item 12: a signal left ``<dir>.tmp<pid>``
+    behind, and one was committed)."""
+    from megatron_ext.launch.local import stop_signals_interrupt
+
+    try:
+        with stop_signals_interrupt():
+            make_example(str(staging))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Remove ``<root>.tmp<pid>`` directories whose process is gone (killed with SIGKILL,
+    where nothing can clean up); a live process's staging is left alone."""
+    removed = []
+    for candidate in root.parent.glob(f"{root.name}.tmp*"):
+        pid = candidate.name[len(root.name) + 4 :]
+        if not pid.isdigit() or not candidate.is_dir() or _alive(int(pid)):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def make_example(directory: str, workers: int = 1) -> dict:
@@ -129,8 +167,15 @@ def make_example(directory: str, workers: int = 1) -> dict:
         _say(f"{jsonl[name]}: {len(part)} documents")
     texts = [r["text"] for r in records]
     _say(f"training a byte-level BPE and a SentencePiece model ({VOCAB_SIZE} tokens)")
-    tokenizer_training.train_byte_level_bpe(texts, VOCAB_SIZE, root / "tokenizers")
-    tokenizer_training.train_sentencepiece(texts, VOCAB_SIZE, root / "tokenizers" / "sentencepiece")
+    tokenizer_training.interruptible(
+        tokenizer_training.train_byte_level_bpe, texts, VOCAB_SIZE, root / "tokenizers"
+    )
+    tokenizer_training.interruptible(
+        tokenizer_training.train_sentencepiece,
+        texts,
+        VOCAB_SIZE,
+        root / "tokenizers" / "sentencepiece",
+    )
     flags = tokenizer_flags(root)
     datasets: dict[str, dict[str, str]] = {}
     for tok in ("huggingface", "sentencepiece"):

@@ -16,6 +16,7 @@ Sentence splitting (``--split-sentences``, NLTK) and ``--partitions`` are not of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -24,7 +25,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
 
 TOKENIZER_ARGS_SEAM = "megatron.training.arguments:_add_tokenizer_args"
@@ -170,7 +173,7 @@ class Encoded:
 class Encoder:
     """Tokenizes one JSONL line; a process-wide tokenizer is built once per worker."""
 
-    tokenizer = None
+    tokenizer: Any = None  # megatron's tokenizer (no stubs), built in each worker
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -255,14 +258,22 @@ def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 class _Progress:
+    """A line every ``interval`` documents, and also at the first document and whenever
+    :data:`QUIET_S` passed without one (issue 41, item 11: a 2,152-document corpus printed
+    nothing for two minutes, the default interval never reached)."""
+
+    QUIET_S = 10.0
+
     def __init__(self, interval: int, stream=None):
         # sys.stderr is looked up now, not when the module was imported: a default bound at
         # import time keeps whatever stream was current then (pytest's capture, since closed).
         self.interval, self.stream = interval, stream if stream is not None else sys.stderr
-        self.start = time.time()
+        self.start = self.last = time.time()
 
     def update(self, count: int, nbytes: int) -> None:
-        if count % self.interval == 0:
+        now = time.time()
+        if count == 1 or count % self.interval == 0 or now - self.last >= self.QUIET_S:
+            self.last = now
             elapsed = max(time.time() - self.start, 1e-9)
             print(
                 f"Processed {count} documents ({count / elapsed:.1f} docs/s, "
@@ -287,9 +298,15 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     tag = f".tmp{os.getpid()}"
     temp = {key: (f"{p}.bin{tag}", f"{p}.idx{tag}") for key, p in prefixes.items()}
     encoder = Encoder(args)
+    print(
+        f"prepare-data: tokenizing {args.input} with {args.workers} worker(s)",
+        file=sys.stderr,
+        flush=True,
+    )
     pool, builders = None, {}
     try:
         builders = {key: IndexedDatasetBuilder(b, dtype=dtype) for key, (b, _) in temp.items()}
+        encoded: Iterator[Encoded]
         if args.workers == 1:
             Encoder.tokenizer = tokenizer
             encoded = map(encoder.encode, _numbered_lines(args.input))
@@ -312,15 +329,25 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
             # .bin first: until the .idx is renamed too, the dataset does not exist.
             os.replace(bin_tmp, prefixes[key] + ".bin")
             os.replace(idx_tmp, prefixes[key] + ".idx")
+    except OSError as e:
+        if not files.is_write_failure(e):
+            raise
+        # name the file the user asked for, not the temporary one beside it
+        written = str(e.filename or temp[args.json_keys[0]][0])
+        for key, paths in temp.items():
+            for final, path in zip((".bin", ".idx"), paths, strict=True):
+                written = written.replace(path, prefixes[key] + final)
+        raise PrepareDataError(files.cannot_write(written, e)) from None
     finally:
         for builder in builders.values():
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # a full disk fails the flush again: said above
+                builder.data_file.close()
         if pool is not None:
             pool.terminate()
             pool.join()
         for paths in temp.values():
             for path in paths:
-                if os.path.exists(path):
+                if os.path.lexists(path):  # a read-only disk answers EROFS even for none
                     os.remove(path)
     print(f"Processed {count} documents into {', '.join(prefixes.values())}", file=sys.stderr)
     return prefixes

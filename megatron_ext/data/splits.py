@@ -87,14 +87,11 @@ def samples_needed(
 
 
 def read_lengths(prefix: str) -> np.ndarray:
-    """The token count of every document (``.idx`` sequence) of ``PREFIX``."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    """The token count of every document (``.idx`` sequence) of ``PREFIX``, from the index
+    checked against its .bin (:func:`megatron_ext.data.checks.read_index`)."""
+    from megatron_ext.data.checks import read_index
 
-    dataset = IndexedDataset(prefix, mmap=True)
-    # A copy while the dataset lives: its arrays are views of a map it closes when collected.
-    lengths = np.array(dataset.sequence_lengths, dtype=np.int64, copy=True)
-    del dataset
-    return lengths
+    return read_index(prefix).lengths
 
 
 def _share_text(shares: list[float], documents: int) -> str:
@@ -125,9 +122,9 @@ def split_problems(
         shares = split_shares(split or "")
         bounds = split_bounds(shares)
     problems = []
-    for i in range(len(SPLITS)):
-        if bounds[i] is not None:
-            problem = _one_split(blend, i, bounds[i], shares, needed[i], seq_length, split)
+    for i, bound in enumerate(bounds):
+        if bound is not None:
+            problem = _one_split(blend, i, bound, shares, needed[i], seq_length, split)
             if problem:
                 problems.append(problem)
     return problems

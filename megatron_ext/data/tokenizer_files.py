@@ -76,8 +76,8 @@ def offline(
     constants = sys.modules.get("huggingface_hub.constants")
     saved_constant = getattr(constants, "HF_HUB_OFFLINE", None)
     os.environ.update(dict.fromkeys(OFFLINE_VARIABLES, "1"))
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = True
+    if constants is not None:  # (a ModuleType to mypy: it declares no attributes)
+        constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -87,7 +87,7 @@ def offline(
             else:
                 os.environ[name] = value
         if constants is not None:
-            constants.HF_HUB_OFFLINE = saved_constant
+            constants.HF_HUB_OFFLINE = saved_constant  # type: ignore[attr-defined]
 
 
 def run_environment(

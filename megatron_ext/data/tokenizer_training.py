@@ -14,11 +14,35 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token; megatron's HuggingFace wrapper takes it as ``eod``."""
+
+
+def interruptible[T](train: Callable[..., T], *args) -> T:
+    """``train(*args)`` in a helper thread while the main thread waits in short steps: the
+    trainers (Rust, C++) release the GIL but never return to Python until they are done, so
+    run in the main thread a Ctrl-C or SIGTERM waited for the whole training (issue 41,
+    item 12). Here the signal interrupts the wait; the daemon thread ends with the process."""
+    import threading
+
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = train(*args)
+        except BaseException as exc:  # handed to the waiting thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name="tokenizer-training", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -> dict:

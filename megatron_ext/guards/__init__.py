@@ -223,6 +223,12 @@ def check_pipeline_schedule(config: Any) -> None:
             f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}; "
             "set pipeline_schedule='1f1b' (megatron's) or 'zb-h1' (zero bubble)"
         )
+    if getattr(config, "pipeline_schedule_file", None) and schedule != "zb-h1":
+        raise PipelineScheduleError(
+            f"pipeline_schedule_file is set but pipeline_schedule={schedule!r}: only ZB-H1 "
+            "executes an order given as text (megatron's schedules run their own); set "
+            "pipeline_schedule='zb-h1' or drop the file"
+        )
     if schedule == "zb-h1" and config.gradient_accumulation_fusion:
         raise UnsupportedCombinationError(
             "pipeline_schedule='zb-h1' does not defer weight gradients fused into main_grad "

@@ -98,7 +98,7 @@ def finished() -> None:
         _state.finished = True
         if _state.path is not None and _state.rank is not None:
             try:
-                _write(_state.path, beat_record(_state.rank, threading.main_thread().ident))
+                _write(_state.path, beat_record(_state.rank, _main_ident()))
             except OSError:
                 pass
 
@@ -116,6 +116,12 @@ def main_thread_place(main_ident: int) -> tuple[str, bool, bool]:
         io = io or any(p in name for p in _IO_PATHS)
         frame = frame.f_back
     return place, waiting, io
+
+
+def _main_ident() -> int:
+    ident = threading.main_thread().ident
+    assert ident is not None  # the main thread has started: this code runs in a thread of it
+    return ident
 
 
 def beat_record(rank: int, main_ident: int) -> dict:
@@ -147,7 +153,7 @@ def start(rank: int) -> bool:
         return False
     path = Path(directory) / f"rank-{rank}.json"
     _state.path, _state.rank = path, rank
-    main_ident = threading.main_thread().ident
+    main_ident = _main_ident()
 
     def run() -> None:
         while True:

@@ -340,6 +340,7 @@ def launch(
             if rank not in asked and rank not in done and proc.poll() is None:
                 asked.add(rank)
                 with contextlib.suppress(ProcessLookupError):
+                    assert job.save_signal is not None  # asked only of jobs that save on a signal
                     os.kill(proc.pid, job.save_signal)  # the rank alone, not its writers
 
     def on_save_stop(signum: int) -> None:
@@ -391,10 +392,8 @@ def launch(
                 if failed_rank is None:
                     # Several may have ended since the last poll: a rank killed by a signal
                     # caused its peers' communication errors, not the other way round.
-                    bad = sorted(
-                        (r for r, c in codes.items() if c not in (None, 0)),
-                        key=lambda r: (codes[r] >= 0, r),
-                    )
+                    ended = {r: c for r, c in codes.items() if c is not None and c != 0}
+                    bad = sorted(ended, key=lambda r: (ended[r] >= 0, r))
                     if bad:
                         failed_rank, failed_at = bad[0], time.monotonic()
                 if all(c is not None for c in codes.values()):

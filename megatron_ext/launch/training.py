@@ -333,12 +333,13 @@ def forward_step_with_faults(forward_step: Callable) -> Callable:
 
     from megatron_ext.launch import faults, nodes, stop_signals
 
-    reported = []
+    reported: list[bool] = []
 
     @functools.wraps(forward_step)
     def wrapped(*args: Any, **kwargs: Any):
         if not reported:  # once, where the rank trains: its host and megatron coordinates
-            reported.append(nodes.report_megatron_placement())
+            nodes.report_megatron_placement()
+            reported.append(True)
         stop_signals.redeliver_pending()  # a stop held since start-up reaches Megatron's handler
         faults.at_step(int(getattr(get_args(), "curr_iteration", 0)) + 1)
         return forward_step(*args, **kwargs)

@@ -160,6 +160,7 @@ class ContextParallelDotProductAttention(DotProductAttention):
         """``[1, 1, s/cp, s]`` boolean, True where a local query must not see a gathered key
         (keys in the gathered order: rank 0's tokens, then rank 1's, ...). Computed, not
         communicated: every rank knows every rank's positions."""
+        assert self.cp_group is not None, "a causal mask across CP ranks needs the CP group"
         query_positions = self.token_positions(local_seq_length, self.cp_group.rank(), device)
         key_positions = torch.cat(
             [self.token_positions(local_seq_length, rank, device) for rank in range(self.cp_size)]
@@ -189,6 +190,7 @@ class ContextParallelDotProductAttention(DotProductAttention):
             )
         # The given attention_mask is ignored, as Transformer Engine does for causal masks: it
         # is the square causal mask (or a CP slice of it), and ours follows global indices.
+        assert self.cp_group is not None  # cp_size > 1 comes from a group (constructor)
         key_value = gather_sequence(torch.cat([key, value], dim=-1), self.cp_group)
         key, value = key_value.split([key.shape[-1], value.shape[-1]], dim=-1)
         mask = self.causal_mask(query.shape[0], query.device)

@@ -28,7 +28,8 @@ class LocalNorm:
     """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` (from ``config.normalization``)
     with the constructor megatron-core's layer specs call norms with."""
 
-    def __new__(
+    # A factory returning the torch norm, not a LocalNorm: megatron's specs name a class.
+    def __new__(  # type: ignore[misc]
         cls,
         config: TransformerConfig,
         hidden_size: int,
@@ -45,5 +46,6 @@ class LocalNorm:
         norm = _norm_class(config.normalization)(normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             # Read by finalize_model_grads: sum this parameter's grad over TP under SP.
-            param.sequence_parallel = config.sequence_parallel
+            # megatron's attribute on parameters, which torch's Parameter type does not declare
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         return norm

@@ -207,8 +207,8 @@ def resolve_input_widths(
     receiver that shows no width, or different ones on different ranks, is a problem."""
     widths, problems = {}, []
     for name in plan.modules:
-        if impls[name].input_width:
-            widths[name] = int(impls[name].input_width)
+        if declared := impls[name].input_width:
+            widths[name] = int(declared)
             continue
         if not plan.predecessors(name):
             continue
@@ -232,7 +232,9 @@ def resolve_input_widths(
                 )
             )
         else:
-            widths[name] = found.pop()
+            (width,) = found
+            assert width is not None  # {None} is refused above
+            widths[name] = width
     return widths, problems
 
 

@@ -69,7 +69,9 @@ _ABORT_CODES = {
 _ERROR_OF_CODE = {code: error for error, code in _ABORT_CODES.items()}
 
 
-def abort_marker(error: type, ndim: int, batch_dim: int, dtype: torch.dtype) -> torch.Tensor:
+def abort_marker(
+    error: type[MultiModuleError], ndim: int, batch_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
     shape = [_ABORT_CODES[error]] * ndim
     shape[batch_dim if ndim == 3 else 0] = 0
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

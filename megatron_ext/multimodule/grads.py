@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from megatron.core.distributed import finalize_model_grads
 
+from megatron_ext.multimodule.model import MultiModuleModel
+
 
 def finalize_multimodule_grads(
     model: list[torch.nn.Module],
@@ -41,6 +43,7 @@ def finalize_multimodule_grads(
 ) -> None:
     """``config.finalize_model_grads_func`` for a :class:`MultiModuleModel` (see module doc)."""
     (joint,) = model
+    assert isinstance(joint, MultiModuleModel), f"one MultiModuleModel, got {type(joint)}"
     plan = joint.plan
     for name, chunk in joint.local_modules.items():
         finalize_model_grads(

@@ -57,8 +57,9 @@ def default_forward(module: torch.nn.Module, batch: Any, inputs: dict | None, st
     return module(batch, inputs)
 
 
-def core_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron's wrappers (DDP, Float16Module)."""
+def core_module(module: torch.nn.Module) -> Any:
+    """The model inside megatron's wrappers (DDP, Float16Module); Any: its methods are
+    megatron's (set_input_tensor, embedding ...), which ship no types."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
         module = module.module
     return module
@@ -92,7 +93,9 @@ class MultiModuleModel(torch.nn.Module):
         self.plan = plan
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
-        self.local_modules = torch.nn.ModuleDict(local_modules)
+        # A ModuleDict, so that their parameters are this module's; Any: its values are
+        # megatron's DDP modules (no_sync, zero_grad_buffer ...), which ship no types.
+        self.local_modules: Any = torch.nn.ModuleDict(local_modules)
         self.stages = stages
         self.forwards = forwards
         self.finalize_pg_collections = finalize_pg_collections

@@ -125,7 +125,8 @@ class MultiModulePlan:
     @cached_property
     def topological_order(self) -> list[str]:
         """Modules with every predecessor before its successors (raises on a cycle)."""
-        order, state = [], {}
+        order: list[str] = []
+        state: dict[str, str] = {}  # module -> "active" (on the path) | "done"
 
         def visit(name: str, path: tuple[str, ...]) -> None:
             if state.get(name) == "done":
@@ -324,6 +325,7 @@ class MultiModulePlan:
     def _rank_problems(self) -> list[Problem]:
         problems: list[Problem] = []
         world = self.world_size
+        assert world is not None  # __post_init__ fills it
         for name, m in self.modules.items():
             if m.ranks.stop > world:
                 problems.append(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.pipeline.payload import StagePayload
+from megatron_ext.pipeline.payload import PayloadError, StagePayload
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,14 +57,14 @@ class _Unpack(torch.autograd.Function):
 
 def _check_fields(payload: StagePayload, tensors: dict[str, torch.Tensor]) -> None:
     if set(tensors) != set(payload.names):
-        raise ValueError(
+        raise PayloadError(
             f"a stage payload has the fields {', '.join(payload.names)}; got "
             f"{', '.join(sorted(tensors))}"
         )
     for field in payload.fields:
         tensor = tensors[field.name]
         if tensor.shape[-1] != field.width or tensor.dtype != torch_dtype(field.dtype):
-            raise ValueError(
+            raise PayloadError(
                 f"payload field {field.name}: expected [..., {field.width}] {field.dtype}, got "
                 f"{list(tensor.shape)} {tensor.dtype}"
             )
@@ -84,7 +84,7 @@ def unpack(payload: StagePayload, wire: torch.Tensor) -> dict[str, torch.Tensor]
     if payload.is_plain:
         return {payload.fields[0].name: wire}
     if wire.shape[-1] != payload.wire_width:
-        raise ValueError(
+        raise PayloadError(
             f"a stage payload of {', '.join(payload.names)} is {payload.wire_width} "
             f"{payload.wire_dtype} wide on the wire; received [..., {wire.shape[-1]}]"
         )

@@ -45,6 +45,9 @@ class ScheduleChoiceError(MegatronExtError, RuntimeError):
 
 FLAG = "--pipeline-schedule"
 FIELD = "pipeline_schedule"
+# A schedule text (megatron_ext.schedules.text) whose order ZB-H1 executes.
+FILE_FLAG = "--pipeline-schedule-file"
+FILE_FIELD = "pipeline_schedule_file"
 
 # The ZB-H1 runtime (its refusals and its function), imported when first needed (it loads
 # megatron-core) and looked up on the module (tracing wraps its attributes).
@@ -65,6 +68,14 @@ def schedule_problems(settings: Any, *, multimodule: bool = False) -> list[Probl
     schedule = selected_schedule(settings)
     if schedule not in SCHEDULES:
         return [Problem(FIELD, f"must be one of {', '.join(SCHEDULES)} ({FLAG}), got {schedule!r}")]
+    if getattr(settings, FILE_FIELD, None) and schedule != ZB_H1:
+        return [
+            Problem(
+                FILE_FLAG,
+                f"only ZB-H1 executes an order given as text ({FLAG} is {schedule}); add "
+                f"{FLAG} zb-h1 or drop {FILE_FLAG}",
+            )
+        ]
     if schedule != ZB_H1:
         return []
     zero_bubble = importlib.import_module(ZERO_BUBBLE_MODULE)

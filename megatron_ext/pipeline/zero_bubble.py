@@ -49,6 +49,7 @@ of its own first; ZB-H1's ``send_backward``, ``W``, ``recv_forward`` against the
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from typing import Any
 
@@ -61,10 +62,12 @@ from megatron_ext.schedules.schedule import (
     ZB_H1,
     Compute,
     Exchange,
+    Schedule,
     SchedulePlan,
     Step,
     build_schedule,
 )
+from megatron_ext.schedules.text import ScheduleTextError, read_schedule_file
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
@@ -202,13 +205,30 @@ def check_zero_bubble(config: Any, **kwargs: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # The steps
 # ---------------------------------------------------------------------------------------------
-def rank_steps(pipeline_size: int, rank: int, microbatches: int) -> list[Step]:
-    """This rank's ZB-H1 steps: exactly ``build_schedule``'s list for the rank."""
+def rank_steps(
+    pipeline_size: int, rank: int, microbatches: int, order_file: str | None = None
+) -> list[Step]:
+    """This rank's ZB-H1 steps: ``build_schedule``'s list for the rank, or with
+    ``order_file`` the order of that schedule text (config.pipeline_schedule_file) with the
+    P2P calls derived from it, after :func:`~megatron_ext.schedules.text.schedule_from_text`'s
+    checks (every rank reads and checks the same file, so all refuse it together)."""
     plan = SchedulePlan(pp=pipeline_size, microbatches=microbatches, schedule=ZB_H1)
     problems = plan.problems()
     if problems:
         raise ZeroBubbleUnsupportedError("; ".join(str(p) for p in problems))
-    return build_schedule(plan).ranks[rank]
+    if order_file is None:
+        return build_schedule(plan).ranks[rank]
+    return _text_schedule(order_file, pipeline_size, microbatches).ranks[rank]
+
+
+@functools.lru_cache(maxsize=8)
+def _text_schedule(path: str, pipeline_size: int, microbatches: int) -> Schedule:
+    """The checked schedule of a text file, read once per run (every iteration asks)."""
+    plan = SchedulePlan(pp=pipeline_size, microbatches=microbatches, schedule=ZB_H1)
+    try:
+        return read_schedule_file(path, plan)
+    except ScheduleTextError as exc:
+        raise ZeroBubbleUnsupportedError(f"pipeline_schedule_file {path}: {exc}") from None
 
 
 def weight_gradient_step(model_chunk: Any, microbatch: int, config: Any) -> None:
@@ -369,7 +389,9 @@ def _communicator(schedules: Any, config: Any, p2p_communicator: Any, pg_collect
         )
         pg_collection = registry.private(f"{SCHEDULES}:_build_default_pg_collection")()
     elif p2p_communicator is None or pg_collection is None:
-        raise ValueError("Provide both p2p_communicator and pg_collection, or neither")
+        raise ZeroBubbleUnsupportedError(
+            "Provide both p2p_communicator and pg_collection, or neither"
+        )
     multimodule = isinstance(
         pg_collection, schedules.MultiModuleProcessGroupCollection
     ) or isinstance(p2p_communicator, schedules.MultiModulePipelineCommunicator)
@@ -424,7 +446,12 @@ def forward_backward_pipelining_zero_bubble_h1(
     communicator, pg_collection, tp_group, cp_size = _communicator(
         schedules, config, p2p_communicator, pg_collection
     )
-    steps = rank_steps(communicator.total_stages, communicator.current_stage, num_microbatches)
+    steps = rank_steps(
+        communicator.total_stages,
+        communicator.current_stage,
+        num_microbatches,
+        getattr(config, "pipeline_schedule_file", None),
+    )
     earlier = wgrad.pending()
     if earlier:
         raise wgrad.PendingWeightGradientError(

@@ -14,12 +14,20 @@ import importlib.util
 import math
 import re
 import string
+from dataclasses import replace
 from typing import Any
 
+from megatron_ext.errors import suggestion
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
-from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
+from megatron_ext.recipe_flags import (
+    PATTERN_LIST_FLAGS,
+    PIPELINE_SPLIT_FLAGS,
+    conflicts,
+    layer_list,
+)
 from megatron_ext.recipes.loader import LoadedRecipe
+from megatron_ext.recipes.schedule import plan_from_loaded
 from megatron_ext.recipes.schema import (
     HYBRID_SYMBOLS,
     Problem,
@@ -29,6 +37,7 @@ from megatron_ext.recipes.schema import (
     layout_stages,
 )
 from megatron_ext.schedules.schedule import ZB_H1
+from megatron_ext.schedules.text import ScheduleTextError, schedule_of
 
 KNOWN_METRICS = (
     "lm loss",
@@ -39,6 +48,7 @@ KNOWN_METRICS = (
     "mem-allocated-bytes",
     "mem-max-allocated-bytes",
     "lm loss validation",
+    "lm loss test",
 )
 MTP_METRIC = re.compile(r"^mtp_\d+ loss$")
 
@@ -79,6 +89,7 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
         _check_model(r, add)
         _check_parallel_plan(r, add)
     _check_schedule(r, add)
+    _check_schedule_file(loaded, add)
     _check_training(r, add)
     _check_data(loaded, add)
     _check_test(r, add)
@@ -94,8 +105,6 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 f"extra_args.{name}",
                 "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'",
             )
-    from megatron_ext.recipes.flags import conflicts
-
     problems += conflicts(r.extra_args)
     return problems
 
@@ -385,6 +394,30 @@ def _check_schedule(r: Recipe, add) -> None:
                 f"is not supported with parallelism.schedule: zb-h1 ({why}); remove it or set "
                 "parallelism.schedule: 1f1b",
             )
+
+
+def _check_schedule_file(loaded: LoadedRecipe, add) -> None:
+    """``parallelism.schedule_file``: with zb-h1 only, and a schedule text of this recipe's
+    plan that passes every check ZB-H1 makes before running it (read here, so a bad file is
+    refused before any rank starts)."""
+    r = loaded.recipe
+    p = r.parallelism
+    if not p.schedule_file:
+        return
+    if p.schedule != ZB_H1:
+        add(
+            "parallelism.schedule_file",
+            f"only ZB-H1 runs an order given as text (parallelism.schedule is {p.schedule}); "
+            "set parallelism.schedule: zb-h1 or remove the file",
+        )
+        return
+    plan, _ = plan_from_loaded(loaded)
+    if replace(plan, order_file=None).problems():
+        return  # reported by the schedule and batch checks
+    try:
+        schedule_of(plan)
+    except ScheduleTextError as exc:
+        add("parallelism.schedule_file", f"{p.schedule_file}: {exc}")
 
 
 # Megatron flags that give attention a non-causal mask, which the local context-parallel
@@ -682,7 +715,10 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
     try:
         largest = checks.max_token_id(prefix)
         lengths = splits.read_lengths(prefix)
-    except Exception as e:  # a corrupt index: megatron's reader asserts
+    except checks.IndexProblem as e:  # another dataset's .idx, a cut .idx, a FIFO...
+        add(where, str(e))
+        return None
+    except Exception as e:  # anything else the index holds that cannot be read
         add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
         return None
     if vocab is not None and largest is not None and largest >= vocab:
@@ -715,8 +751,6 @@ def _check_test(r: Recipe, add) -> None:
             continue
         for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
-                from megatron_ext.recipes.schema import suggestion
-
                 add(
                     f"test.tolerances.{metric}.{key}",
                     "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)),

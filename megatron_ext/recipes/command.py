@@ -88,6 +88,8 @@ def megatron_args(loaded: LoadedRecipe, extra: Sequence[str] = ()) -> list[str]:
         _flag(args, "--sequence-parallel", p.sp)
         if p.schedule != ONE_F_ONE_B:  # megatron's 1F1B needs no flag (and older runs had none)
             _flag(args, "--pipeline-schedule", p.schedule)
+        if p.schedule_file:
+            _flag(args, "--pipeline-schedule-file", path_for_ranks(loaded, p.schedule_file))
         if m.type == "gpt":
             _flag(args, "--num-layers", m.num_layers)
             if m.pipeline_layout:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ext.schedules.report import DTYPE_BYTES, MessageSize
+from megatron_ext.pipeline.message_size import DTYPE_BYTES, MessageSize
+from megatron_ext.recipes.command import path_for_ranks
 from megatron_ext.schedules.schedule import ONE_F_ONE_B, SchedulePlan
 
 
@@ -49,6 +50,16 @@ def plan_from_loaded(loaded: Any) -> tuple[SchedulePlan, MessageSize | None]:
     # virtual stages) unless --no-overlap-p2p-communication is given.
     overlap = p.vpp is not None and "--no-overlap-p2p-communication" not in r.extra_args
     schedule_plan = SchedulePlan(
-        pp=p.pp, vpp=p.vpp, microbatches=microbatches, schedule=schedule, overlap_p2p_comm=overlap
+        pp=p.pp,
+        vpp=p.vpp,
+        microbatches=microbatches,
+        schedule=schedule,
+        overlap_p2p_comm=overlap,
+        order_file=_order_file(loaded),
     )
     return schedule_plan, size
+
+
+def _order_file(loaded: Any) -> str | None:
+    """parallelism.schedule_file as the ranks read it (relative to the recipe file)."""
+    return path_for_ranks(loaded, getattr(loaded.recipe.parallelism, "schedule_file", None))

@@ -1,6 +1,8 @@
 """The recipes and golden values that ship with megatron-ext: where they are (package data of an
-installed wheel, ``recipes/`` of a source checkout), what they are, and copying one out to edit
-with its golden values, so ``megatron-ext run`` works after a plain ``pip install``.
+installed wheel, ``recipes/`` of a source checkout), what they are, and copying one out to edit,
+so ``megatron-ext run`` works after a plain ``pip install``. A copy carries the shipped golden
+values only when asked (``--with-golden``): they were measured on the shipped data, and a copy is
+usually pointed at other data, where they would only fail (issue 41, item 1).
 
 Nothing here imports torch or megatron."""
 
@@ -9,6 +11,8 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+
+from megatron_ext.errors import suggestion
 
 PACKAGE_DATA = "_recipes"
 """megatron_ext/_recipes in a wheel: setup.py maps the source tree's recipes/ there."""
@@ -42,19 +46,18 @@ def summary(path: Path) -> str:
     return ""
 
 
-def copy_out(name: str, destination: Path) -> list[Path]:
-    """Copy recipe ``name`` and its golden values (golden/<name>/) into ``destination``;
-    refuses (ValueError, one line) an unknown name or any file that already exists there."""
+def copy_out(name: str, destination: Path, with_golden: bool = False) -> list[Path]:
+    """Copy recipe ``name`` (and, ``with_golden``, its golden values golden/<name>/) into
+    ``destination``; refuses (ValueError, one line) an unknown name or any file that already
+    exists there."""
     recipes = shipped_recipes()
     if not _NAME.match(name) or name not in recipes:
-        from megatron_ext.recipes.schema import suggestion
-
         raise ValueError(f"no shipped recipe {name!r}{suggestion(name, list(recipes))}")
     if destination.exists() and not destination.is_dir():
         raise ValueError(f"{destination} is not a directory")
     golden = shipped_dir() / "golden" / name
     pairs = [(recipes[name], destination / recipes[name].name)]
-    if golden.is_dir():
+    if with_golden and golden.is_dir():
         pairs += [
             (path, destination / "golden" / name / path.name) for path in sorted(golden.glob("*"))
         ]

@@ -198,6 +198,18 @@ def table(runs: list[RunInfo]) -> list[str]:
     ]
 
 
+def evaluation_lines(summary: dict) -> list[str]:
+    """``runs show``'s validation and test losses (summary.json's "losses")."""
+    losses = summary.get("losses")
+    lines = []
+    for name, label in ((met.VALIDATION_METRIC, "valid loss"), (met.TEST_METRIC, "test loss")):
+        entry = losses.get(name) if isinstance(losses, dict) else None
+        if not isinstance(entry, dict) or (value := _finite(entry.get("value"))) is None:
+            continue
+        lines.append(f"{label:<10} {value:.6f} (step {entry.get('step')}, {name!r})")
+    return lines
+
+
 def resolve(run: str, runs_root: Path) -> Path:
     """A run given as a path, or as a name under the runs root."""
     path = Path(run)
@@ -223,6 +235,7 @@ def details(run_dir: Path) -> list[str]:
     from megatron_ext.checkpoint import layout
 
     lines += layout.shown(_json(r.path / rsm.RUN_FILE))
+    lines += evaluation_lines(r.summary)
     segments = rsm.segments(r.path)
     if len(segments) > 1:
         metrics_by_segment = []

@@ -31,12 +31,16 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
+
+from megatron_ext import files
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION_LINE = re.compile(
-    r"validation loss at iteration (\d+)\s*\|\s*lm loss value: ([0-9.eE+-]+)"
+    r"validation loss at iteration (\d+)(?: on (?:validation|test) set)?\s*\|"
+    r"\s*lm loss value: ([0-9.eE+-]+)"
 )
 
 # Megatron's label in the log line -> (metric name in golden values, scale)
@@ -88,20 +92,51 @@ VALIDATION_METRIC = "lm loss validation"
 """Megatron's TensorBoard tag of the validation loss (``{key} validation``)."""
 
 
+TEST_METRIC = "lm loss test"
+"""The test-set loss Megatron computes once after training (``data.test_paths`` or a split
+with a test share). Megatron prints it as ``validation loss at iteration N on test set`` and
+writes it to TensorBoard under "lm loss validation" at step N, beside the in-loop and the
+final validation losses of that step; megatron-ext keeps it apart under this name (issue 41,
+item 4)."""
+
+FINAL_EVALUATIONS = {"on validation set": None, "on test set": TEST_METRIC}
+"""The after-training evaluations' line endings -> their metric (None: the final validation,
+not recorded: the in-loop validation of the same step is the curve's point)."""
+
+
 def with_validation(names: list[str], metrics: Metrics) -> list[str]:
-    """metrics.json's names: the recipe's, plus the validation loss when the run evaluated
-    (a run's validation curve is what a reader of its metrics looks for first)."""
-    if metrics.get(VALIDATION_METRIC) and VALIDATION_METRIC not in names:
-        return [*names, VALIDATION_METRIC]
-    return names
+    """metrics.json's names: the recipe's, plus the validation and test losses when the run
+    evaluated (a run's validation curve is what a reader of its metrics looks for first)."""
+    extra = [m for m in (VALIDATION_METRIC, TEST_METRIC) if metrics.get(m) and m not in names]
+    return [*names, *extra]
+
+
+def final_losses(metrics: Metrics) -> dict[str, dict[str, float | int]]:
+    """summary.json's "losses": the last step and value of the training, validation and test
+    losses the run logged."""
+    out: dict[str, dict[str, float | int]] = {}
+    for name in ("lm loss", VALIDATION_METRIC, TEST_METRIC):
+        series = metrics.get(name)
+        if series:
+            step = max(series)
+            out[name] = {"step": step, "value": series[step]}
+    return out
+
+
+def _final_evaluation(line: str) -> str | None:
+    """The FINAL_EVALUATIONS key a validation line ends with, else None (in-loop)."""
+    return next((key for key in FINAL_EVALUATIONS if key in line), None)
 
 
 def parse_lines(lines: Iterable[str]) -> Metrics:
     metrics: Metrics = {}
     for line in lines:
         match = VALIDATION_LINE.search(line)
-        if match and "on validation set" not in line and "on test set" not in line:
-            metrics.setdefault(VALIDATION_METRIC, {})[int(match.group(1))] = float(match.group(2))
+        if match:
+            final = _final_evaluation(line)
+            name = VALIDATION_METRIC if final is None else FINAL_EVALUATIONS[final]
+            if name is not None:
+                metrics.setdefault(name, {})[int(match.group(1))] = float(match.group(2))
             continue
         parsed = parse_iteration_line(line)
         if parsed is None:
@@ -112,9 +147,20 @@ def parse_lines(lines: Iterable[str]) -> Metrics:
     return metrics
 
 
+# A golden-value or metrics JSON of a million steps is ~40 MB; a log line is far below 1 MiB.
+MAX_METRICS_JSON_BYTES = 256 << 20
+MAX_LOG_LINE_CHARS = 1 << 20
+
+
+def _log_lines(stream: Any) -> Iterator[str]:
+    """The lines of a log, each read with a bound (a line without end is cut, not held)."""
+    while line := stream.readline(MAX_LOG_LINE_CHARS):
+        yield line
+
+
 def parse_log(path: str | Path) -> Metrics:
-    with open(path, errors="replace") as f:
-        return parse_lines(f)
+    with files.open_regular(path, "r", errors="replace") as f:
+        return parse_lines(_log_lines(f))
 
 
 def parse_run_logs(log_dir: str | Path) -> Metrics:
@@ -174,13 +220,14 @@ def write_golden(path: str | Path, metrics: Metrics, names: Iterable[str] | None
 
 
 def read_golden(path: str | Path) -> Metrics:
-    return from_golden(json.loads(Path(path).read_text()))
+    """Golden-value JSON, read with a bound on the bytes read (issue 40, item 15)."""
+    return from_golden(json.loads(files.read_bounded(path, MAX_METRICS_JSON_BYTES, "metrics JSON")))
 
 
 def read_validation_losses(path: str | Path) -> Series:
     out: Series = {}
-    with open(path, errors="replace") as f:
-        for line in f:
+    with files.open_regular(path, "r", errors="replace") as f:
+        for line in _log_lines(f):
             match = VALIDATION_LINE.search(line)
             if match and "on validation set" not in line and "on test set" not in line:
                 out[int(match.group(1))] = float(match.group(2))
@@ -230,7 +277,31 @@ def read_run_metrics(run_dir: str | Path, phase: str = "") -> tuple[Metrics, str
     except ImportError:
         logger.warning("tensorboard is not installed here; reading metrics from the logs")
         metrics = {}
-    if metrics:
-        return metrics, "tensorboard"
     logs = run_dir / "logs" / phase if phase else run_dir / "logs"
+    if metrics:
+        return with_test_loss_from_logs(metrics, parse_run_logs(logs)), "tensorboard"
     return parse_run_logs(logs), "logs"
+
+
+def with_test_loss_from_logs(tensorboard: Metrics, logged: Metrics) -> Metrics:
+    """TensorBoard's scalars with the test loss taken from the log lines: in TensorBoard it
+    shares the "lm loss validation" tag, where the first value of a step is kept (the in-loop
+    or the final validation, both written before it). A run that did not validate at that step
+    has the test loss there: a point equal to it (to the 7 digits printed) that no in-loop
+    validation line backs is removed from the validation curve."""
+    test = logged.get(TEST_METRIC)
+    if not test:
+        return tensorboard
+    out = dict(tensorboard)
+    out[TEST_METRIC] = dict(test)
+    validation = dict(out.get(VALIDATION_METRIC, {}))
+    for step, value in test.items():
+        shown = validation.get(step)
+        in_loop = step in logged.get(VALIDATION_METRIC, {})
+        if shown is not None and not in_loop and math.isclose(shown, value, rel_tol=1e-6):
+            del validation[step]
+    if validation:
+        out[VALIDATION_METRIC] = validation
+    else:
+        out.pop(VALIDATION_METRIC, None)
+    return out

@@ -27,3 +27,35 @@ class RunOptions:
     trace: bool = False
     trust_pickle: bool = False
     """``--trust-pickle``: load the checkpoints the run reads without checking their pickles."""
+
+
+STORED = ("compare_golden", "force_compare", "megatron_checks")
+"""The switches a run directory remembers (run.json's "options") for ``run --resume``. Not
+stored: where the run goes (a resume stays in it), ``--write-golden`` and ``--trace`` (a resume
+refuses them) and ``--trust-pickle`` (trust is given anew each time, never remembered)."""
+
+
+def to_record(options: RunOptions) -> dict[str, bool]:
+    """run.json's "options": the switches a resume keeps."""
+    return {name: getattr(options, name) for name in STORED}
+
+
+def for_resume(stored: object, given: RunOptions) -> RunOptions:
+    """The options of ``run --resume``: those the run was started with, unless the resume's
+    command line says otherwise (issue 41, item 3: a ``--no-compare`` run compared again on
+    resume). The command line's defaults are compare-on and checks-on, so a switch the resume
+    turns off (``--no-compare``, ``--skip-megatron-checks``) wins, and ``--compare`` turns
+    comparing back on. A run directory from before the record has none: the command line's."""
+    record = stored if isinstance(stored, dict) else {}
+
+    def kept(name: str) -> bool:
+        value = record.get(name, getattr(RunOptions(), name))
+        return value if isinstance(value, bool) else getattr(RunOptions(), name)
+
+    force = given.force_compare or (kept("force_compare") and given.compare_golden)
+    return RunOptions(
+        compare_golden=given.force_compare or (given.compare_golden and kept("compare_golden")),
+        force_compare=force,
+        megatron_checks=given.megatron_checks and kept("megatron_checks"),
+        trust_pickle=given.trust_pickle,
+    )

@@ -34,7 +34,7 @@ def _pyplot():
 
 
 def _panel_of(metric: str) -> str | None:
-    if metric.endswith("loss") or metric.endswith("loss validation"):  # Megatron's eval tag
+    if metric.endswith(("loss", "loss validation", "loss test")):  # Megatron's eval tags
         return "loss"
     return PANELS.get(metric)
 
@@ -121,7 +121,9 @@ def write_run_plot(
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 
@@ -150,6 +152,8 @@ def write_png_plot(path: str | Path, series: dict[str, Series], title: str = "")
         ax.set_title(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

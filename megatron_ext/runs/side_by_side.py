@@ -143,6 +143,13 @@ def table(a: RunCurves, b: RunCurves, rows: list[Row]) -> list[str]:
     return lines
 
 
+def plot_title(a: RunCurves, b: RunCurves) -> str:
+    """ "A vs B", with the dotted lines explained only when a run was resumed (issue 41,
+    item 7: the note was there for runs never resumed)."""
+    resumed = any(curves.resumed_at for curves in (a, b))
+    return f"{a.label} vs {b.label}" + (" (dotted: resumed)" if resumed else "")
+
+
 def plot(path: Path, a: RunCurves, b: RunCurves, names: list[str], title: str = "") -> Path:
     """One panel per metric, both runs' curves, a dotted line at each resume step."""
     from megatron_ext.runs.plot import _pyplot
@@ -164,10 +171,12 @@ def plot(path: Path, a: RunCurves, b: RunCurves, names: list[str], title: str = 
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(title or f"{a.label} vs {b.label} (dotted: resumed)", fontsize=10)
+    fig.suptitle(title or plot_title(a, b), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=90)
     plt.close(fig)
     return path

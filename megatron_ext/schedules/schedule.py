@@ -108,6 +108,10 @@ def step_label(step: Step, chunks: int = 1) -> str:
     return step.label(chunks)
 
 
+class SchedulePlanError(MegatronExtError, ValueError):
+    """A plan megatron-core would refuse, or step times that cannot be simulated."""
+
+
 ONE_F_ONE_B = "1f1b"
 ZB_H1 = "zb-h1"
 SCHEDULES = (ONE_F_ONE_B, ZB_H1)
@@ -132,6 +136,9 @@ class SchedulePlan:
     # megatron's config.overlap_p2p_comm (interleaved only): separate forward and backward
     # exchanges instead of the combined four-way one.
     overlap_p2p_comm: bool = False
+    # A schedule text whose order the run executes instead of the built one (ZB-H1 only:
+    # recipe parallelism.schedule_file); megatron_ext.schedules.text.schedule_of reads it.
+    order_file: str | None = None
 
     @property
     def chunks(self) -> int:
@@ -506,7 +513,7 @@ def build_schedule(plan: SchedulePlan) -> Schedule:
     """Every rank's steps for ``plan`` (raises ValueError when megatron-core would refuse it)."""
     problems = plan.problems()
     if problems:
-        raise ValueError("; ".join(map(str, problems)))
+        raise SchedulePlanError("; ".join(map(str, problems)))
     m = plan.microbatches
     if plan.multimodule is not None:
         mm = plan.multimodule
@@ -652,7 +659,7 @@ def simulate(
     and ``weight_time`` in ``W``, so both kinds of schedule do the same work. Raises
     :class:`ScheduleDeadlock` if the order cannot complete."""
     if not 0 <= weight_time <= backward_time:
-        raise ValueError(f"weight_time={weight_time} must lie in [0, backward_time]")
+        raise SchedulePlanError(f"weight_time={weight_time} must lie in [0, backward_time]")
     split = any(s.kind == "W" for r in range(len(schedule.ranks)) for s in schedule.computes(r))
     cost = {
         "F": forward_time,
@@ -720,6 +727,15 @@ def message_bytes(
 # ---------------------------------------------------------------------------------------------
 # Text
 # ---------------------------------------------------------------------------------------------
+def format_bytes(n: float) -> str:
+    """A byte count for people: 512 B, 1.5 KiB, 3.0 MiB, 2.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def format_timeline(
     timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: tuple[int, int] | None = None
 ) -> str:

@@ -190,14 +190,16 @@ def _forget_mtp_losses() -> None:
 def shared_directory(prefix: str) -> Iterator[Path]:
     """A temporary directory rank 0 makes, known to every rank, removed at the end."""
     init_distributed()
-    root = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    root: list[str | None] = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root, src=0)
+    directory = root[0]
+    assert directory is not None  # rank 0 made it
     try:
-        yield Path(root[0])
+        yield Path(directory)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
-            shutil.rmtree(root[0], ignore_errors=True)
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_chain(links: list[Link], root: Path, warmup: int = 1, span: int = 2) -> list[Continued]:

@@ -345,8 +345,9 @@ def run_reference(
             losses.append(sum(r["lm loss"] for r in reports) / len(reports))
             if config.calculate_per_token_loss:
                 # What finalize_model_grads does in the sharded run: divide by all the tokens.
-                tokens = sum(batch["loss_mask"].sum() for batch in microbatches)
+                tokens = torch.stack([batch["loss_mask"].sum() for batch in microbatches]).sum()
                 for param in params:
+                    assert param.grad is not None  # every parameter takes part in the loss
                     param.grad /= torch.clamp(tokens, min=1)
             grads.append(full_tensors(index, lambda p: p.grad))
             if plan.clip_grad > 0:
@@ -496,7 +497,9 @@ def run_sharded(
             if on_gradients is not None:
                 on_gradients(step, chunks)
             losses = [r["lm loss"] for r in reports] if counted else []
-            records.append(StepRecord(losses, local_pieces(index, lambda p: p.main_grad)))
+            # main_grad: megatron DDP's attribute (torch's Parameter type lacks it)
+            pieces = local_pieces(index, lambda p: p.main_grad)  # type: ignore[attr-defined]
+            records.append(StepRecord(losses, pieces))
             optimizer.step()
         return records, local_pieces(index, lambda p: p)
 
@@ -558,7 +561,7 @@ def check_equivalence(
     records, final_pieces = run_sharded(
         plan, factory, forward_step, reference.initial_weights, config_class, on_gradients
     )
-    everything = [None] * dist.get_world_size()
+    everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, (records, final_pieces))
 
     problems = []

@@ -87,7 +87,7 @@ def shard_index(module: torch.nn.Module, dp_cp_group: Any) -> list[ShardedParam]
     )
 
 
-def _sharded_state_dict(module: torch.nn.Module, metadata: dict) -> dict:
+def _sharded_state_dict(module: Any, metadata: dict) -> dict:
     """The module's sharded state dict. A language model whose last stage holds the tied
     output weight names it after the embedding; megatron does that with a replica id read from
     parallel_state, so here the children are asked one by one and the key is renamed."""
@@ -142,7 +142,9 @@ def _single_rank_pg_collection() -> Any:
     return pgc
 
 
-def _reference_modules(run: PipelineRun, seed: int) -> dict[str, torch.nn.Module]:
+def _reference_modules(
+    run: PipelineRun, seed: int
+) -> dict[str, tuple[torch.nn.Module, StageContext]]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     pgc = _single_rank_pg_collection()
@@ -219,7 +221,7 @@ def _run_reference(run: PipelineRun, seed: int) -> Reference:
             for replica in range(replicas):
                 samples = range(replica * mbs, (replica + 1) * mbs)
                 batch = {name: run.data.take(full[name], samples) for name in full}
-                outputs = {}
+                outputs: dict[str, Any] = {}
                 for name, (module, stage) in built.items():
                     inputs = {p: outputs[p] for p in stage.predecessors} or None
                     forward = run.impls[name].forward or default_forward
@@ -275,6 +277,7 @@ def run_pipeline(
             for name, module in cores.items()
         }
         for name, index in indexes.items() if initial is not None else ():
+            assert initial is not None
             load_full_weights(
                 index,
                 {k.split("/", 1)[1]: v for k, v in initial.items() if k.startswith(f"{name}/")},
@@ -296,14 +299,16 @@ def run_pipeline(
             for name, index in indexes.items():
                 step_grads += [
                     (f"{name}/{k}", *rest)
-                    for k, *rest in local_pieces(index, lambda p: p.main_grad)
+                    # main_grad: megatron DDP's attribute (torch's Parameter type lacks it)
+                    for k, *rest in local_pieces(index, lambda p: p.main_grad)  # type: ignore[attr-defined]
                 ]
             grads.append(step_grads)
             with torch.no_grad():
                 for module in cores.values():
                     for p in module.parameters():
                         if p.requires_grad:
-                            p.add_(p.main_grad, alpha=-run.lr / run.grad_scale)
+                            # megatron DDP's main_grad (torch's Parameter type lacks it)
+                            p.add_(p.main_grad, alpha=-run.lr / run.grad_scale)  # type: ignore[attr-defined]
         final = []
         for name, index in indexes.items():
             final += [(f"{name}/{k}", *rest) for k, *rest in local_pieces(index, lambda p: p)]

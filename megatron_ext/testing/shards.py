@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,9 +50,8 @@ def _region(entry: ShardedTensor) -> Region:
 
 def shard_index(
     modules: Iterable[torch.nn.Module],
-    sharded_state_dict: Callable[[torch.nn.Module], dict] = lambda module: (
-        module.sharded_state_dict()
-    ),
+    # Any: megatron's modules, whose sharded_state_dict torch's Module type does not declare
+    sharded_state_dict: Callable[[Any], dict] = lambda module: module.sharded_state_dict(),
     first_entry_only: bool = False,
 ) -> list[ShardedParam]:
     """Every trainable parameter of ``modules`` (unwrapped model chunks) with its global

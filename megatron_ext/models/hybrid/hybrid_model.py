@@ -55,11 +55,13 @@ def _check_mhc_spec(spec: Any, pattern: str | None) -> None:
     if parsed.mtp_pattern and parsed.mtp_num_depths:
         mtp_submodules = getattr(spec.submodules.mtp_block_spec, "submodules", None)
         layer_classes = [s.module for s in getattr(mtp_submodules, "layer_specs", None) or []]
-        plain = [c.__name__ for c in layer_classes if not issubclass(c, HyperConnectionMTPLayer)]
-        if plain:
+        plain_mtp = [
+            c.__name__ for c in layer_classes if not issubclass(c, HyperConnectionMTPLayer)
+        ]
+        if plain_mtp:
             raise ValueError(
                 "enable_mhc_connections=True with MTP needs mtp_block_spec layers that carry the "
-                f"n streams (HyperConnectionMTPLayer), got {', '.join(plain)}; "
+                f"n streams (HyperConnectionMTPLayer), got {', '.join(plain_mtp)}; "
                 f"{HYBRID_MHC_SPEC_HINT}"
             )
 

@@ -26,14 +26,15 @@ def test_version():
 def test_doctor_reports_versions_runtime_and_patches():
     from megatron_ext import registry
 
+    version = registry.megatron_core_version()  # 0.19.2, or 0.20.0 in the 0.20 lane
     report, errors = _run("doctor", stderr=True)
     # Issue 25 item 19: the verdict first, and no upstream start-up warnings before it; issue
     # 35: they are counted into one line at the end (doctor imports megatron, so there are some).
-    assert report.startswith("verdict: ready - megatron-core 0.19.2 verified")
+    assert report.startswith(f"verdict: ready - megatron-core {version} verified")
     assert re.fullmatch(
         r"megatron-ext: \d+ upstream warnings hidden; --verbose shows them\n", errors
     )
-    assert "megatron-core     0.19.2" in report
+    assert f"megatron-core     {version}" in report
     assert "cpu runtime       active" in report
     assert "backend           gloo" in report
     for patch in registry.patches():
@@ -46,6 +47,31 @@ def test_doctor_reports_versions_runtime_and_patches():
         assert f"{state} {patch.target}" in report
     for seam in registry.seams():
         assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report
+    for patch in registry.patches(every=True):
+        if not registry.applies(patch):  # a version-scoped fix for code this one lacks
+            assert f"n/a      {patch.target}" in report
+
+
+def test_doctor_gives_its_verdict_on_an_unverified_megatron_core(monkeypatch, capsys):
+    """Issue 39: on a megatron-core it refuses, doctor still reports and ends in a verdict
+    (it used to end in the traceback of install()'s refusal)."""
+    import argparse
+
+    from megatron_ext import registry
+    from megatron_ext.cli import doctor
+
+    megatron_ext.uninstall()
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.setattr(doctor, "_package_version", lambda name: "0.99.0")
+    monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
+    try:
+        exit_code = doctor.main(argparse.Namespace())
+    finally:
+        megatron_ext.uninstall()
+    report = capsys.readouterr().out
+    assert exit_code == 1
+    assert report.startswith("verdict: NOT READY - megatron-core 0.99.0 is not a verified version")
+    assert "install refused    megatron-ext's patches are verified on megatron-core" in report
 
 
 def test_the_program_exits_without_the_interpreter_teardown():
@@ -101,7 +127,7 @@ def test_shipped_recipes_are_listed_and_copied_out_with_their_golden_values(tmp_
     assert cli.main(["recipes"]) == 0
     listing = capsys.readouterr().out
     assert listing.startswith("gpt_mhc_cp2_pp2  ") and "\ngpt_tp2_pp2 " in listing
-    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path)]) == 0
+    assert cli.main(["recipes", "--copy", "gpt_tp2_pp2", str(tmp_path), "--with-golden"]) == 0
     loaded = load(tmp_path / "gpt_tp2_pp2.yaml")
     assert loaded.golden_path() == tmp_path / "golden/gpt_tp2_pp2/golden_values_cpu.json"
     assert loaded.golden_path().is_file()
@@ -110,6 +136,18 @@ def test_shipped_recipes_are_listed_and_copied_out_with_their_golden_values(tmp_
     assert cli.main(["recipes", "--copy", "gpt_tp2", str(tmp_path)]) == 2
     errors = capsys.readouterr().err
     assert "gpt_tp2_pp2.yaml exists" in errors and "did you mean 'gpt_tp2_pp2'?" in errors
+
+
+def test_a_copied_recipe_carries_no_golden_values_unless_asked(tmp_path, capsys):
+    """Issue 41, item 1: the shipped golden values were measured on the shipped data; a copy
+    pointed at a user's corpus would fail against them, so ``--copy`` leaves them out."""
+    from megatron_ext import cli
+    from megatron_ext.recipes import load
+
+    assert cli.main(["recipes", "--copy", "gpt_mhc_pp2_real_data", str(tmp_path)]) == 0
+    written = capsys.readouterr().out
+    assert "golden" not in written and not (tmp_path / "golden").exists(), written
+    assert not load(tmp_path / "gpt_mhc_pp2_real_data.yaml").golden_path().exists()
 
 
 def test_verbose_shows_the_upstream_warnings_doctor_hides():

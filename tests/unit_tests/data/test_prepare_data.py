@@ -340,3 +340,20 @@ def test_gpt2_bpe_local_files_load_with_the_hub_off(tmp_path, monkeypatch):
     assert attempts == [], f"network attempted: {attempts}"
     env = tokenizer_files.run_environment("GPT2BPETokenizer", None, str(vocab), str(merges))
     assert env == dict.fromkeys(tokenizer_files.OFFLINE_VARIABLES, "1")
+
+
+def test_progress_is_shown_from_the_first_document_and_when_quiet(monkeypatch):
+    """Issue 41, item 11: nothing was printed until --log-interval documents were done."""
+    import io
+
+    from megatron_ext.data import preprocess
+
+    now = [0.0]
+    monkeypatch.setattr(preprocess.time, "time", lambda: now[0])
+    stream = io.StringIO()
+    progress = preprocess._Progress(1000, stream)  # starts at 0 s
+    for count, at in enumerate([1.0, 2.0, 3.0, 14.0, 15.0], start=1):
+        now[0] = at
+        progress.update(count, 100 * count)
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1", "4"], lines

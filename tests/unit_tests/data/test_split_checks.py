@@ -140,6 +140,17 @@ def test_per_split_paths_become_megatrons_per_split_flags(dozen):
     assert args[args.index("--test-data-path") + 1] == f"{data}/one_text_document"
 
 
+def test_validate_says_when_data_split_is_not_used(dozen):
+    """Issue 41, item 6: data.split beside valid_paths said OK without saying it is ignored."""
+    from megatron_ext.recipes.validate import unused_split_note
+
+    extra = '  valid_paths: ["../data/dozen_text_document"]\n'
+    (note,) = unused_split_note(_recipe(dozen, split="98,1,1", extra=extra))
+    assert "data.split '98,1,1' is not used" in note and "data.valid_paths" in note
+    assert unused_split_note(_recipe(dozen, split="98,1,1")) == []  # split is used
+    assert unused_split_note(_recipe(dozen, split="949,50,1", extra=extra)) == []  # not set
+
+
 def test_per_split_paths_are_checked_like_paths(dozen):
     extra = '  valid_paths: ["../data/none_text_document"]\n'
     problems = _data_problems(_recipe(dozen, extra=extra))

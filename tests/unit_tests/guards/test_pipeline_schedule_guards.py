@@ -101,6 +101,25 @@ def test_a_config_class_without_the_field_is_refused_before_the_model_is_built()
     _check_config_schedule(argparse.Namespace(pipeline_schedule="1f1b"), config)
 
 
+def test_a_schedule_file_needs_zb_h1_in_the_arguments_and_the_config():
+    """--pipeline-schedule-file hands ZB-H1 an order; megatron's 1F1B would ignore it."""
+    from megatron_ext.config import MHCTransformerConfig
+    from megatron_ext.training_steps import add_megatron_ext_args
+
+    parser = add_megatron_ext_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).pipeline_schedule_file is None
+    args = parser.parse_args(["--pipeline-schedule-file", "order.txt"])
+    (problem,) = selection.schedule_problems(args)
+    assert str(problem).startswith("--pipeline-schedule-file: only ZB-H1 executes an order")
+    with pytest.raises(SystemExit, match="only ZB-H1"):
+        launch.refuse_unsupported_schedule(args)
+    assert selection.schedule_problems(_settings(pipeline_schedule_file="order.txt")) == []
+    with pytest.raises(guards.PipelineScheduleError, match="pipeline_schedule_file is set"):
+        MHCTransformerConfig(
+            num_layers=2, hidden_size=8, num_attention_heads=2, pipeline_schedule_file="x.txt"
+        )
+
+
 def test_megatron_ext_validate_refuses_through_megatrons_own_checks():
     """A recipe's command line through the entry's parser and validate_args, as `validate`
     runs it (layer 3, past the recipe checks): --pipeline-schedule zb-h1 with one stage is one

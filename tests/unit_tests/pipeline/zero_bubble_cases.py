@@ -90,18 +90,26 @@ def check_zb(plan: TrainPlan, monkeypatch, **kwargs):
 def assert_same_as_1f1b(plan: TrainPlan, grad_atol: float = 0.0) -> None:
     """The ZB-H1 run and megatron's 1F1B run of the same plan from the same weights report the
     same losses and gradients at every step (within ``grad_atol``; 0: bit for bit)."""
-    factory = gpt_model_factory(plan)
-    reference = run_reference(plan, factory, gpt_forward_step, MHCTransformerConfig)
-    runs = {}
-    for schedule in ("1f1b", "zb-h1"):
-        runs[schedule], _ = run_sharded(
-            dataclasses.replace(plan, schedule=schedule),
-            factory,
-            gpt_forward_step,
-            reference.initial_weights,
-            MHCTransformerConfig,
+    assert_runs_identical(
+        dataclasses.replace(plan, schedule="1f1b"),
+        dataclasses.replace(plan, schedule="zb-h1"),
+        grad_atol,
+    )
+
+
+def assert_runs_identical(first: TrainPlan, second: TrainPlan, grad_atol: float = 0.0) -> None:
+    """Two sharded runs of the same model from the same weights (``first``'s reference)
+    report the same losses and gradients at every step (within ``grad_atol``; 0: bit for
+    bit)."""
+    factory = gpt_model_factory(first)
+    reference = run_reference(first, factory, gpt_forward_step, MHCTransformerConfig)
+    runs = []
+    for plan in (first, second):
+        records, _ = run_sharded(
+            plan, factory, gpt_forward_step, reference.initial_weights, MHCTransformerConfig
         )
-    for step, (a, b) in enumerate(zip(runs["1f1b"], runs["zb-h1"], strict=True)):
+        runs.append(records)
+    for step, (a, b) in enumerate(zip(*runs, strict=True)):
         assert a.losses == b.losses, (step, a.losses, b.losses)
         assert len(a.grads) == len(b.grads) > 0
         for (key, _, region, x), (key_b, _, region_b, y) in zip(a.grads, b.grads, strict=True):

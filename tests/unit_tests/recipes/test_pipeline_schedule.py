@@ -4,10 +4,10 @@ all without a process."""
 
 import pytest
 
+from megatron_ext.recipe_flags import conflicts
 from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import describe, megatron_args
-from megatron_ext.recipes.flags import conflicts
 
 from recipe_texts import MINIMAL, REPO_ROOT
 
@@ -105,3 +105,51 @@ def test_extra_args_zb_h1_does_not_run_with_are_refused(write_recipe, flag, valu
     line = _only_schedule_problem(_problems(path, ZB_H1), f"extra_args.{flag}")
     assert "remove it or set parallelism.schedule: 1f1b" in line
     assert not [p for p in _problems(path) if flag in p and "zb-h1" in p]
+
+
+# ---- parallelism.schedule_file: a ZB-H1 order given as text ------------------------------------
+ZB_TEXT = "F0 F1 B0 W0 F2 B1 W1 F3 B2 B3 W2 W3\nF0 B0 F1 W0 B1 F2 B2 W1 F3 B3 W2 W3\n"
+
+
+def _with_order(tmp_path, text: str, *overrides: str):
+    (tmp_path / "order.txt").write_text(text)
+    recipe = tmp_path / "tp2_pp2_sp.yaml"
+    recipe.write_text(TP2_PP2_SP.read_text())
+    return load(recipe, "cpu", ["parallelism.schedule_file=order.txt", *overrides])
+
+
+def test_a_schedule_file_reaches_the_ranks_relative_to_the_recipe(tmp_path):
+    loaded = _with_order(tmp_path, ZB_TEXT, ZB_H1)
+    assert not plan_problems(loaded)
+    args = megatron_args(loaded)
+    flag = args.index("--pipeline-schedule-file")
+    assert args[flag + 1] == str(tmp_path / "order.txt")
+
+
+def test_a_bad_schedule_file_is_refused_naming_the_field_rank_and_token(tmp_path):
+    over_the_peak = ZB_TEXT.replace("F0 F1 B0 W0 F2", "F0 F1 F2 B0 W0", 1)
+    problems = _problems_of(_with_order(tmp_path, over_the_peak, ZB_H1))
+    assert problems == [
+        "parallelism.schedule_file: order.txt: rank 0, token 3 'F2': 3 micro-batches in flight "
+        "(activations held until their W), more than the limit of 2 (pp, 1F1B's first stage); "
+        "run a W earlier"
+    ]
+    (missing,) = _problems_of(_with_order(tmp_path, ZB_TEXT.rsplit(" ", 1)[0], ZB_H1))
+    assert missing.startswith("parallelism.schedule_file: order.txt: rank 1: 'W3' is missing")
+    # the recipe's plan decides: 8 micro-batches at global batch 16
+    (fewer,) = _problems_of(_with_order(tmp_path, ZB_TEXT, ZB_H1, "training.global_batch_size=16"))
+    assert "rank 0: 'F4' is missing" in fewer
+
+
+def test_a_schedule_file_needs_zb_h1(tmp_path):
+    (problem,) = _problems_of(_with_order(tmp_path, ZB_TEXT))
+    assert problem.startswith("parallelism.schedule_file: only ZB-H1 runs an order given as text")
+
+
+def test_the_schedule_file_flag_in_extra_args_names_the_field():
+    (problem,) = conflicts({"--pipeline-schedule-file": "order.txt"})
+    assert "parallelism.schedule_file" in problem.what
+
+
+def _problems_of(loaded) -> list[str]:
+    return [str(p) for p in plan_problems(loaded)]

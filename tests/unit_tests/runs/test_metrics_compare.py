@@ -130,6 +130,16 @@ def test_missing_metrics_fail_with_a_reason():
     assert not short.passed and short.results[0].failing == [2], "a step the run did not log fails"
 
 
+def test_steps_the_run_never_logged_are_named_not_printed_as_inf():
+    """Issue 41, item 2: a golden step the run did not log read ``worst step 2: inf vs golden``."""
+    golden = {"lm loss": {1: 7.0, 2: 6.775013, 3: 6.5}}
+    for rule in (cmp.Rule(rtol=1e-4, max_failing_steps=0), cmp.Rule(deterministic=True)):
+        report = cmp.compare({"lm loss": {1: 7.0, 3: 6.6}}, golden, {"lm loss": rule})
+        text = "\n".join(report.lines())
+        assert not report.passed and "inf" not in text, text
+        assert "worst step 3" in text and "1 golden step(s) not logged by the run: 2" in text
+
+
 def test_nan_never_matches():
     report = cmp.compare(
         {"lm loss": {1: math.nan}}, {"lm loss": {1: math.nan}}, {"lm loss": cmp.Rule(rtol=0.1)}

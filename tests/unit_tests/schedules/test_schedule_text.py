@@ -1,0 +1,235 @@
+"""A schedule's text form (megatron_ext.schedules.text): every shipped schedule round-trips
+(same steps, grid and bubble), the P2P calls derived from a one-chunk order are the built
+ones, a bad text is refused in one line naming rank and token, and ``megatron-ext schedule
+--format text`` / ``--from-text`` print and read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_ext import cli
+from megatron_ext.recipes.schedule import plan_from_recipe
+from megatron_ext.schedules.report import Costs
+from megatron_ext.schedules.schedule import (
+    SchedulePlan,
+    build_schedule,
+    format_timeline,
+)
+from megatron_ext.schedules.text import (
+    ScheduleTextError,
+    derive_exchanges,
+    format_text,
+    schedule_from_text,
+)
+
+RECIPES = Path(__file__).parents[3] / "recipes"
+
+
+def _cli_plans() -> list[SchedulePlan]:
+    """The plans megatron-ext schedule draws from flags: 1F1B, ZB-H1 and interleaved (every
+    valid group size), small and uneven sizes included."""
+    plans = []
+    for pp in range(1, 6):
+        for m in range(1, 11):
+            plans.append(SchedulePlan(pp=pp, microbatches=m))
+            if pp > 1:
+                plans.append(SchedulePlan(pp=pp, microbatches=m, schedule="zb-h1"))
+            for vpp in (2, 3):
+                for group in [None, *range(pp + 1, m + 1)]:
+                    plan = SchedulePlan(pp=pp, vpp=vpp, microbatches=m, microbatch_group_size=group)
+                    if not plan.problems():
+                        plans.append(plan)
+    return plans
+
+
+def _recipe_plans() -> list[tuple[str, SchedulePlan]]:
+    """Every shipped recipe's plan, and its zb-h1 variant where ZB-H1 runs."""
+    plans = []
+    for path in sorted(RECIPES.glob("*.yaml")):
+        plan, _ = plan_from_recipe(str(path), [])
+        plans.append((path.stem, plan))
+        if plan.multimodule is None and plan.vpp is None and plan.pp > 1:
+            plans.append((f"{path.stem} zb-h1", dataclasses.replace(plan, schedule="zb-h1")))
+    return plans
+
+
+def _assert_round_trip(plan: SchedulePlan, with_plan: bool) -> None:
+    built = build_schedule(plan)
+    text = format_text(built, "a comment line")
+    back = schedule_from_text(text, plan if with_plan else None)
+    ranks = range(len(built.ranks))
+    assert [back.computes(r) for r in ranks] == [built.computes(r) for r in ranks]
+    if plan.multimodule is None and plan.chunks == 1:
+        assert back.ranks == built.ranks  # the derived P2P calls are the built ones
+    for costs in (Costs(), Costs(1.0, 3.0, 1.0)):
+        timeline, original = costs.simulate(back), costs.simulate(built)
+        assert timeline.bubble() == original.bubble()
+        assert format_timeline(timeline, back.chunks) == format_timeline(original, built.chunks)
+    assert back.peak_in_flight() == built.peak_in_flight()
+    assert format_text(back) == format_text(built)
+
+
+def test_every_cli_schedule_round_trips():
+    plans = _cli_plans()
+    assert len(plans) > 200
+    for plan in plans:
+        _assert_round_trip(plan, with_plan=False)
+        _assert_round_trip(plan, with_plan=True)
+
+
+@pytest.mark.parametrize(
+    "name,plan", _recipe_plans(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_shipped_recipe_schedule_round_trips(name, plan):
+    # A multi-module text does not carry its modules' links: it is read back with its plan.
+    _assert_round_trip(plan, with_plan=True)
+    if plan.multimodule is None:
+        _assert_round_trip(plan, with_plan=False)
+
+
+def test_the_text_is_the_grid_labels_one_line_per_rank():
+    text = format_text(build_schedule(SchedulePlan(pp=2, microbatches=3, schedule="zb-h1")))
+    assert text == "F0 F1 B0 W0 F2 B1 W1 B2 W2\nF0 B0 F1 B1 W0 F2 B2 W1 W2\n"
+    interleaved = format_text(build_schedule(SchedulePlan(pp=2, vpp=2, microbatches=2)))
+    assert interleaved.splitlines()[0].split()[:3] == ["F0c0", "F1c0", "F0c1"]
+
+
+def test_a_different_one_chunk_order_gets_pairing_p2p_calls():
+    """Rank 0 runs B2 before W1, rank 1 W0 before B1: the calls pair a send with the
+    neighbour's receive, and the simulated bubble follows the new order."""
+    plan = SchedulePlan(pp=2, microbatches=3, schedule="zb-h1")
+    text = "F0 F1 B0 W0 F2 B1 B2 W1 W2\nF0 B0 F1 W0 B1 F2 B2 W1 W2\n"
+    schedule = schedule_from_text(text, plan)
+    calls = [s.call for s in schedule.ranks[1] if hasattr(s, "call")]
+    assert calls == [
+        "recv_forward",
+        "send_forward_recv_backward",
+        "send_backward_recv_forward",
+        "send_forward",  # F1, then W0: the gradient of B1 comes in its own receive
+        "recv_backward",
+        "send_backward_recv_forward",
+        "send_forward_recv_backward",
+        "send_backward",
+    ]
+    assert format_text(schedule) == text
+    timeline = Costs().simulate(schedule)
+    assert format_timeline(timeline).splitlines()[0] == "rank 0 | F0 F1 .  B0 W0 F2 B1 .  B2 W1 W2"
+    assert timeline.bubble() != Costs().simulate(build_schedule(plan)).bubble()
+
+
+def test_derived_calls_equal_the_built_for_all_warmup_ranks():
+    """m < pp - rank: every forward is warm-up (send_forward, then recv_backward)."""
+    for pp in range(2, 7):
+        for m in range(1, pp + 2):
+            for schedule in ("1f1b", "zb-h1"):
+                built = build_schedule(SchedulePlan(pp=pp, microbatches=m, schedule=schedule))
+                for rank in range(pp):
+                    derived = derive_exchanges(built.computes(rank), rank, pp, m)
+                    assert derived == built.ranks[rank], (schedule, pp, m, rank)
+
+
+ZB = SchedulePlan(pp=2, microbatches=3, schedule="zb-h1")
+GOOD_RANK_1 = "F0 B0 F1 B1 W0 F2 B2 W1 W2"
+BAD_TEXTS = {
+    "unknown token": (f"F0 F1 X0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "rank 0, token 3 'X0'"),
+    "torch's I": (f"F0 F1 I0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "rank 0, token 3 'I0'"),
+    "missing action": ("F0 F1 B0 W0 F2 B1 W1 B2 W2\nF0 B0 F1 B1 W0 F2 B2 W1", "rank 1: 'W2'"),
+    "duplicate action": (f"F0 F1 B0 W0 F2 B1 W1 B2 W2 B2\n{GOOD_RANK_1}", "rank 0, token 10"),
+    "micro-batch out of range": (f"F0 F1 B0 W0 F2 B1 W1 B2 W2 F3\n{GOOD_RANK_1}", "token 10 'F3'"),
+    "backward before forward": (f"B0 F0 F1 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "token 1 'B0'"),
+    "out of micro-batch order": (f"F1 F0 B0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "token 1 'F1'"),
+    "W in a 1F1B text": (f"F0 F1 B0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "rank 0, token 4 'W0'"),
+    "dependency cycle": (
+        "F0 B0 W0 F1 B1 W1 F2 B2 W2\nF0 F1 B0 W0 B1 W1 F2 B2 W2",
+        "rank 0, token 2 'B0': waits for B0 on rank 1",
+    ),
+    "peak over the limit": (f"F0 F1 F2 B0 W0 B1 W1 B2 W2\n{GOOD_RANK_1}", "token 3 'F2': 3"),
+    "too few rank lines": ("F0 F1 B0 W0 F2 B1 W1 B2 W2", "1 rank line(s) for a plan of 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TEXTS))
+def test_bad_text_is_refused_in_one_line_naming_rank_and_token(case):
+    text, where = BAD_TEXTS[case]
+    plan = dataclasses.replace(ZB, schedule="1f1b") if case == "W in a 1F1B text" else ZB
+    with pytest.raises(ScheduleTextError) as raised:
+        schedule_from_text(text, plan)
+    message = str(raised.value)
+    assert where in message and "\n" not in message, message
+
+
+def test_p2p_calls_that_cannot_pair_are_refused():
+    """Each order passes the compute dependencies, but under blocking exchanges rank 0's
+    send_forward of F1 waits for rank 1's receive, which comes after rank 1's send_backward
+    of B0, which waits for rank 0's receive behind that send_forward."""
+    plan = SchedulePlan(pp=4, microbatches=2, schedule="zb-h1")
+    text = "F0 F1 B0 W0 B1 W1\n" + "F0 B0 W0 F1 B1 W1\n" * 3
+    with pytest.raises(ScheduleTextError, match=r"rank 0, token 2 'F1': the P2P call send_forward"):
+        schedule_from_text(text, plan)
+
+
+def test_interleaved_text_must_be_megatrons_order():
+    plan = SchedulePlan(pp=2, vpp=2, microbatches=4)
+    lines = format_text(build_schedule(plan)).splitlines()
+    tokens = lines[1].split()
+    tokens[0], tokens[1] = tokens[1], tokens[0]  # F1c0 before F0c0 on rank 1
+    with pytest.raises(ScheduleTextError, match="rank 1, token 1"):
+        schedule_from_text("\n".join([lines[0], " ".join(tokens)]), plan)
+    swapped = lines[0].split()
+    i = swapped.index("W0") if "W0" in swapped else swapped.index("F0c1")
+    swapped[i - 1], swapped[i] = swapped[i], swapped[i - 1]  # chunk 1 earlier: still complete
+    with pytest.raises(ScheduleTextError, match="megatron-core's interleaved schedule runs"):
+        schedule_from_text("\n".join([" ".join(swapped), lines[1]]), plan)
+
+
+# ---- the command ----------------------------------------------------------------------------
+def _report_without_order_line(out: str) -> list[str]:
+    return [line for line in out.splitlines() if not line.startswith("order: ")]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"],
+        ["--pp", "2", "--vpp", "2", "--microbatches", "6", "--microbatch-group-size", "3"],
+        ["--pp", "3", "--microbatches", "5"],
+    ],
+)
+def test_cli_prints_text_and_reads_it_back(capsys, tmp_path, flags):
+    assert cli.main(["schedule", *flags, "--format", "text"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# ")
+    path = tmp_path / "order.txt"
+    path.write_text(text)
+    assert cli.main(["schedule", *flags]) == 0
+    original = capsys.readouterr().out
+    assert cli.main(["schedule", "--from-text", str(path)]) == 0
+    read_back = capsys.readouterr().out
+    assert f"order: from {path}, the built schedule's exactly" in read_back
+    assert _report_without_order_line(read_back) == original.splitlines()
+    assert cli.main(["schedule", "--from-text", str(path), "--format", "text"]) == 0
+    assert capsys.readouterr().out == text
+
+
+def test_cli_reports_a_different_order_and_where_it_differs(capsys, tmp_path):
+    path = tmp_path / "late_w.txt"
+    path.write_text("F0 F1 B0 W0 F2 B1 B2 W1 W2\nF0 B0 F1 W0 B1 F2 B2 W1 W2\n")
+    assert cli.main(["schedule", "--from-text", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "differs from the built schedule first at rank 0, token 7: B2 (built: W1)" in out
+    assert "rank 0 | F0 F1 .  B0 W0 F2 B1 .  B2 W1 W2" in out
+
+
+def test_cli_refuses_a_bad_text_in_one_line(capsys, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("F0 F1 B0 W0 F2 B1 W1 B2 W2\nF0 B0 F1 B1 W0 F2 B2 W1\n")
+    assert cli.main(["schedule", "--from-text", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--from-text {path}: rank 1: 'W2' is missing" in err
+    # checked against the flags' plan: 3 micro-batches named, 4 asked for
+    assert cli.main(["schedule", "--from-text", str(path), "--pp", "2", "--microbatches", "4"]) == 2
+    assert cli.main(["schedule", "--from-text", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt: no such file" in capsys.readouterr().err
