@@ -4,6 +4,8 @@ TORCHRUN  := .venv/bin/torchrun --standalone --local-ranks-filter 0
 # Two cores: one thread per rank keeps 2-4 gloo ranks from fighting over them.
 export OMP_NUM_THREADS ?= 1
 
+# (test-mcore-0.20*: the 0.20 lane, below)
+.PHONY: test-mcore-0.20 test-mcore-0.20-env test-mcore-0.20-sessions test-mcore-0.20-runs test-functional-lane
 .PHONY: setup run demo lint mypy test test-upstream-cases test-single test-unit test-functional test-lanes test-2ranks test-4ranks test-install test-gpu-prep test-gpu test-multinode test-soak wheelhouse doctor clean
 
 setup:
@@ -24,8 +26,16 @@ demo: setup
 # one process, then one pytest session per rank under torchrun: each session runs the tests
 # marked for its world size (tests/conftest.py); then the wheel and the GPU preparation. The
 # lint (ruff, mypy) opens that lane.
+# The megatron-core 0.20 lane (make test-mcore-0.20) is shared out between the two lanes so that
+# they stay even: its single-process and 2-rank sessions after the unit lane's own, its 4-rank
+# session and recipes after the functional runs (its environment is built first, once).
 test: setup
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional test-lanes
+	@$(MAKE) --no-print-directory test-mcore-0.20-env
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional-lane test-lanes
+
+test-functional-lane:
+	@$(MAKE) --no-print-directory test-functional
+	@$(MAKE) --no-print-directory test-mcore-0.20-runs
 
 test-lanes:
 	@$(MAKE) --no-print-directory lint
@@ -34,6 +44,28 @@ test-lanes:
 	@$(MAKE) --no-print-directory test-4ranks
 	@$(MAKE) --no-print-directory test-install
 	@$(MAKE) --no-print-directory test-gpu-prep
+	@$(MAKE) --no-print-directory test-mcore-0.20-sessions
+
+# megatron-ext on megatron-core 0.20 (scripts/mcore_020_lane.sh): .venv-mcore-0.20/ holds the wheel
+# MEGATRON_CORE_WHEEL names (default ../shared/wheels/megatron-core-0.20-mhc-pp/, Megatron-LM
+# #4946) and megatron-ext, on .venv's torch; there the unit sessions (1, 2 and 4 ranks) and four
+# recipes against their golden values. Without a wheel: one line, and success.
+MCORE020 := scripts/mcore_020_lane.sh
+test-mcore-0.20: setup
+	@$(MAKE) --no-print-directory test-mcore-0.20-env
+	@$(MAKE) --no-print-directory test-mcore-0.20-sessions
+	@$(MAKE) --no-print-directory test-mcore-0.20-runs
+
+test-mcore-0.20-env:
+	@$(MCORE020) env
+
+test-mcore-0.20-sessions:
+	@$(MCORE020) unit
+	@$(MCORE020) 2ranks
+
+test-mcore-0.20-runs:
+	@$(MCORE020) 4ranks
+	@$(MCORE020) recipes
 
 # ruff and mypy (configured in pyproject.toml): the tree is formatted and lint-clean
 # (`.venv/bin/ruff format .` fixes the first), and the package type-checks.
@@ -73,8 +105,14 @@ test-multinode: setup
 # MEGATRON_EXT_SOAK=1, i.e. besides make test's runs the shipped recipes make test leaves to
 # this tier (tests/functional_tests/test_recipes.py: SOAK_RECIPES), the ZB-H1 twin of the
 # TP2xPP2+SP recipe, the racing and fault variants, the two-node faults and the checkpoint moves.
+# On megatron-core 0.20 it also trains every shipped recipe, and moves an upstream mHC checkpoint
+# (tests/unit_tests/mcore_020), on both 0.20 builds: #4946 (mHC with PP) and main (PP 1 only).
+MEGATRON_CORE_WHEEL_PP ?= ../shared/wheels/megatron-core-0.20-mhc-pp
+MEGATRON_CORE_WHEEL_MAIN ?= ../shared/wheels/megatron-core-0.20-main
 test-soak: setup
 	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests --durations=0
+	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_PP) $(MCORE020) soak
+	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_MAIN) $(MCORE020) soak
 
 # Every case of a Megatron-LM checkout through import, validate and run --dry-run (issue 33):
 # make test-upstream-cases MEGATRON_LM_CASES=/path/to/Megatron-LM/tests/functional_tests/test_cases
@@ -108,4 +146,4 @@ doctor: setup
 	.venv/bin/megatron-ext doctor
 
 clean:
-	rm -rf .venv build wheelhouse *.egg-info
+	rm -rf .venv .venv-mcore-0.20 build wheelhouse *.egg-info

@@ -29,7 +29,7 @@ setup(
         # Ranges, not pins: pip keeps the megatron-core (a wheel or an editable Megatron-LM
         # checkout) and torch the user already has. The registry refuses megatron-core code it
         # was not verified on, with a message, at install() time.
-        "megatron-core>=0.19.2,<0.20",
+        "megatron-core>=0.19.2,<0.21",
         "torch>=2.6,<2.15",
         "numpy",
         "psutil",  # megatron's torch_dist checkpoint writer imports it

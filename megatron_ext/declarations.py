@@ -123,6 +123,26 @@ register(
 )
 
 
+register(
+    Patch(
+        target=(
+            "megatron.core.transformer.multi_token_prediction:is_inference_column_parallel_linear"
+        ),
+        replacement="megatron_ext.models.te_absent:inference_linear_check_without_te",
+        why=(
+            "megatron-core 0.20.0 bug without Transformer Engine: MultiTokenPredictionLayer."
+            "__init__ asks is_inference_column_parallel_linear (imported into the module, looked "
+            "up there), whose isinstance gets TE's stand-ins instead of classes and raises "
+            "TypeError, so no MTP layer builds on CPU. Where those linears are not classes the "
+            "answer is False (no module can be one); otherwise the original answers. 0.19.2 "
+            "has no such check."
+        ),
+        verified=("0.20.0",),
+        applies_on=("0.20.0",),
+    )
+)
+
+
 # --------------------------------------------------------------------------------------
 # "trace" patches: applied only inside megatron_ext.schedules.trace.tracing() (megatron-ext
 # run --trace); outside it nothing is wrapped, so tracing off costs nothing.

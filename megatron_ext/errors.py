@@ -15,6 +15,7 @@ Nothing here imports anything of the product, torch or megatron.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 
@@ -48,3 +49,9 @@ class Problem:
 
 
 __all__ = ["MegatronExtError", "Problem", "UnsupportedCombinationError"]
+
+
+def suggestion(key: str, known: list[str]) -> str:
+    """The end of a "not a known key" problem: the closest known key, or all of them."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"

@@ -30,7 +30,7 @@ from typing import Any
 # The one product import: the root error class (megatron_ext.errors imports nothing).
 from megatron_ext.errors import MegatronExtError
 
-VERIFIED_MEGATRON_CORE = ("0.19.2",)
+VERIFIED_MEGATRON_CORE = ("0.19.2", "0.20.0")
 ALLOW_UNVERIFIED_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED"
 
 
@@ -54,6 +54,9 @@ class Patch:
     group: str = "core"
     verified: tuple[str, ...] = VERIFIED_MEGATRON_CORE
     wraps: bool = True
+    # The megatron-core versions whose code needs this patch (a fix for a bug only they have);
+    # None: every version. Elsewhere the patch is neither applied nor checked.
+    applies_on: tuple[str, ...] | None = None
 
     def make(self, original: Any) -> Any:
         """What replaces ``original`` (imports the replacement's module)."""
@@ -98,10 +101,17 @@ def _declared() -> None:
     importlib.import_module(DECLARATIONS)
 
 
-def patches(group: str | None = None) -> list[Patch]:
-    """The registered patches, optionally only those of one group."""
+def patches(group: str | None = None, *, every: bool = False) -> list[Patch]:
+    """The registered patches that apply to the imported megatron-core (``every``: also the
+    version-scoped ones that do not), optionally only those of one group."""
     _declared()
-    return [p for p in _PATCHES if group is None or p.group == group]
+    chosen = [p for p in _PATCHES if group is None or p.group == group]
+    return chosen if every else [p for p in chosen if applies(p)]
+
+
+def applies(patch: Patch) -> bool:
+    """Whether ``patch`` is for the imported megatron-core (version-scoped fixes only ask)."""
+    return patch.applies_on is None or megatron_core_version() in patch.applies_on
 
 
 def is_applied(target: str) -> bool:
@@ -189,8 +199,9 @@ def check_megatron_core_version(group_patches: list[Patch]) -> None:
     message = (
         f"megatron-ext's patches are verified on megatron-core {', '.join(VERIFIED_MEGATRON_CORE)}, "
         f"but the imported code is {code} (unverified targets: {', '.join(unverified)}). "
-        f"Install megatron-core=={VERIFIED_MEGATRON_CORE[-1]} (or check out Megatron-LM core_r0.19.0 at "
-        f"that release), or set {ALLOW_UNVERIFIED_ENV}=1 to apply them anyway at your own risk."
+        f"Install megatron-core=={VERIFIED_MEGATRON_CORE[0]} (or check out Megatron-LM core_r0.19.0 at "
+        f"that release) or a megatron-core {VERIFIED_MEGATRON_CORE[-1]}, or set "
+        f"{ALLOW_UNVERIFIED_ENV}=1 to apply them anyway at your own risk."
     )
     if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         warnings.warn(message, stacklevel=3)

@@ -264,7 +264,8 @@ kill_node() {   # SIGKILL every process of node $1 (its namespace dies with the 
     local name=$1 ns pids
     [ -s "$DIR/node-$name.ns" ] || die "no node $name in $DIR"
     ns=$(cat "$DIR/node-$name.ns")
-    for _ in $(seq 1 50); do
+    # up to 30 s: on a loaded machine a killed rank's memory takes seconds to be released
+    for _ in $(seq 1 300); do
         pids=$(ns_members "$ns")
         [ -z "$pids" ] && { log "$name: no process left"; return 0; }
         # shellcheck disable=SC2086

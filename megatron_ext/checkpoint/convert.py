@@ -5,8 +5,11 @@ modules ``decoder.layers.i.self_attention_hyper_connection.*`` and
 ``decoder.layers.i.mlp_hyper_connection.*``, as we do, so a GPT checkpoint loads by key.
 Two things differ by source and are not in the keys:
 
-- main mixes the residual streams with H_res, PR #6401/dev (and we) with H_resᵀ: a main
-  checkpoint loads but computes a different function (:data:`H_RES_NOTE`);
+- main mixes the residual streams with H_res, PR #6401/dev (and we) with H_resᵀ: with
+  ``--source main`` the res rows ``2n + i*n + j`` and ``2n + j*n + i`` of every
+  ``*_hyper_connection.mapping_proj.weight`` and ``bias`` (and their optimizer state) swap
+  (:func:`transpose_main_res`), so the converted model computes main's function
+  (:data:`H_RES_NOTE`);
 - ``dev``'s GPT contracts the streams with a learned contraction (``decoder.hc_head_fn``,
   ``hc_head_base``, ``hc_head_scale``); build the model with
   ``mhc_learned_output_contract=True`` to load those keys (ours defaults to main's mean).
@@ -35,9 +38,10 @@ SOURCES = ("main", "pr6401", "dev", "megatron-ext")
 
 H_RES_NOTE = (
     "upstream main mixes the residual streams with H_res (mixed_i = sum_j H_res[i, j] x_j); "
-    "PR #6401, dev and megatron-ext use H_res transposed (DeepSeek-V4's orientation). The keys "
-    "and shapes match, so the checkpoint loads, but the model computes a different function "
-    "until it is fine-tuned: expect a higher loss at first."
+    "PR #6401, dev and megatron-ext use H_res transposed (DeepSeek-V4's orientation). The res "
+    "rows i*n+j and j*n+i of every hyper connection's mapping_proj.weight and bias (and their "
+    "optimizer state) were swapped, so the model computes main's function (up to Sinkhorn "
+    "convergence: main normalises rows first, megatron-ext columns)."
 )
 LEARNED_CONTRACTION_NOTE = (
     "dev's GPT contracts the streams with a learned contraction (decoder.hc_head_fn/base/scale): "
@@ -161,6 +165,47 @@ def hybrid_from_upstream(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return converted
 
 
+# The parameters whose rows (weight) or entries (bias) hold the [pre | post | res] logits.
+RES_ROW_PARAMETERS = (
+    ("_hyper_connection.mapping_proj.weight", -2),
+    ("_hyper_connection.bias", -1),
+)
+
+
+def res_transposition(width: int) -> list[int] | None:
+    """The order of the ``width = 2n + n²`` logits with the n×n res block transposed (row
+    ``2n + i*n + j`` takes ``2n + j*n + i``); None when ``width`` has no such n (Birkhoff's n!
+    block is not upstream's and has no transpose here)."""
+    n = round((width + 1) ** 0.5) - 1
+    if n < 1 or n * n + 2 * n != width:
+        return None
+    res = [2 * n + j * n + i for i in range(n) for j in range(n)]
+    return [*range(2 * n), *res]
+
+
+def transpose_main_res(state_dict: Mapping[str, Any], name_of: Any = None) -> dict[str, Any]:
+    """``state_dict`` with the res block of every hyper connection transposed (an
+    involution: main's orientation <-> ours). ``name_of(key)`` gives a key's parameter name
+    (torch_dist keys carry optimizer and shard parts); values that are not tensors pass."""
+    import torch
+
+    converted = dict(state_dict)
+    for key, value in state_dict.items():
+        name = name_of(key) if name_of else key
+        dim = next((d for suffix, d in RES_ROW_PARAMETERS if name.endswith(suffix)), None)
+        if dim is None or not isinstance(value, torch.Tensor) or value.dim() < -dim:
+            continue
+        order = res_transposition(value.shape[dim])
+        if order is None:
+            raise ConversionError(
+                f"{key}: {value.shape[dim]} logits is not 2n + n² for any n (a Birkhoff "
+                "checkpoint?); --source main checkpoints use Sinkhorn's n² res logits"
+            )
+        index = torch.tensor(order, device=value.device)
+        converted[key] = value.index_select(value.dim() + dim, index)
+    return converted
+
+
 def notes_for(source: str, model: str, state_dict: Mapping[str, Any]) -> list[str]:
     """What a user loading a ``source`` checkpoint of ``model`` must know beyond the keys."""
     notes = []
@@ -232,13 +277,22 @@ def load_checkpoint(path: str, trust_pickle: bool = False) -> Any:
 
     import torch
 
-    try:
-        if trust_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        from megatron_ext.checkpoint.safe_pickle import allowed_globals
+    from megatron_ext import files
 
-        with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+    try:  # only a regular file: a FIFO would block torch.load forever (issue 40, item 6)
+        stream = files.open_regular(path, "rb")
+    except files.NotRegularFile as exc:
+        raise ConversionError(str(exc.strerror)) from None
+    except OSError as exc:
+        raise ConversionError(f"{path} cannot be read: {files.failure_reason(exc)}") from None
+    try:
+        with stream:
+            if trust_pickle:
+                return torch.load(stream, map_location="cpu", weights_only=False)
+            from megatron_ext.checkpoint.safe_pickle import allowed_globals
+
+            with torch.serialization.safe_globals(allowed_globals()):
+                return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):
             raise ConversionError(f"{path} is not a torch.save file ({_first_line(exc)})") from None
@@ -341,13 +395,13 @@ def convert_file(
             notes += notes_for(source, model, checkpoint[entry])
             if convert is convert_state_dict:
                 notes += filter(None, [already_named_note(checkpoint[entry], model, to)])
-            converted[entry] = convert(checkpoint[entry], model, to)
+            converted[entry] = convert(_in_our_orientation(checkpoint[entry], source), model, to)
     else:
         _check_keys(checkpoint, source_path)
         notes += notes_for(source, model, checkpoint)
         if convert is convert_state_dict:
             notes += filter(None, [already_named_note(checkpoint, model, to)])
-        converted = convert(checkpoint, model, to)
+        converted = convert(_in_our_orientation(checkpoint, source), model, to)
     _save_atomically(converted, target_path)
     return list(dict.fromkeys(notes))
 
@@ -393,6 +447,7 @@ def convert_path(
     convert = convert or convert_state_dict
     try:
         state, _ = _read_torch_dist(source_path, trust_pickle)
+        state = _in_our_orientation(state, source, name_of=torch_dist.parameter_name)
         weights = torch_dist.model_weights(state)
         notes = notes_for(source, model, weights)
         if convert is convert_state_dict and (note := already_named_note(weights, model, to)):
@@ -406,6 +461,11 @@ def convert_path(
     except torch_dist.TorchDistError as exc:
         raise ConversionError(str(exc)) from None
     return notes
+
+
+def _in_our_orientation(state: Mapping[str, Any], source: str, name_of: Any = None) -> Any:
+    """A ``source`` state with H_res in megatron-ext's orientation (only main's differs)."""
+    return transpose_main_res(state, name_of) if source == "main" else state
 
 
 _WEIGHTS_ONLY_NOTE = (

@@ -83,15 +83,11 @@ def change_problem(before: Any, after: Any) -> str | None:
             "run --resume keeps the model; start a new run with checkpoint.load: RUN_DIR and "
             "the pattern's '|' re-split for the new stages (the layers keep their names)"
         )
-    old, new = before.parallelism.ep or 1, after.parallelism.ep or 1
-    if (old > 1) != (new > 1):
-        return (
-            f"parallelism.ep {old} -> {new}: Megatron keeps the experts' optimizer state apart "
-            "only when ep > 1 and cannot load it across that change; keep ep "
-            f"{'> 1' if old > 1 else '= 1'}, or start a new run with checkpoint.load: "
-            "RUN_DIR and checkpoint.load_optim: false"
-        )
-    return None
+    return start_from.ep_change_problem(
+        before.parallelism.ep,
+        after.parallelism.ep,
+        "start a new run with checkpoint.load: RUN_DIR and checkpoint.load_optim: false",
+    )
 
 
 def resume_args(ckpt_dir: Path, recipe: Any, layout_changed: bool) -> list[str]:
@@ -143,16 +139,17 @@ def finished_run_continues(run_dir: Path, recipe: Any) -> bool:
     return recipe.training.iterations > latest
 
 
-def apply(run_dir: Path, before: Any, request: Any, latest: int | None, echo: Any) -> list[str]:
-    """Once a resume with overrides may start: the new recipe (``request``, a
+def apply(
+    run_dir: Path, before: Any, recipe: Any, request: Any, latest: int | None, echo: Any
+) -> list[str]:
+    """Once a resume with overrides may start: the new ``recipe`` (answered by ``request``, a
     :class:`~megatron_ext.recipes.request.RunRequest`) becomes the run's (recipe.yaml, run.json's
     overrides and layout_changes) and the Megatron flags it needs are returned."""
-    recipe = request.recipe
     change = changed(before, recipe)
-    (Path(run_dir) / "recipe.yaml").write_text(request.recipe_yaml)
+    (Path(run_dir) / "recipe.yaml").write_text(request.display.recipe_yaml)
     path = Path(run_dir) / "run.json"
     data = json.loads(path.read_text())
-    data["overrides"] = list(request.overrides)
+    data["overrides"] = list(request.display.overrides)
     path.write_text(json.dumps(data, indent=2) + "\n")
     if change:
         record(run_dir, change, latest)

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
 
 TRUST_FLAG = "--trust-pickle"
@@ -146,10 +147,12 @@ def load_metadata(path: str | os.PathLike) -> Any:
     """A torch DCP ``.metadata`` file, through :class:`RestrictedUnpickler`."""
     path = str(path)
     try:
-        with open(path, "rb") as stream:
+        with files.open_regular(path, "rb") as stream:
             metadata = RestrictedUnpickler(stream).load()
     except _Refused as exc:
         raise _refusal(path, exc.name) from None
+    except files.NotRegularFile as exc:
+        raise UnsafeCheckpoint(f"{exc.strerror}; it was not loaded") from None
     except OSError as exc:
         raise _unreadable(path, exc.strerror or str(exc)) from None
     except Exception as exc:  # truncated or junk pickles raise many types
@@ -209,10 +212,28 @@ def check_torch_save(source: str | os.PathLike | io.BytesIO, where: str | None =
 
 def _is_zip(path: str | os.PathLike) -> bool:
     try:
-        with open(path, "rb") as stream:
+        with files.open_regular(path, "rb") as stream:
             return stream.read(4) == b"PK\x03\x04"
+    except files.NotRegularFile as exc:
+        raise UnsafeCheckpoint(f"{exc.strerror}; it was not loaded") from None
     except OSError:
         return False
+
+
+def _only_files_and_directories(directory: Path) -> None:
+    """Refuse an iteration directory holding a FIFO, socket or device (links followed): the
+    ranks would block on a FIFO or read a device without end."""
+    import stat
+
+    for path in sorted(directory.rglob("*")):
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            continue  # a dangling link: nothing to read there
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UnsafeCheckpoint(
+                f"{files.not_regular(path, mode).strerror} (in a checkpoint); it was not loaded"
+            )
 
 
 def _byte_items(iteration_dir: Path, metadata: Any) -> Iterator[tuple[str, Path, int, int]]:
@@ -243,13 +264,14 @@ def check_iteration_dir(iteration_dir: str | os.PathLike) -> int:
     """Check every pickle of one saved iteration (torch_dist or torch format); returns how many
     pickles were checked. Raises :class:`UnsafeCheckpoint`."""
     directory = Path(iteration_dir)
+    _only_files_and_directories(directory)
     checked = 0
-    if (directory / METADATA_FILE).is_file():
+    if os.path.lexists(directory / METADATA_FILE):
         metadata = load_metadata(directory / METADATA_FILE)
         checked += 1
         for fqn, path, offset, length in _byte_items(directory, metadata):
             try:
-                with open(path, "rb") as stream:
+                with files.open_regular(path, "rb") as stream:
                     stream.seek(offset)
                     blob = stream.read(length)
             except OSError as exc:
@@ -259,7 +281,7 @@ def check_iteration_dir(iteration_dir: str | os.PathLike) -> int:
             check_torch_save(io.BytesIO(blob), f"{path} (item {fqn!r})")
             checked += 1
     for path in sorted(directory.rglob("*.pt")):
-        if path.is_file():
+        if not path.is_dir():
             check_torch_save(path)
             checked += 1
     return checked
@@ -275,9 +297,12 @@ def iteration_to_load(root: str | os.PathLike, step: int | None = None) -> Path 
     if step is not None:
         return root / f"iter_{step:07d}"
     try:
-        text = (root / TRACKER).read_text(errors="replace").strip()
+        text = files.read_bounded(root / TRACKER, 4096, "tracker").decode(errors="replace")
+    except files.NotRegularFile as exc:
+        raise UnsafeCheckpoint(f"{exc.strerror}; nothing was loaded") from None
     except OSError:
         return None
+    text = text.strip()
     if text == "release":
         return root / "release"
     if text.isascii() and text.isdigit():

@@ -173,7 +173,48 @@ def problems(recipe: Any) -> list[str]:
     args = state.get("args")
     if args is None:
         return [f"checkpoint.load: {c.load} holds no Megatron args; cannot check it"]
-    return mismatches(recipe, args, "checkpoint.load")
+    found = mismatches(recipe, args, "checkpoint.load")
+    if (why := optimizer_layout_problem(recipe, args, source)) is not None:
+        found.append(f"checkpoint.load: {why}")
+    return found
+
+
+def optimizer_layout_problem(recipe: Any, args: Any, source: Source) -> str | None:
+    """The layout changes ``run --resume`` refuses because Megatron cannot load the optimizer
+    state across them (:func:`ep_change_problem`), refused the
+    same way when the optimizer state comes through ``checkpoint.load`` (issue 40, item 8)."""
+    c = recipe.checkpoint
+    if c.finetune or not c.load_optim or not has_optimizer_state(source):
+        return None
+    return ep_change_problem(
+        getattr(args, "expert_model_parallel_size", 1),
+        recipe.parallelism.ep,
+        "set checkpoint.load_optim: false (a fresh optimizer)",
+    )
+
+
+def ep_change_problem(old: int | None, new: int | None, other_way: str) -> str | None:
+    """Why an optimizer state saved under expert parallelism ``old`` cannot be loaded under
+    ``new`` (None: it can); the one rule for ``run --resume`` and ``checkpoint.load``.
+    ``other_way``: the caller's alternative to keeping the EP side."""
+    old, new = old or 1, new or 1
+    if (old > 1) == (new > 1):
+        return None
+    return (
+        f"parallelism.ep {old} -> {new}: Megatron keeps the experts' optimizer state apart "
+        f"only when ep > 1 and cannot load it across that change; keep ep "
+        f"{'> 1' if old > 1 else '= 1'}, or {other_way}"
+    )
+
+
+def has_optimizer_state(source: Source) -> bool:
+    """Whether the saved iteration holds optimizer state (a torch_dist save's ``optimizer.*``
+    items; a torch-format save is assumed to)."""
+    directory = source.iteration_dir
+    if not (directory / safe_pickle.METADATA_FILE).is_file():
+        return True
+    metadata = safe_pickle.load_metadata(directory / safe_pickle.METADATA_FILE)
+    return any(str(key).startswith("optimizer.") for key in metadata.state_dict_metadata)
 
 
 def saved_args(root: str | Path) -> Any | None:

@@ -46,7 +46,10 @@ def iteration_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "checkpoints").is_dir() and not (path / safe_pickle.METADATA_FILE).exists():
         path = path / "checkpoints"
-    target = safe_pickle.iteration_to_load(path)
+    try:
+        target = safe_pickle.iteration_to_load(path)
+    except safe_pickle.UnsafeCheckpoint as exc:  # a tracker that is a FIFO, socket or device
+        raise TorchDistError(str(exc)) from None
     if target is None or not (target / safe_pickle.METADATA_FILE).is_file():
         raise TorchDistError(
             f"{path} is not a torch_dist checkpoint (no .metadata, and no "
@@ -158,6 +161,11 @@ def _split(key: str) -> tuple[str, str, str]:
     if found := OPTIMIZER_STATE.match(key):
         head, key = found["head"], found["name"]
     return head, key, tail
+
+
+def parameter_name(key: str) -> str:
+    """The parameter (or module) name inside a torch_dist key (optimizer and shard parts off)."""
+    return _split(key)[1]
 
 
 def rename_keys(

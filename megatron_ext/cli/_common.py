@@ -19,7 +19,7 @@ def load(
     allow_env: list[str] | None = None,
 ):
     """Load a recipe; ``--device`` becomes a launch.device override only when it changes it;
-    ``allow_env``: the code-loading launch.env keys allowed with ``--allow-env``."""
+    ``allow_env``: what the command line granted (``--allow-env`` keys, ``--trust-remote-code``)."""
     from megatron_ext.recipes import load as load_recipe
 
     loaded = load_recipe(recipe, platform, overrides)
@@ -30,14 +30,26 @@ def load(
 
 
 def add_allow_env(parser: argparse.ArgumentParser) -> None:
-    """``--allow-env KEY`` (repeatable): see :mod:`megatron_ext.launch.env_policy`."""
+    """``--allow-env KEY`` (repeatable) and ``--trust-remote-code``: what the command line
+    grants a recipe, gathered in ``args.allow_env`` (see :mod:`megatron_ext.launch.env_policy`)."""
+    from megatron_ext.launch.env_policy import REMOTE_CODE_FLAG
+
     parser.add_argument(
         "--allow-env",
         action="append",
         default=[],
         metavar="KEY",
-        help="let the recipe's launch.env set KEY although it makes the ranks load code "
-        "(PYTHONPATH, LD_PRELOAD, BASH_ENV, ...); refused otherwise; repeat for each key",
+        help="let the recipe's launch.env set KEY although it is not a known tuning knob "
+        "(PYTHONPATH, LD_PRELOAD, HOME, NCCL_NET_PLUGIN, ...: they can make the ranks load "
+        "code); refused otherwise; repeat for each key",
+    )
+    parser.add_argument(
+        REMOTE_CODE_FLAG,
+        dest="allow_env",
+        action="append_const",
+        const=REMOTE_CODE_FLAG,
+        help="let the recipe's extra_args turn on Megatron's --trust-remote-code (the ranks "
+        "import the Python of the tokenizer's directory); refused otherwise",
     )
 
 

@@ -140,10 +140,16 @@ def _compare_runs(args: argparse.Namespace) -> int:
     lines = run_compare.table(curves, run_compare.differences(curves, names))
     print("\n".join(lines + run_compare.only_in_one_run(curves, sets)))
     if args.plot:
+        from megatron_ext import files
+
         drawn, flat = run_compare.plotted(curves, names)
         if flat:
             print("\n".join(run_compare.wrapped("constant in every run (not plotted):", flat)))
-        print(f"plot: {run_compare.plot(Path(args.plot), curves, drawn)}")
+        try:
+            written = run_compare.plot(Path(args.plot), curves, drawn)
+        except OSError as exc:  # a full or read-only disk: one line, nothing left behind
+            raise _BadInput(f"--plot {files.cannot_write(args.plot, exc)}") from None
+        print(f"plot: {written}")
     return 0
 
 

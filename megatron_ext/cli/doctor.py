@@ -37,11 +37,7 @@ def doctor_report() -> list[str]:
     )
 
     gpu = torch.cuda.is_available()
-    if not gpu:
-        # What a launcher would do on this machine: the CPU runtime, then the report.
-        runtime.use_cpu()
-    else:
-        megatron_ext.install()
+    refusal = _install_as_a_launcher_would(gpu)
     lines = [
         f"megatron-ext      {megatron_ext.__version__}",
         f"megatron-core     {_package_version('megatron-core')} "
@@ -54,10 +50,13 @@ def doctor_report() -> list[str]:
         f"transformer-engine {'present' if _importable('transformer_engine') else 'absent'}",
         f"apex              {'present' if _importable('apex') else 'absent'}",
         f"cpu runtime       {'active' if runtime.cpu_active() else 'off'}",
+        *([f"install refused    {refusal}"] if refusal else []),
         "patch registry:",
     ]
-    for patch in registry.patches():
+    for patch in registry.patches(every=True):
         state = "active" if registry.is_applied(patch.target) else "inactive"
+        if not registry.applies(patch):
+            state = "n/a"  # a version-scoped fix for code this megatron-core does not have
         verified = ", ".join(patch.verified)
         lines.append(f"  [{patch.group:4}] {state:8} {patch.target} (verified on {verified})")
         lines.append(f"         why: {patch.why}")
@@ -73,6 +72,23 @@ def doctor_report() -> list[str]:
             "cpu runtime also pushes: CudaToCpuMode (device='cuda' -> cpu, Tensor.cuda(), Tensor.type())"
         )
     return lines
+
+
+def _install_as_a_launcher_would(gpu: bool) -> str | None:
+    """What a launcher would do on this machine (the CPU runtime without a GPU, install()
+    with one); the refusal's message when megatron-ext refuses this megatron-core, so the
+    report still comes and the verdict says why."""
+    import megatron_ext
+    from megatron_ext import registry, runtime
+
+    try:
+        if gpu:
+            megatron_ext.install()
+        else:
+            runtime.use_cpu()
+    except (registry.UnverifiedMegatronCoreError, registry.SeamMismatchError) as refusal:
+        return str(refusal).splitlines()[0]
+    return None
 
 
 def verdict() -> tuple[bool, str]:

@@ -33,6 +33,35 @@ def _output_problem(out, source) -> str | None:
     return None
 
 
+def _flag_words(recipe: dict) -> list[str]:
+    """Every flag and value the recipe's extra_args (and its platforms') put on the command
+    line."""
+    words: list[str] = []
+    for section in [recipe, *recipe.get("platforms", {}).values()]:
+        for flag, value in (section.get("extra_args") or {}).items():
+            if value is not None and value is not False:
+                words += [str(flag), *map(str, value if isinstance(value, list) else [value])]
+    return words
+
+
+def _without_secrets(recipe: dict) -> list[str]:
+    """Drop every secret of the case's ENV_VARS from the recipe written or printed (a recipe
+    file is shared and shown; the ranks inherit the variable from the environment they are
+    started in), one note each."""
+    from megatron_ext.launch.shell import is_secret
+
+    notes = []
+    for section in [recipe, *recipe.get("platforms", {}).values()]:
+        env = section.get("launch", {}).get("env") or {}
+        for key in [k for k in env if is_secret(k)]:
+            del env[key]
+            notes.append(
+                f"ENV_VARS.{key} is a secret: not written into the recipe; export {key} where "
+                "you run it (the ranks inherit it)"
+            )
+    return notes
+
+
 def main(args: argparse.Namespace) -> int:
     """A Megatron-LM test case (model_config.yaml) as a megatron-ext recipe YAML."""
     import os
@@ -41,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_ext.recipes.loader import parse_document, yaml_error_line
+    from megatron_ext.recipes.schema import Recipe
     from megatron_ext.upstream_cases import model_config as upstream
 
     source = Path(args.test_case)
@@ -51,9 +81,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-ext import: -o {out}: {problem}", file=sys.stderr)
         return 2
     try:
-        if source.is_file() and source.stat().st_size > MAX_TEST_CASE_BYTES:
-            raise OSError(f"{source.stat().st_size} bytes, more than a test case's 1 MiB")
-        raw, duplicates = parse_document(source.read_text(encoding="utf-8"))
+        from megatron_ext import files
+
+        # bounded by the bytes read, not the size claimed (/dev/zero claims 0; issue 40)
+        text = files.read_text_bounded(source, MAX_TEST_CASE_BYTES, "test case")
+        raw, duplicates = parse_document(text)
     except yaml.YAMLError as exc:
         print(f"megatron-ext import: cannot read {source}: {yaml_error_line(exc)}", file=sys.stderr)
         return 2
@@ -71,7 +103,9 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    conversion = upstream.convert(raw, source.resolve().parent, duplicates=tuple(duplicates))
+    conversion = upstream.convert(
+        raw, source.resolve().parent, duplicates=tuple(duplicates), defaults=Recipe().to_dict()
+    )
     # A recipe file has no placeholders: one the environment cannot fill would be written
     # literally and fail on the GPU machine, so it is an error here.
     conversion.problems += [
@@ -83,10 +117,13 @@ def main(args: argparse.Namespace) -> int:
         )
         for name, flag in conversion.unresolved.items()
     ]
-    from megatron_ext.launch.env_policy import env_problems
+    from megatron_ext.launch.env_policy import env_problems, remote_code_problems
 
     conversion.problems += env_problems(
         conversion.recipe.get("launch", {}).get("env", {}), args.allow_env, "ENV_VARS"
+    )
+    conversion.problems += remote_code_problems(
+        _flag_words(conversion.recipe), args.allow_env, "MODEL_ARGS"
     )
     for found in conversion.problems:
         print(f"{source}: {found}", file=sys.stderr)
@@ -101,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
     for overlay in recipe["platforms"].values():
         overlay["test"]["golden_values"] = os.path.join(base, overlay["test"]["golden_values"])
     notes = [*conversion.notes.get("mapping", []), *conversion.notes.get("cpu", [])]
+    notes += _without_secrets(recipe)
     text = "\n".join([f"# Imported by megatron-ext from {source}", *[f"# {n}" for n in notes]])
     text += "\n" + yaml.safe_dump(recipe, sort_keys=False, width=100)
     if out is None:

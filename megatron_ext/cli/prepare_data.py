@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import shutil
+
+    from megatron_ext import files
     from megatron_ext.data.preprocess import PrepareDataError, preprocess
 
     try:
@@ -34,7 +37,18 @@ def main(args: argparse.Namespace) -> int:
             if Path(args.example).exists() and not Path(args.example).is_dir():
                 raise PrepareDataError(f"--example {args.example}: a file; give a directory")
 
-            make_example(args.example, workers=args.workers or 1)
+            created = not Path(args.example).exists()
+            try:
+                make_example(args.example, workers=args.workers or 1)
+            except OSError as e:
+                if not files.is_write_failure(e):
+                    raise
+                if created:  # a half-built example of ours is nothing to keep
+                    shutil.rmtree(args.example, ignore_errors=True)
+                failed = files.write_errno(e) or e
+                raise PrepareDataError(
+                    files.cannot_write(failed.filename or args.example, failed)
+                ) from None
         else:
             preprocess(args)
     except PrepareDataError as e:

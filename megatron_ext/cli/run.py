@@ -70,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
     from megatron_ext.recipes.prepare import RunDirRecipes, prepare
     from megatron_ext.runs import runner
 
+    refusal = _version_refusal()
+    if refusal is not None:  # before any recipe problem: no recipe can run on this code
+        print(f"megatron-ext run: {refusal}", file=sys.stderr)
+        return runner.EXIT_INVALID
     if args.resume:
         recipes, overrides = split_targets(args.targets or [])
         if recipes or args.run_dir or args.dry_run or args.write_golden or args.trace:
@@ -116,6 +120,19 @@ def main(args: argparse.Namespace) -> int:
         )
         return runner.EXIT_TRAINING_FAILED
     return outcome.exit_code
+
+
+def _version_refusal() -> str | None:
+    """Why megatron-ext refuses the installed megatron-core (None: it does not), the message
+    install() would raise on every rank (MEGATRON_EXT_ALLOW_UNVERIFIED=1 turns it into a
+    warning there and here)."""
+    from megatron_ext import registry
+
+    try:
+        registry.check_megatron_core_version(registry.patches("core"))
+    except registry.UnverifiedMegatronCoreError as exc:
+        return str(exc)
+    return None
 
 
 def _options(args: argparse.Namespace):

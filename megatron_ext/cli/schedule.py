@@ -175,6 +175,7 @@ def _error(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_ext.pipeline.message_size import MessageSize
     from megatron_ext.recipes import RecipeError
     from megatron_ext.recipes.schedule import plan_from_recipe
     from megatron_ext.schedules import report as rep
@@ -220,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
             if args.hidden is not None:
                 if args.seq is None or args.micro_batch_size is None:
                     return _error("--hidden needs --seq and --micro-batch-size")
-                size = rep.MessageSize(
+                size = MessageSize(
                     args.hidden,
                     args.seq,
                     args.micro_batch_size,

@@ -74,7 +74,11 @@ def main(args: argparse.Namespace) -> int:
     platform = args.platform
     if platform is None:
         try:
-            raw = parse_yaml(Path(recipes[0]).read_text()) or {}
+            from megatron_ext import files
+            from megatron_ext.recipes.loader import MAX_RECIPE_BYTES
+
+            text = files.read_text_bounded(recipes[0], MAX_RECIPE_BYTES, "recipe")
+            raw = parse_yaml(text) or {}
         except Exception:
             raw = {}
         platform = "gpu-cluster" if "gpu-cluster" in (raw.get("platforms") or {}) else "cpu"

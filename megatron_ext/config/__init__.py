@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext import guards
+from megatron_ext.mhc import native
 from megatron_ext.mhc_flags import MHC_DEFAULTS
 
 # Our entry in TransformerConfig.recompute_modules: output-discarding selective recompute of
@@ -90,12 +91,28 @@ class MHCTransformerConfig(TransformerConfig):
         wants_mhc_recompute = requested is not None and MHC_RECOMPUTE_MODULE in requested
         if requested is not None:
             self.recompute_modules = [m for m in requested if m != MHC_RECOMPUTE_MODULE]
-        super().__post_init__()
+        self._validate_base_without_native_mhc()
         if wants_mhc_recompute:
             self.recompute_modules.append(MHC_RECOMPUTE_MODULE)
         self._validate_mhc()
         guards.check_pipeline_schedule(self)
         guards.check_moe_bias(self)
+
+    def _validate_base_without_native_mhc(self) -> None:
+        """TransformerConfig's own validation. Where megatron-core declares the mHC fields
+        itself (its native mHC, :func:`megatron_ext.mhc.native.config_declares_mhc`), that
+        validation would judge megatron-ext's mHC by upstream's limits (no PP > 1, no MTP, no
+        full recompute): it runs with mHC hidden, and megatron-ext's guards (run next) judge
+        every mHC setting, upstream's checks among them, with megatron-ext's messages."""
+        enabled = self.enable_mhc_connections
+        hide = enabled and native.config_declares_mhc()
+        if hide:
+            self.enable_mhc_connections = False
+        try:
+            super().__post_init__()
+        finally:
+            if hide:
+                self.enable_mhc_connections = enabled
 
     @property
     def mhc_recompute_enabled(self) -> bool:

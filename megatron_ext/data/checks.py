@@ -16,10 +16,15 @@ import contextlib
 import json
 import os
 import re
+import stat
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from megatron_ext import files
 from megatron_ext.data.tokenizer_files import hub_cached
 from megatron_ext.errors import MegatronExtError
 
@@ -118,6 +123,12 @@ def tokenizer_problems(
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
+    if tokenizer_type in SENTENCEPIECE_TYPES and model and Path(model).exists():
+        problem = sentencepiece_problem(model)
+        if problem:
+            problems.append(
+                f"{where}model: {problem}" if where else f"--tokenizer-model: {problem}"
+            )
     if tokenizer_type == "GPT2BPETokenizer" and vocab_file and Path(vocab_file).is_file():
         problem = _vocab_json_problem(vocab_file)
         if problem:
@@ -125,6 +136,31 @@ def tokenizer_problems(
                 f"{where}vocab_file: {problem}" if where else f"--vocab-file: {problem}"
             )
     return problems
+
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+MAX_SENTENCEPIECE_BYTES = 1 << 30
+
+
+def sentencepiece_problem(model: str) -> str | None:
+    """Why ``model`` is not a SentencePiece model the ranks can load (None: it is): read as a
+    regular file within a bound, then parsed by sentencepiece itself (issue 40, item 13)."""
+    try:
+        blob = files.read_bounded(model, MAX_SENTENCEPIECE_BYTES, "SentencePiece model")
+    except OSError as e:
+        return f"{model} cannot be read: {files.failure_reason(e)}"
+    import sentencepiece
+
+    try:
+        size = sentencepiece.SentencePieceProcessor(model_proto=blob).vocab_size()
+        if size < 1:
+            raise ValueError("no pieces")
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError, OSError...
+        return (
+            f"{model} is not a SentencePiece model ({' '.join(str(e).split())[:120]}); give the "
+            ".model file sentencepiece trained"
+        )
+    return None
 
 
 def _vocab_json_problem(vocab_file: str) -> str | None:
@@ -202,15 +238,98 @@ def missing_files(prefix: str) -> list[str]:
     return [prefix + ext for ext in (".bin", ".idx") if not Path(prefix + ext).exists()]
 
 
-def max_token_id(prefix: str) -> int | None:
-    """The largest token id in ``PREFIX.bin`` (None when the file is too large to scan)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+# Megatron's indexed dataset (megatron/core/datasets/indexed_dataset.py, "MMIDIDX" format):
+# a 9-byte magic, version 1 (<Q), the token dtype's code (<B), the sequence count S and the
+# document-boundary count D (<Q each), then S int32 lengths, S int64 byte offsets into the
+# .bin and D int64 document boundaries (0 first, S last). Read here without megatron's reader,
+# whose __del__ prints a traceback for an index it could not open (issue 40, item 12).
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_HEADER = struct.Struct("<9sQBQQ")
+INDEX_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
-    if Path(prefix + ".bin").stat().st_size > SCAN_LIMIT_BYTES:
+
+class IndexProblem(MegatronExtError, ValueError):
+    """A ``.bin``/``.idx`` pair that is not one Megatron indexed dataset (one line)."""
+
+
+@dataclass(frozen=True)
+class IndexedData:
+    """What a consistent ``PREFIX.idx`` says of ``PREFIX.bin``."""
+
+    dtype: Any
+    lengths: np.ndarray  # tokens per sequence (a copy)
+    documents: int
+    bin_bytes: int
+
+
+def _regular_size(path: str) -> int:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise IndexProblem(f"{path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise IndexProblem(files.not_regular(path, mode).strerror)
+    return os.stat(path).st_size
+
+
+def read_index(prefix: str) -> IndexedData:
+    """``PREFIX.idx`` read and checked against ``PREFIX.bin``: the header, the file sizes, the
+    document boundaries and every sequence's place in the .bin. A ``.bin`` paired with another
+    dataset's ``.idx`` fails the last; raises :class:`IndexProblem`."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    idx_bytes, bin_bytes = _regular_size(idx), _regular_size(bin_)
+    try:
+        with files.open_regular(idx) as stream:
+            head = stream.read(INDEX_HEADER.size)
+    except OSError as e:
+        raise IndexProblem(f"{idx} cannot be read: {files.failure_reason(e)}") from None
+    if len(head) < INDEX_HEADER.size or head[:9] != INDEX_MAGIC:
+        raise IndexProblem(f"{idx} is not a Megatron index (no MMIDIDX header)")
+    _, version, code, sequences, boundaries = INDEX_HEADER.unpack(head)
+    if version != 1 or code not in INDEX_DTYPES:
+        raise IndexProblem(f"{idx}: index version {version}, dtype code {code} are not Megatron's")
+    dtype = np.dtype(INDEX_DTYPES[code])
+    body = sequences * (4 + 8) + boundaries * 8
+    if idx_bytes - INDEX_HEADER.size not in (body, body + sequences):  # (+ multimodal modes)
+        raise IndexProblem(
+            f"{idx} is {idx_bytes} bytes but its header describes {sequences} sequences and "
+            f"{boundaries} document boundaries; it is cut short or not this dataset's index"
+        )
+    table = np.memmap(idx, mode="r", dtype=np.uint8)
+    offset = INDEX_HEADER.size
+    lengths = np.frombuffer(table, np.int32, sequences, offset).astype(np.int64)
+    pointers = np.frombuffer(table, np.int64, sequences, offset + 4 * sequences)
+    bounds = np.frombuffer(table, np.int64, boundaries, offset + 12 * sequences)
+    expected = np.concatenate(([0], np.cumsum(lengths) * dtype.itemsize))
+    if boundaries == 0 or bounds[0] != 0 or bounds[-1] != sequences or np.any(np.diff(bounds) < 0):
+        raise IndexProblem(f"{idx}: its document boundaries do not cover its {sequences} sequences")
+    if np.any(lengths < 0) or not np.array_equal(pointers, expected[:-1]):
+        raise IndexProblem(f"{idx}: its sequence offsets do not follow its lengths")
+    if int(expected[-1]) != bin_bytes:
+        raise IndexProblem(
+            f"{bin_} is {bin_bytes} bytes but {idx} describes {int(expected[-1])} "
+            f"({int(lengths.sum())} {dtype.name} tokens in {boundaries - 1} documents): the "
+            ".bin and .idx are not one dataset; prepare them again together"
+        )
+    return IndexedData(dtype, np.array(lengths, copy=True), boundaries - 1, bin_bytes)
+
+
+def max_token_id(prefix: str) -> int | None:
+    """The largest token id in ``PREFIX.bin`` (None when the file is too large to scan);
+    raises :class:`IndexProblem` for a pair that is not one dataset (:func:`read_index`)."""
+    data = read_index(prefix)
+    if data.bin_bytes > SCAN_LIMIT_BYTES:
         return None
-    dataset = IndexedDataset(prefix, mmap=True)
-    if len(dataset) == 0:
+    if data.bin_bytes == 0:
         return -1
-    dtype = dataset[0].dtype  # the reader hands out the index's dtype
-    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    tokens = np.memmap(prefix + ".bin", dtype=data.dtype, mode="r")
     return int(tokens.max()) if tokens.size else -1

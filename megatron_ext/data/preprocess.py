@@ -16,6 +16,7 @@ Sentence splitting (``--split-sentences``, NLTK) and ``--partitions`` are not of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
 
 TOKENIZER_ARGS_SEAM = "megatron.training.arguments:_add_tokenizer_args"
@@ -327,15 +329,25 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
             # .bin first: until the .idx is renamed too, the dataset does not exist.
             os.replace(bin_tmp, prefixes[key] + ".bin")
             os.replace(idx_tmp, prefixes[key] + ".idx")
+    except OSError as e:
+        if not files.is_write_failure(e):
+            raise
+        # name the file the user asked for, not the temporary one beside it
+        written = str(e.filename or temp[args.json_keys[0]][0])
+        for key, paths in temp.items():
+            for final, path in zip((".bin", ".idx"), paths, strict=True):
+                written = written.replace(path, prefixes[key] + final)
+        raise PrepareDataError(files.cannot_write(written, e)) from None
     finally:
         for builder in builders.values():
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # a full disk fails the flush again: said above
+                builder.data_file.close()
         if pool is not None:
             pool.terminate()
             pool.join()
         for paths in temp.values():
             for path in paths:
-                if os.path.exists(path):
+                if os.path.lexists(path):  # a read-only disk answers EROFS even for none
                     os.remove(path)
     print(f"Processed {count} documents into {', '.join(prefixes.values())}", file=sys.stderr)
     return prefixes

@@ -87,14 +87,11 @@ def samples_needed(
 
 
 def read_lengths(prefix: str) -> np.ndarray:
-    """The token count of every document (``.idx`` sequence) of ``PREFIX``."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    """The token count of every document (``.idx`` sequence) of ``PREFIX``, from the index
+    checked against its .bin (:func:`megatron_ext.data.checks.read_index`)."""
+    from megatron_ext.data.checks import read_index
 
-    dataset = IndexedDataset(prefix, mmap=True)
-    # A copy while the dataset lives: its arrays are views of a map it closes when collected.
-    lengths = np.array(dataset.sequence_lengths, dtype=np.int64, copy=True)
-    del dataset
-    return lengths
+    return read_index(prefix).lengths
 
 
 def _share_text(shares: list[float], documents: int) -> str:

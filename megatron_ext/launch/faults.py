@@ -183,10 +183,81 @@ def where(exc: BaseException) -> str:
 MAX_ERROR_CHARS = 500
 
 
+# What torch's writers say when the disk under them fills up: the zip writer of torch.save
+# ("unexpected pos N vs M", "file write failed") and DCP's flattened CheckpointException carry
+# no errno, so the disk itself is asked (:func:`disk_failure`).
+_WRITER_FAILURE_TEXTS = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
+# Below this many free bytes the disk counts as full: a save that failed there failed on it.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _save_dir() -> str | None:
+    """The rank's ``--save`` directory, when megatron's arguments are parsed."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return getattr(get_args(), "save", None)
+    except Exception:  # noqa: BLE001 - not initialised yet, or no megatron: no save dir
+        return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, what it was raised from, and each rank's error inside a CheckpointException."""
+    found: list[BaseException] = []
+    pending: list[BaseException] = [exc]
+    while pending and len(found) < 64:
+        current = pending.pop(0)
+        if current in found:
+            continue
+        found.append(current)
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for inner in failures.values():
+                inner = inner[0] if isinstance(inner, tuple) and inner else inner
+                if isinstance(inner, BaseException):
+                    pending.append(inner)
+    return found
+
+
+def disk_failure(exc: BaseException) -> str | None:
+    """``cannot write PATH: No space left on device`` (or ``Read-only file system``) when
+    ``exc`` is a write that the disk refused (issue 40, item 11); None otherwise. An error
+    with a write errno names itself; a checkpoint writer's errno-less failure is judged by
+    the save directory's file system (read-only, or under :data:`FULL_DISK_BYTES` free)."""
+    import errno as errno_names
+
+    from megatron_ext import files
+
+    chain = _chain(exc)
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in files.DISK_ERRNOS:
+            return files.cannot_write(error.filename or _save_dir() or "the output", error)
+    text = " ".join(str(e) for e in chain)
+    checkpointing = any(type(e).__name__ == "CheckpointException" for e in chain)
+    save = _save_dir()
+    if save is None or not (checkpointing or any(t in text for t in _WRITER_FAILURE_TEXTS)):
+        return None
+    try:
+        disk = os.statvfs(save)
+    except OSError:
+        return None
+    if disk.f_flag & os.ST_RDONLY:
+        code = errno_names.EROFS
+    elif disk.f_bavail * disk.f_frsize < FULL_DISK_BYTES:
+        code = errno_names.ENOSPC
+    else:
+        return None
+    return files.cannot_write(save, OSError(code, os.strerror(code)))
+
+
 def describe_error(exc: BaseException) -> str:
-    """``Type: message`` in one line. A distributed-checkpoint failure (torch's
+    """``Type: message`` in one line. A write the disk refused is ``cannot write PATH: No
+    space left on device`` (:func:`disk_failure`). A distributed-checkpoint failure (torch's
     CheckpointException: every rank's traceback in one message) is described by its first
     failing rank's own error ("Size mismatch ... for key ...") instead of the flattened text."""
+    if (disk := disk_failure(exc)) is not None:
+        return disk
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank = min(failures, key=lambda r: (not isinstance(r, int), r if isinstance(r, int) else 0))

@@ -8,8 +8,9 @@ allocation (in ``scontrol show hostnames`` order) holds ranks ``k*T .. k*T+T-1``
 recipe's ``HyperCommGrid(["tp", "cp", "pp", "dp"])``), so a TP group is ``tp`` consecutive
 ranks and stays inside one node whenever ``tp`` divides the ranks per node.
 
-:func:`layout` builds the :class:`NodeLayout` of a recipe (``submit --dry-run`` prints it,
-:func:`layout_problems` refuses what cannot work across nodes); :func:`report_placement` is
+:func:`layout` builds the :class:`NodeLayout` of a recipe's grids, handed in by the run request
+(this module knows no recipe; ``submit --dry-run`` prints the layout, :func:`layout_problems`
+refuses what cannot work across nodes); :func:`report_placement` is
 called by a rank once it trains and prints the line tests read back (hostname, rank, coords).
 Nothing here imports torch or megatron at module level.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,23 +110,10 @@ class NodeLayout:
         return out
 
 
-def layout(recipe, nodes: int, tasks_per_node: int) -> NodeLayout:
-    """The node layout of a recipe (a ``megatron_ext.recipes.schema.Recipe``)."""
-    return NodeLayout(nodes, tasks_per_node, tuple(_grids(recipe)))
-
-
-def _grids(recipe) -> list[Grid]:
-    if recipe.model.type == "multimodule":
-        from megatron_ext.recipes.multimodule import plan_of
-
-        plan = plan_of(recipe, recipe.world_size)
-        return [
-            Grid(name, m.first_rank, tuple((k, getattr(m, k)) for k in MODULE_ORDER))
-            for name, m in plan.modules.items()
-        ]
-    p = recipe.parallelism
-    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
-    return [Grid("model", 0, tuple((k, sizes[k]) for k in GPT_ORDER))]
+def layout(grids: Sequence[Grid], nodes: int, tasks_per_node: int) -> NodeLayout:
+    """The node layout of a job whose models sit on ``grids`` (a recipe's: the run request's
+    ``launch.grids``, built by :func:`megatron_ext.recipes.prepare.prepare`)."""
+    return NodeLayout(nodes, tasks_per_node, tuple(grids))
 
 
 def layout_problems(

@@ -9,10 +9,12 @@ where the script is written, or, where quoting cannot help, refused first:
   one may hold a line break or NUL (:func:`directive_problem`, :func:`check_directives`);
 - text in a ``#`` comment line has its line breaks and controls escaped (:func:`comment`).
 
-Secrets: an environment variable whose name contains KEY, TOKEN, SECRET, PASSWORD, PASSWD or
-CREDENTIAL, or has PAT, PASS, PW, PWD or AUTH as one of its ``_``-separated words (e.g.
-``WANDB_API_KEY``, ``MY_DB_PASSWD``, ``GH_PAT``; not ``PATH`` or the shell's ``PWD``) is never
-written into a script, a resolved recipe or a summary, whatever the override's form
+Secrets: an environment variable one of whose words (split at ``_`` and other separators, and
+between camelCase words) is KEY, TOKEN, SECRET, PASSWORD, PASSWD, PASSPHRASE, CREDENTIAL(S),
+PAT, PASS, PW, PWD or AUTH, or such a word run together with its kind (APIKEY, AUTHTOKEN),
+e.g. ``WANDB_API_KEY``, ``MY_DB_PASSWD``, ``GH_PAT``; not ``PATH``, the shell's ``PWD``,
+``TOKENIZERS_PARALLELISM``; is never written into a script, a resolved recipe or a summary,
+whatever the override's form
 (:func:`redact_env`, :func:`redact_override`); the ranks get it through the launcher's
 environment, and a generated script expects it in the environment it is run from
 (:func:`secret_check_line`).
@@ -31,35 +33,86 @@ from megatron_ext.errors import MegatronExtError, Problem
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LINE_BREAKING = re.compile(r"[\n\r\x00\x0b\x0c\x85\u2028\u2029]")
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-# Short words that name a secret only as a whole word: GH_PAT, DB_PASS, MY_PWD, HTTP_AUTH.
-SECRET_WORDS = frozenset({"PAT", "PASS", "PWD", "AUTH", "PASSPHRASE", "PW"})
+SECRET_WORDS = frozenset(
+    {
+        "TOKEN",
+        "SECRET",
+        "SECRETS",
+        "PASSWORD",
+        "PASSWORDS",
+        "PASSWD",
+        "PASSPHRASE",
+        "CREDENTIAL",
+        "CREDENTIALS",
+        "CREDS",
+        "KEY",
+        "KEYS",
+        "PAT",
+        "PASS",
+        "PWD",
+        "PW",
+        "AUTH",
+    }
+)
+"""Words that name a secret as a whole part of a name (HF_TOKEN, WANDB_API_KEY, GH_PAT, DB_PASS),
+never as a piece of another word (TOKENIZERS_PARALLELISM, MONKEY, PASSES, NCCL_IB_PKEY)."""
+SECRET_COMPOUND = re.compile(
+    r"(?:API|ACCESS|AUTH|SECRET|PRIVATE|SESSION|BEARER|REFRESH|CLIENT|SIGNING|ENCRYPTION|HF|GH)"
+    r"(?:KEY|TOKEN|SECRET)S?|[A-Z0-9]*(?:PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?)"
+)
+"""A part that runs two words together: APIKEY, AUTHTOKEN, HFTOKEN, DBPASSWORD."""
 NOT_SECRET = frozenset({"PWD", "OLDPWD"})  # the shell's working directories
 REDACTED = "<redacted>"
 
 
+def name_parts(name: object) -> list[str]:
+    """The words of a name, upper case: split at anything not a letter or digit and where a
+    lower-case letter meets an upper-case one (``hfToken`` -> HF, TOKEN)."""
+    text = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name))
+    return [p for p in re.split(r"[^A-Za-z0-9]+", text.upper()) if p]
+
+
 def is_secret(name: object) -> bool:
-    text = str(name)
-    if text.upper() in NOT_SECRET:
+    """Whether an environment variable called ``name`` holds a secret: one of its whole parts
+    is a secret word (:data:`SECRET_WORDS`, :data:`SECRET_COMPOUND`)."""
+    if str(name).upper() in NOT_SECRET:
         return False
-    words = set(re.split(r"[^A-Za-z0-9]+", text.upper()))
-    return bool(SECRET_NAME.search(text)) or bool(words & SECRET_WORDS)
+    return any(p in SECRET_WORDS or SECRET_COMPOUND.fullmatch(p) for p in name_parts(name))
 
 
-def _redact_tree(value: object) -> tuple[object, bool]:
-    """``value`` with every mapping entry under a secret name redacted, and whether any was."""
+def secret_path(parts: list[str]) -> bool:
+    """Whether a recipe path (``launch.env.HF_TOKEN``, ``platforms.gpu.launch.env.X``) is, or is
+    inside, an environment variable that holds a secret. Only ``launch.env`` names variables:
+    a schema field (``model.mhc.single_pass``) or a Megatron flag is never judged a secret by
+    its name (issue 41, item 8)."""
+    for i in range(len(parts) - 2):
+        if parts[i] == "launch" and parts[i + 1] == "env" and is_secret(parts[i + 2]):
+            return True
+    return False
+
+
+def _may_hold_env(parts: list[str]) -> bool:
+    """Whether a value at this recipe path can hold a ``launch.env`` mapping (or is one)."""
+    while len(parts) >= 2 and parts[0] == "platforms":
+        parts = parts[2:]
+    return parts in ([], ["launch"]) or parts[:2] == ["launch", "env"] or parts[:1] == ["platforms"]
+
+
+def _redact_tree(value: object, path: list[str]) -> tuple[object, bool]:
+    """``value`` (found at recipe ``path``) with every secret environment variable in it
+    redacted, and whether any was."""
     if isinstance(value, dict):
         out: dict[object, object] = {}
         hidden = False
         for key, item in value.items():
-            if is_secret(key):
+            if secret_path([*path, str(key)]):
                 out[key], hidden = REDACTED, True
             else:
-                out[key], inner = _redact_tree(item)
+                out[key], inner = _redact_tree(item, [*path, str(key)])
                 hidden = hidden or inner
         return out, hidden
     if isinstance(value, list):
-        items = [_redact_tree(item) for item in value]
+        items = [_redact_tree(item, path) for item in value]
         return [item for item, _ in items], any(h for _, h in items)
     return value, False
 
@@ -69,19 +122,26 @@ def redact_env(env: dict) -> dict:
     return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
 
 
+def _override_path(key: str) -> list[str]:
+    """An override's key as recipe path parts (``+launch.env.X`` -> launch, env, X)."""
+    return [part.strip('"') for part in key.lstrip("+~").split(".")]
+
+
 def redact_override(override: str) -> str:
-    """A KEY=VALUE override with the value hidden when the key names a secret.
+    """A KEY=VALUE override with the value hidden when it sets a secret environment variable.
 
     The value is judged as YAML reads it, not as typed: ``{"HF_\\x54OKEN": x}`` names
     HF_TOKEN once unescaped, so every value that may hold a mapping is parsed and redacted on
-    its parsed keys (issue 34, item 7)."""
+    its parsed keys (issue 34, item 7). Only ``launch.env`` holds variables, so an override of
+    any other field is shown as given (``model.mhc.single_pass=false``)."""
     key, sep, value = override.partition("=")
     if not sep:
         return override
-    if is_secret(key.rsplit(".", 1)[-1]):
+    path = _override_path(key)
+    if secret_path(path):
         return f"{key}={REDACTED}"
-    if not any(ch in value for ch in "{[:\\\"'!&*"):
-        return override  # a plain scalar: no key of any mapping can hide in it
+    if not _may_hold_env(path) or not any(ch in value for ch in "{[:\\\"'!&*"):
+        return override  # no variable's name can hide in it
     import yaml
 
     try:  # the mapping form, launch.env={HF_TOKEN: x} or launch={env: {HF_TOKEN: x}}
@@ -92,7 +152,7 @@ def redact_override(override: str) -> str:
         ):
             return override
         return f"{key}={REDACTED}"  # unreadable, and it may name a secret: show none of it
-    redacted, hidden = _redact_tree(parsed)
+    redacted, hidden = _redact_tree(parsed, path)
     if not hidden:
         return override
     return f"{key}={yaml.safe_dump(redacted, default_flow_style=True, width=10**6).strip()}"

@@ -22,7 +22,9 @@ it requeues itself (``scontrol requeue``; ``#SBATCH --requeue``) at most ``max_r
 times. A restarted job loads the latest complete checkpoint and writes its logs and TensorBoard
 events to ``resumed-$SLURM_RESTART_COUNT`` segments. SIGTERM (``scancel``, preemption, the
 time limit itself) also makes the ranks save (``MEGATRON_EXT_SAVE_ON``); the job then ends
-"stopped, resumable" (exit 75) without requeueing itself.
+"stopped, resumable" (exit 75) without requeueing itself. A restart never takes a Slurm step
+id an earlier start of the job used (:func:`_skip_used_step_ids_lines`): Slurm would deliver
+a signal it queued for the lost start's step to the restart's step of the same number.
 """
 
 from __future__ import annotations
@@ -234,10 +236,13 @@ def sbatch_script(job: SlurmJob) -> str:
         ]
         if step.before:
             lines.append(step.before)
-        lines += [
-            f"export MASTER_PORT=$((BASE_PORT + {i}))",
-            f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST"',
-        ]
+        lines.append(f"export MASTER_PORT=$((BASE_PORT + {i}))")
+        if job.requeue:
+            lines += _claim_step_id_lines()
+        lines.append(
+            f'echo "[megatron-ext] step {step.name} starting on $SLURM_JOB_NODELIST'
+            + (' (step id $NEXT_STEP)"' if job.requeue else '"')
+        )
         logs = f"{step.log_dir}/{_QUOTED}" if job.requeue else str(step.log_dir)
         srun = [
             "srun",
@@ -260,6 +265,7 @@ def sbatch_script(job: SlurmJob) -> str:
             lines.append(f'mkdir -p {q(str(step.log_dir))}/"$SEGMENT"')
             command = command.replace(_QUOTED, _SEGMENT_SHELL)
             lines += [command + " &", 'STEP_RC=0; wait_step "$!" || STEP_RC=$?']
+            lines += _after_step_lines()
         else:
             lines.append(command)
         # the step is over (a failed one ends the script): stop watching it until the
@@ -323,7 +329,53 @@ def _requeue_preamble(job: SlurmJob) -> list[str]:
         f'if [ "$RESTART" -gt {int(job.requeue.max_requeues)} ]; then echo "[megatron-ext] '
         f'restart count $RESTART is past the requeue limit {int(job.requeue.max_requeues)}: '
         f'stopped, resumable"; exit {EXIT_STOPPED}; fi',
+        *_skip_used_step_ids_lines(),
     ]
+
+
+STEP_IDS_FILE = ".slurm-step-ids-"
+"""In the run directory, + the job id: how many step ids the job's starts have used so far."""
+STEP_ID_MARK = "(step id "
+"""How the batch script names a step's Slurm step id in its "starting" line."""
+
+
+def _skip_used_step_ids_lines() -> list[str]:
+    """A requeued job's start takes no step id an earlier start of the job used.
+
+    Slurm numbers a job's steps from 0 again in every start (JOB.0, JOB.1, ...), and a signal
+    it queued for a step of an earlier start (a lost node's kill of JOB.0, resent about 60 s
+    later when the node answers again) reaches the step of that number now: the requeued
+    training step's ranks died of SIGTERM (issue 40, item 7). So every step the job starts
+    records its id before it runs (:func:`_claim_step_id_lines`), and a later start first runs
+    throwaway one-task steps (``printenv SLURM_STEP_ID``, so the count is Slurm's own, not
+    assumed) until those ids are used up; a stale signal then finds a finished throwaway step
+    or none. Bounded: a throwaway that fails to start is tried again at most twice as often
+    as ids to skip, plus 3."""
+    return [
+        'STEP_IDS="$RUN_DIR/' + STEP_IDS_FILE + '$SLURM_JOB_ID"',
+        'USED_STEPS=$(cat "$STEP_IDS" 2>/dev/null || echo 0)',
+        'case "$USED_STEPS" in ""|*[!0-9]*) USED_STEPS=0 ;; esac',
+        "LAST_STEP=-1; TRIES=0",
+        'while [ "$LAST_STEP" -lt $((USED_STEPS - 1)) ] && '
+        '[ "$TRIES" -lt $((2 * USED_STEPS + 3)) ]; do',
+        "  TRIES=$((TRIES + 1))",
+        "  ID=$(srun --mpi=none --nodes=1 --ntasks=1 printenv SLURM_STEP_ID 2>/dev/null || true)",
+        '  case "$ID" in ""|*[!0-9]*) ;; *) LAST_STEP=$ID ;; esac',
+        "done",
+        "NEXT_STEP=$((LAST_STEP + 1))",
+        'if [ "$NEXT_STEP" -gt 0 ]; then echo "[megatron-ext] step ids 0-$LAST_STEP were used by '
+        'an earlier start of the job: skipped"; fi',
+    ]
+
+
+def _claim_step_id_lines() -> list[str]:
+    """Record the id the next step takes before it starts (a start cut short by a lost node
+    still counts it), then count it."""
+    return ['echo "$((NEXT_STEP + 1))" > "$STEP_IDS"']
+
+
+def _after_step_lines() -> list[str]:
+    return ["NEXT_STEP=$((NEXT_STEP + 1))"]
 
 
 def _requeue_epilogue(job: SlurmJob) -> list[str]:

@@ -31,6 +31,7 @@ directly works as well.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +44,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from megatron_ext import registry
+from megatron_ext.mhc import native
 from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
@@ -132,7 +134,23 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
             self.final_layernorm.register_forward_pre_hook(
                 functools.partial(_contract_before_norm, self.num_residual_streams)
             )
-        self.mhc_recompute_enabled = bool(getattr(config, "mhc_recompute_enabled", False))
+        # Not megatron-core's attribute name: its 0.20 block builds its own mHC recompute
+        # managers when its mhc_recompute_enabled is set (ours plans groups, _assign_...).
+        self.ext_mhc_recompute_enabled = bool(getattr(config, "mhc_recompute_enabled", False))
+        self._hide_mhc_from_upstream_forward()
+
+    def _hide_mhc_from_upstream_forward(self) -> None:
+        """Where megatron-core's own block expands and contracts the streams (its native mHC,
+        :func:`megatron_ext.mhc.native.block_expands_streams`), it must not do so a second
+        time: its forward reads a config view with mHC off, and its recompute managers stay
+        off. The layers keep the shared config (they are megatron-ext's mHC layers)."""
+        if not native.block_expands_streams():
+            return
+        if getattr(self.config, "enable_mhc_connections", False):
+            block_view = copy.copy(self.config)
+            block_view.enable_mhc_connections = False
+            self.config = block_view
+        self.mhc_recompute_enabled = False
 
     # ------------------------------------------------------------------ learned contraction
     # Upstream dev's GPT contracts with DeepSeek-V4's learned contraction (decoder.hc_head_*),
@@ -189,7 +207,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
 
     def _assign_recompute_groups(self, extract_layer_indices) -> None:
         """Give every local layer its group for this forward (training with grad only)."""
-        if not (self.mhc_recompute_enabled and self.training and torch.is_grad_enabled()):
+        if not (self.ext_mhc_recompute_enabled and self.training and torch.is_grad_enabled()):
             return
         if extract_layer_indices:
             raise NotImplementedError(

@@ -27,6 +27,7 @@ main refuses MoE here; upstream dev and DeepSeek-V4 wrap it as this layer does.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_ext.errors import UnsupportedCombinationError
+from megatron_ext.mhc import native
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.single_pass import SinglePassState, single_pass_site
@@ -69,6 +71,21 @@ class HyperConnectionTransformerLayerSubmodules(TransformerLayerSubmodules):
     self_attention_hyper_connection: ModuleSpec | type = IdentityOp
     cross_attention_hyper_connection: ModuleSpec | type = IdentityOp
     mlp_hyper_connection: ModuleSpec | type = IdentityOp
+
+
+def layer_fields_without_hyper_connections(
+    submodules: TransformerLayerSubmodules, fields_of: type | None = None
+) -> dict[str, Any]:
+    """The dataclass fields of ``submodules`` (of ``fields_of`` when given) by name, without
+    the ``*_hyper_connection`` ones: megatron-core's own ``TransformerLayerSubmodules`` declares
+    those where it has native mHC, and a spec sets them once, as
+    :class:`HyperConnectionTransformerLayerSubmodules` arguments."""
+    names = [f.name for f in dataclasses.fields(fields_of or submodules)]
+    return {
+        name: getattr(submodules, name)
+        for name in names
+        if name not in native.HYPER_CONNECTION_SUBMODULES
+    }
 
 
 def _is_identity(spec: Any) -> bool:
@@ -124,6 +141,21 @@ def _check_submodules(submodules: TransformerLayerSubmodules) -> None:
             "HyperConnectionTransformerLayer does not support cross-attention; set "
             "cross_attention=IdentityOp (and pre_cross_attn_layernorm=IdentityOp)"
         )
+
+
+def run_attention_then_mlp(layer: TransformerLayer, *args: Any, **kwargs: Any):
+    """What megatron-core's ``TransformerLayer.forward`` does -- ``_forward_attention``, then
+    ``_forward_mlp`` with the keyword arguments it takes -- called directly: upstream's native
+    mHC (Megatron-LM #4946) makes that forward refuse any config with
+    ``enable_mhc_connections``, which every layer of an mHC model has."""
+    hidden_states, context = layer._forward_attention(*args, **kwargs)
+    output = layer._forward_mlp(
+        hidden_states,
+        kwargs.get("inference_context", None),
+        padding_mask=kwargs.get("padding_mask", None),
+        packed_seq_params=kwargs.get("packed_seq_params", None),
+    )
+    return output, context
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
@@ -289,7 +321,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         available to both halves."""
         self._active_recompute = self._take_recompute_plan()
         try:
-            return super().forward(*args, **kwargs)
+            return run_attention_then_mlp(self, *args, **kwargs)
         finally:
             self._active_recompute = (None, False)
 
@@ -373,7 +405,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 group,
                 norm_group,
             )
-            mlp_output_with_bias = self._run_mlp(mlp_input, padding_mask, packed_seq_params)
+            mlp_output_with_bias = self._mlp_on_aggregate(
+                mlp_input, padding_mask, packed_seq_params
+            )
             if norm_group is not None and norm_group is not group:
                 norm_group.discard_and_recompute_on_backward(mlp_output_with_bias[0])
             output = self._merge(
@@ -392,7 +426,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             group.discard_and_recompute_on_backward(output)
         return output
 
-    def _run_mlp(self, mlp_input: Tensor, padding_mask, packed_seq_params):
+    # Not named _run_mlp: megatron-core 0.20's TransformerLayer has a private _run_mlp with
+    # another signature, which a method of that name here would silently override.
+    def _mlp_on_aggregate(self, mlp_input: Tensor, padding_mask, packed_seq_params):
         """The MLP (or MoE) on ``[s, b, h]``, with megatron's "mlp" recompute if configured."""
         mlp_input, padding_mask, unflattened_mbs = self._maybe_unflatten_for_moe(
             mlp_input, padding_mask, packed_seq_params
@@ -416,5 +452,7 @@ __all__ = [
     "HyperConnectionTransformerLayer",
     "HyperConnectionTransformerLayerSubmodules",
     "MHC_SPEC_HINT",
+    "layer_fields_without_hyper_connections",
     "layer_supports_mhc",
+    "run_attention_then_mlp",
 ]

@@ -3,7 +3,8 @@
 What crosses a stage boundary is the edge's typed payload (:mod:`megatron_ext.pipeline.payload`),
 packed into one tensor ``[s, b, wire_width]``: with mHC the flattened n-stream residual
 ``[s, b, n*h]``, with single-pass mHC that and the next sub-layer's fp32 coefficients.
-megatron-core 0.19.2 sizes its fixed P2P receive buffers from ``config.hidden_size``. Every schedule (1F1B's ``get_tensor_shapes`` and the interleaved
+megatron-core 0.19.2 sizes its fixed P2P receive buffers from ``config.hidden_size`` (0.20 with
+native mHC under PP, Megatron-LM #4946, from ``n * hidden_size`` where it sees mHC). Every schedule (1F1B's ``get_tensor_shapes`` and the interleaved
 schedule's inline shape) ends up in ``P2PCommunicator._communicate``, so that is where the
 width is corrected, once, for every communicating edge, the interleaved wrap-around from the
 last physical rank to the first rank's next virtual chunk included. Sends and receives that
@@ -36,9 +37,20 @@ def pipeline_tensor_shape(
     if tensor_shape is None or len(tensor_shape) == 0:
         return tensor_shape
     width = pipeline_hidden_size(config, pipeline_parallel_size)
-    if width == tensor_shape[-1] or tensor_shape[-1] != config.hidden_size:
+    if width == tensor_shape[-1] or tensor_shape[-1] not in megatron_widths(config):
         return tensor_shape
     return [*tensor_shape[:-1], width]
+
+
+def megatron_widths(config: Any) -> tuple[int, ...]:
+    """The last dimensions megatron-core itself gives a pipeline buffer: ``hidden_size``, and,
+    where its schedules size buffers for native mHC's n streams (Megatron-LM #4946), also
+    ``n * hidden_size``. Either is replaced by the payload's wire width, never widened twice."""
+    from megatron_ext.mhc import native
+
+    if getattr(config, "enable_mhc_connections", False) and native.schedules_size_streams():
+        return (config.hidden_size, config.hidden_size * config.mhc_num_residual_streams)
+    return (config.hidden_size,)
 
 
 def communicate_with_pipeline_width(communicate):

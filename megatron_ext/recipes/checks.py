@@ -17,9 +17,15 @@ import string
 from dataclasses import replace
 from typing import Any
 
+from megatron_ext.errors import suggestion
 from megatron_ext.launch import shell
 from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, ParallelPlan
-from megatron_ext.recipes.flags import PATTERN_LIST_FLAGS, PIPELINE_SPLIT_FLAGS, layer_list
+from megatron_ext.recipe_flags import (
+    PATTERN_LIST_FLAGS,
+    PIPELINE_SPLIT_FLAGS,
+    conflicts,
+    layer_list,
+)
 from megatron_ext.recipes.loader import LoadedRecipe
 from megatron_ext.recipes.schedule import plan_from_loaded
 from megatron_ext.recipes.schema import (
@@ -99,8 +105,6 @@ def plan_problems(loaded: LoadedRecipe) -> list[Problem]:
                 f"extra_args.{name}",
                 "keys are Megatron flags spelled with their dashes, e.g. '--use-flash-attn'",
             )
-    from megatron_ext.recipes.flags import conflicts
-
     problems += conflicts(r.extra_args)
     return problems
 
@@ -711,7 +715,10 @@ def _check_data_path(loaded: LoadedRecipe, where: str, entry: str, vocab, add) -
     try:
         largest = checks.max_token_id(prefix)
         lengths = splits.read_lengths(prefix)
-    except Exception as e:  # a corrupt index: megatron's reader asserts
+    except checks.IndexProblem as e:  # another dataset's .idx, a cut .idx, a FIFO...
+        add(where, str(e))
+        return None
+    except Exception as e:  # anything else the index holds that cannot be read
         add(where, f"{prefix}: not a Megatron indexed dataset ({' '.join(str(e).split())})")
         return None
     if vocab is not None and largest is not None and largest >= vocab:
@@ -744,8 +751,6 @@ def _check_test(r: Recipe, add) -> None:
             continue
         for key, value in fields.items():
             if key not in TOLERANCE_FIELDS:
-                from megatron_ext.recipes.schema import suggestion
-
                 add(
                     f"test.tolerances.{metric}.{key}",
                     "unknown key" + suggestion(key, list(TOLERANCE_FIELDS)),

@@ -19,6 +19,7 @@ close, the key that was probably meant.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.launch.shell import redact_env, redact_override
 from megatron_ext.mhc_flags import MHC_ALIASES
+from megatron_ext.recipe_flags import DEFAULT_PLATFORM
 from megatron_ext.recipes import schema
-from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe, RecipeError
+from megatron_ext.recipes.schema import Problem, Recipe, RecipeError
 from megatron_ext.upstream_cases import model_config as upstream
 
 MAX_ALIASES = 32
@@ -111,19 +114,27 @@ MAX_RECIPE_BYTES = 1 << 20
 
 
 def _read_recipe_text(path: Path) -> str:
-    size = path.stat().st_size
-    if size > MAX_RECIPE_BYTES:
+    """The recipe's text, read with a bound on the bytes read (a device or a ``/proc`` file
+    claims a size of 0): a FIFO, socket or device is refused unread (issue 40, item 15)."""
+    from megatron_ext import files
+
+    try:
+        data = files.read_bounded(path, MAX_RECIPE_BYTES, "recipe")
+    except files.InputTooLarge:
         raise RecipeError(
             str(path),
             [
                 Problem(
                     "",
-                    f"{size} bytes, more than a recipe's limit of {MAX_RECIPE_BYTES} (1 MiB): "
+                    f"more than a recipe's limit of {MAX_RECIPE_BYTES} bytes (1 MiB): "
                     "is this the right file?",
                 )
             ],
-        )
-    return path.read_text(encoding="utf-8")
+        ) from None
+    except files.NotRegularFile as exc:
+        problem = f"cannot read: it is {exc.kind}, not a regular file; give a recipe file"
+        raise RecipeError(str(path), [Problem("", problem)]) from None
+    return data.decode("utf-8")
 
 
 def parse_document(text: str) -> tuple[Any, list[str]]:
@@ -163,7 +174,8 @@ class LoadedRecipe:
     """What reading the file changed or dropped (a Megatron-LM test case: the mapping and the
     cpu overlay), one line each; ``validate`` and ``run`` print them."""
     allowed_env: tuple[str, ...] = ()
-    """Code-loading launch.env keys the user allowed with ``--allow-env KEY`` (see
+    """What the command line granted: launch.env keys off the allow-list given with
+    ``--allow-env KEY``, and ``--trust-remote-code`` when given (see
     :mod:`megatron_ext.launch.env_policy`); never read from a recipe file."""
 
     @property
@@ -223,8 +235,6 @@ def deep_merge(base: dict, overlay: dict) -> dict:
 
 
 def _known_keys_at(path: list[str]) -> list[str]:
-    import dataclasses
-
     tp = schema.field_type(".".join(f'"{p}"' if "." in p else p for p in path)) if path else Recipe
     tp = schema._strip_optional(tp)
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
@@ -320,8 +330,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, list[Proble
 
 def _shown(override: str) -> str:
     """An override as an error line may show it: a secret's value never (issue 34, item 7)."""
-    from megatron_ext.launch.shell import redact_override
-
     return redact_override(override)
 
 
@@ -472,7 +480,9 @@ def load(
     notes: list[str] = []
     problems: list[Problem] = []
     if upstream.is_test_case(raw):  # Megatron-LM's model_config.yaml
-        conversion = upstream.convert(raw, path.resolve().parent, duplicates=tuple(duplicates))
+        conversion = upstream.convert(
+            raw, path.resolve().parent, duplicates=tuple(duplicates), defaults=Recipe().to_dict()
+        )
         if conversion.refused:  # not a case megatron-ext trains: its one line, nothing more
             raise RecipeError(str(path), conversion.problems)
         raw = conversion.recipe
@@ -495,7 +505,12 @@ def platforms_of(path: str | Path) -> list[str]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return [DEFAULT_PLATFORM]
     if upstream.is_test_case(raw):
-        return [DEFAULT_PLATFORM, *upstream.convert(raw, path.resolve().parent).gpu_platforms]
+        return [
+            DEFAULT_PLATFORM,
+            *upstream.convert(
+                raw, path.resolve().parent, defaults=Recipe().to_dict()
+            ).gpu_platforms,
+        ]
     platforms = raw.get("platforms") if isinstance(raw, dict) else None
     return [
         DEFAULT_PLATFORM,
@@ -506,8 +521,6 @@ def platforms_of(path: str | Path) -> list[str]:
 def dump(loaded: LoadedRecipe) -> str:
     """The resolved recipe as YAML: every field with its value, platforms applied; loading it
     again (platform cpu, no overrides) gives the same run."""
-    from megatron_ext.launch.shell import redact_env, redact_override
-
     data = loaded.recipe.to_dict()
     data["name"] = loaded.name
     data.pop("platforms", None)

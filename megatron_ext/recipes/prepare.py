@@ -8,14 +8,30 @@ command line builds the request and hands it to the runner, the Slurm submitter 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from megatron_ext.recipes import command
+from megatron_ext.checkpoint import preload, start_from
+from megatron_ext.launch import shell
+from megatron_ext.launch.faults import FAULT_ENV
+from megatron_ext.launch.nodes import GPT_ORDER, MODULE_ORDER, Grid
+from megatron_ext.recipes import command, safety
+from megatron_ext.recipes.golden_paths import golden_write_problem
 from megatron_ext.recipes.loader import LoadedRecipe, dump, load
-from megatron_ext.recipes.request import CHECKPOINTS_PLACEHOLDER, RunRequest
+from megatron_ext.recipes.request import (
+    CHECKPOINTS_PLACEHOLDER,
+    Display,
+    Launch,
+    Phases,
+    RunRequest,
+    SlurmSettings,
+    Verdict,
+)
+from megatron_ext.recipes.schedule import plan_from_loaded
 from megatron_ext.recipes.schema import Recipe
+from megatron_ext.recipes.validate import entry_importable, validate
 
 # What deriving the flags of a recipe that failed its checks may raise: the request is refused
 # anyway and carries no flags (a valid recipe's derivation never fails).
@@ -34,9 +50,8 @@ def prepare(
     """Check ``loaded`` and answer it for a run. ``megatron_checks``: Megatron's own argument
     checks too; ``check_pickles``: first refuse a checkpoint the run would load whose pickles
     could run code (unless ``trust_pickle``; ``resume_from``: the run's own checkpoints), before
-    anything (Megatron's argument checks included) reads it; ``trace``: the schedule plan too."""
-    from megatron_ext.checkpoint import preload
-
+    anything (Megatron's argument checks included) reads it, then check ``checkpoint.load``
+    against the recipe; ``trace``: the schedule plan too."""
     recipe = loaded.recipe
     refusal = (
         preload.pickle_problem(recipe, resume_from, trust_pickle=trust_pickle)
@@ -45,39 +60,106 @@ def prepare(
     )
     problems: list[Any] = []
     if refusal is None:
-        from megatron_ext.recipes.validate import validate
-
         problems = list(validate(loaded, megatron_checks=megatron_checks).problems)
     ok = refusal is None and not problems
-    derived = _derived(loaded, ok, trace, refused=refusal is not None)
+    flags = _derived(loaded, ok, refused=refusal is not None)
     return RunRequest(
-        recipe=recipe,
+        display=_display(loaded, flags),
+        launch=_launch(loaded, flags, ok, start_checks=check_pickles and refusal is None),
+        phases=_phases(recipe, flags),
+        verdict=_verdict(loaded, ok, trace),
+        problems=tuple(problems),
+        refusal=refusal,
+    )
+
+
+def _display(loaded: LoadedRecipe, flags: dict[str, Any]) -> Display:
+    return Display(
         source=loaded.source,
         platform=loaded.platform,
         name=loaded.name,
         overrides=tuple(loaded.overrides),
-        shown_overrides=tuple(_shown_overrides(loaded.overrides)),
+        shown_overrides=tuple(shell.redact_override(o) for o in loaded.overrides),
         notes=tuple(loaded.notes),
-        allowed_env=tuple(loaded.allowed_env),
-        numerics_overridden=loaded.numerics_overridden,
-        run_dir_name_problem=_name_problem(loaded),
         describe=command.describe(loaded),
+        plan=flags["plan"],
+        recipe_yaml=flags["recipe_yaml"],
+        run_dir_name_problem=_name_problem(loaded),
+    )
+
+
+def _launch(loaded: LoadedRecipe, flags: dict[str, Any], ok: bool, *, start_checks: bool) -> Launch:
+    recipe = loaded.recipe
+    launch, s = recipe.launch, recipe.launch.slurm
+    return Launch(
         entry=recipe.entry,
-        nproc=recipe.world_size,
-        nodes=recipe.launch.nodes,
-        resumable=recipe.resumable,
+        entry_problem=_entry_problem(recipe, ok),
+        world_size=recipe.world_size,
+        device=launch.device,
+        nodes=launch.nodes,
+        environment=flags["environment"],
+        fault=launch.env.get(FAULT_ENV),
+        timeout_s=launch.timeout_s,
+        stall_timeout_s=launch.stall_timeout_s,
+        startup_timeout_s=launch.startup_timeout_s,
+        pipelined=recipe.parallelism.pp > 1 or recipe.model.type == "multimodule",
+        grids=_grids(recipe, ok),
+        start_problems=tuple(start_from.problems(recipe)) if start_checks else (),
+        slurm=SlurmSettings(
+            partition=s.partition,
+            account=s.account,
+            time=s.time,
+            gpus_per_node=s.gpus_per_node,
+            container_image=s.container_image,
+            container_mounts=tuple(s.container_mounts),
+            sbatch_args=tuple(s.sbatch_args),
+            signal_warning_s=s.signal_warning_s,
+            max_requeues=s.max_requeues,
+            tp_within_node=s.tp_within_node,
+        ),
+    )
+
+
+def _entry_problem(recipe: Recipe, ok: bool) -> str | None:
+    """Why the entry module cannot start (checked for a recipe without problems only)."""
+    if ok and entry_importable(recipe.entry):
+        return None
+    return (
+        f"the entry module {recipe.entry} is not importable (model.type "
+        f"{recipe.model.type}); install it or set model.entry"
+    )
+
+
+def _phases(recipe: Recipe, flags: dict[str, Any]) -> Phases:
+    return Phases(
+        megatron_args=flags["megatron_args"],
+        save_args=flags["save_args"],
+        load_args=flags["load_args"],
+        long_run_args=flags["long_run_args"],
+        long_run_load_args=flags["long_run_load_args"],
         iterations=recipe.training.iterations,
-        test_type=recipe.test.type,
+        ckpt_resume=recipe.test.type == "ckpt-resume",
+        resumable=recipe.resumable,
+        most_recent_k=recipe.checkpoint.most_recent_k,
+        keep_final=recipe.checkpoint.keep_final,
+    )
+
+
+def _verdict(loaded: LoadedRecipe, ok: bool, trace: bool) -> Verdict:
+    recipe = loaded.recipe
+    return Verdict(
+        metrics=tuple(recipe.test.metrics),
+        logs_mhc_stats=recipe.logs_mhc_stats,
+        tolerances=MappingProxyType(copy.deepcopy(recipe.test.tolerances)),
         golden_path=loaded.golden_path(),
-        problems=tuple(problems),
-        refusal=refusal,
-        **derived,
+        golden_write_problem=golden_write_problem(loaded) if ok else None,
+        numerics_overridden=loaded.numerics_overridden,
+        tokens_per_iteration=recipe.training.global_batch_size * recipe.model.seq_length,
+        schedule_plan=plan_from_loaded(loaded) if ok and trace else None,
     )
 
 
 def _name_problem(loaded: LoadedRecipe) -> str | None:
-    from megatron_ext.recipes import safety
-
     for where, value in (("name", loaded.name), ("platform", loaded.platform)):
         problem = safety.name_problem(where, value)
         if problem is not None:
@@ -85,23 +167,12 @@ def _name_problem(loaded: LoadedRecipe) -> str | None:
     return None
 
 
-def _shown_overrides(overrides: list[str]) -> list[str]:
-    from megatron_ext.launch import shell
-
-    return [shell.redact_override(o) for o in overrides]
-
-
-def _derived(loaded: LoadedRecipe, ok: bool, trace: bool, refused: bool) -> dict[str, Any]:
-    """The flags, environment and plans; for a recipe with problems, what can be derived of
-    them (``run --dry-run`` never shows them, but its files can be written); nothing at all for
-    one refused before its checks (a checkpoint it names is not to be read)."""
-    from megatron_ext.recipes.golden_paths import golden_write_problem
-    from megatron_ext.recipes.validate import entry_importable
-
+def _derived(loaded: LoadedRecipe, ok: bool, refused: bool) -> dict[str, Any]:
+    """The flags, environment, plan and recipe.yaml; for a recipe with problems, what can be
+    derived of them (``run --dry-run`` never shows them, but its files can be written); nothing
+    at all for one refused before its checks (a checkpoint it names is not to be read)."""
     ckpt = CHECKPOINTS_PLACEHOLDER
     empty: dict[str, Any] = {
-        "golden_write_problem": None,
-        "entry_importable": False,
         "megatron_args": (),
         "save_args": (),
         "load_args": (),
@@ -109,13 +180,12 @@ def _derived(loaded: LoadedRecipe, ok: bool, trace: bool, refused: bool) -> dict
         "long_run_load_args": (),
         "environment": MappingProxyType({}),
         "plan": MappingProxyType({}),
-        "schedule_plan": None,
         "recipe_yaml": "",
     }
     if refused:
         return empty
     try:
-        derived: dict[str, Any] = {
+        return {
             "recipe_yaml": dump(loaded),
             "megatron_args": tuple(command.megatron_args(loaded)),
             "save_args": tuple(command.save_args(loaded, ckpt)),
@@ -129,18 +199,33 @@ def _derived(loaded: LoadedRecipe, ok: bool, trace: bool, refused: bool) -> dict
         if ok:
             raise
         return empty
-    if not ok:
-        return {**empty, **derived}
-    derived["golden_write_problem"] = golden_write_problem(loaded)
-    derived["entry_importable"] = entry_importable(loaded.recipe.entry)
-    derived["schedule_plan"] = _schedule_plan(loaded) if trace else None
-    return derived
 
 
-def _schedule_plan(loaded: LoadedRecipe) -> Any:
-    from megatron_ext.recipes.schedule import plan_from_loaded
+def _grids(recipe: Recipe, ok: bool) -> tuple[Grid, ...]:
+    """:func:`node_grids`; none for a multi-module recipe whose modules make no plan."""
+    try:
+        return node_grids(recipe)
+    except _INVALID_RECIPE_ERRORS:
+        if ok:
+            raise
+        return ()
 
-    return plan_from_loaded(loaded)
+
+def node_grids(recipe: Recipe) -> tuple[Grid, ...]:
+    """The grids the recipe's ranks form, in megatron's rank order (fastest first): one for a
+    GPT or Hybrid model, one per module of a multi-module recipe. The node layout of a Slurm
+    job (:mod:`megatron_ext.launch.nodes`) places them on nodes."""
+    if recipe.model.type == "multimodule":
+        from megatron_ext.recipes.multimodule import plan_of
+
+        plan = plan_of(recipe, recipe.world_size)
+        return tuple(
+            Grid(name, m.first_rank, tuple((k, getattr(m, k)) for k in MODULE_ORDER))
+            for name, m in plan.modules.items()
+        )
+    p = recipe.parallelism
+    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+    return (Grid("model", 0, tuple((k, sizes[k]) for k in GPT_ORDER)),)
 
 
 def resolved_plan(loaded: LoadedRecipe) -> dict:

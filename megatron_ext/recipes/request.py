@@ -1,4 +1,5 @@
-"""What a run needs of its recipe, built once: the frozen :class:`RunRequest`.
+"""What a run needs of its recipe, built once: the frozen :class:`RunRequest`, in small frozen
+parts (what is shown, how the ranks start, the phases' flags, what the verdict reads).
 
 :func:`megatron_ext.recipes.prepare.prepare` checks a loaded recipe and answers every question
 a run asks of it (the Megatron flags of each phase, the ranks' environment, the launch sizes,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_ext.launch.nodes import Grid
 from megatron_ext.recipes.schema import Problem, Recipe
 
 RUN_DIR_PLACEHOLDER = "@RUN_DIR@"
@@ -32,14 +34,10 @@ CHECKPOINTS_PLACEHOLDER = f"{RUN_DIR_PLACEHOLDER}/checkpoints"
 """The run's checkpoint directory, ``RUN_DIR/checkpoints``."""
 
 
-@dataclass(frozen=True)
-class RunRequest:
-    """One recipe, checked and answered for a run. Not :attr:`ok` (``refusal`` or
-    ``problems``): it may not start; its flags are what could be derived of them (none when
-    refused, or when deriving them failed)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Display:
+    """What a run shows and records about the recipe it runs."""
 
-    recipe: Recipe
-    """The typed recipe (its sizes, launch, training, test and checkpoint sections)."""
     source: Path | None
     platform: str
     name: str
@@ -48,29 +46,69 @@ class RunRequest:
     shown_overrides: tuple[str, ...]
     """As shown and recorded: secrets redacted."""
     notes: tuple[str, ...]
-    allowed_env: tuple[str, ...]
-    numerics_overridden: bool
-    run_dir_name_problem: str | None
-    """Why the name or platform may not name a run directory (a path separator, ...)."""
     describe: str
     """The one-line plan: model, sizes, ranks, iterations."""
-    entry: str | None
-    nproc: int
-    """Ranks on this machine (every rank for a local run)."""
-    nodes: int
-    resumable: bool
-    iterations: int
-    test_type: str
-    golden_path: Path | None
-    golden_write_problem: str | None
+    plan: Mapping[str, Any]
+    """summary.json's ``plan``: sizes, virtual stages, micro-batches, the world."""
     recipe_yaml: str
     """recipe.yaml of the run directory: every field resolved, secrets redacted."""
-    problems: tuple[Problem, ...]
-    """The recipe's own problems (Megatron's argument checks included when asked)."""
-    refusal: str | None
-    """Why it may not start before the recipe is even checked (a checkpoint it would load
-    could run code): the runner says it first, and nothing else was checked."""
-    entry_importable: bool
+    run_dir_name_problem: str | None
+    """Why the name or platform may not name a run directory (a path separator, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmSettings:
+    """``launch.slurm``: what a Slurm job of the recipe asks for (the command line's
+    ``submit`` options win over each)."""
+
+    partition: str | None
+    account: str | None
+    time: str
+    gpus_per_node: int | None
+    container_image: str | None
+    container_mounts: tuple[str, ...]
+    sbatch_args: tuple[str, ...]
+    signal_warning_s: int
+    max_requeues: int
+    tp_within_node: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Launch:
+    """How the ranks start and are watched."""
+
+    entry: str | None
+    """The module every rank runs with ``python -m``."""
+    entry_problem: str | None
+    """Why the entry cannot start here (not importable); None: it can."""
+    world_size: int
+    device: str
+    """``cpu`` | ``gpu``."""
+    nodes: int
+    """Nodes of a Slurm job (``--nodes`` wins); a local run uses one."""
+    environment: Mapping[str, str]
+    """Variables every rank gets on top of the launcher's own."""
+    fault: object
+    """``launch.env``'s MEGATRON_EXT_FAULT as the recipe writes it (None: not set there)."""
+    timeout_s: int
+    stall_timeout_s: int | None
+    startup_timeout_s: int
+    pipelined: bool
+    """More than one pipeline stage (pp > 1, or a multi-module recipe): a failure in training
+    has a pipeline step that ``--trace`` can name."""
+    grids: tuple[Grid, ...]
+    """The grids the ranks form (:func:`megatron_ext.recipes.prepare.node_grids`): a Slurm job's
+    node layout places them."""
+    start_problems: tuple[str, ...]
+    """Why ``checkpoint.load`` cannot start this run, one line each (checked when the run will
+    load checkpoints, after their pickles)."""
+    slurm: SlurmSettings
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Phases:
+    """The Megatron flags of each training phase, and the checkpoints between them."""
+
     megatron_args: tuple[str, ...]
     save_args: tuple[str, ...]
     """ckpt-resume, first phase: save at iterations/2 into :data:`CHECKPOINTS_PLACEHOLDER`."""
@@ -80,13 +118,51 @@ class RunRequest:
     """A resumable run's first start: save as checkpoint.* says and on the stop signal."""
     long_run_load_args: tuple[str, ...]
     """The same when it continues from its latest complete checkpoint."""
-    environment: Mapping[str, str]
-    """Variables every rank gets on top of the launcher's own."""
-    plan: Mapping[str, Any]
-    """summary.json's ``plan``: sizes, virtual stages, micro-batches, the world."""
+    iterations: int
+    ckpt_resume: bool
+    """A ckpt-resume test: train, then resume from iterations/2 and compare the two."""
+    resumable: bool
+    """Saves on a stop signal and continues with ``run --resume`` (see
+    :attr:`megatron_ext.recipes.schema.Recipe.resumable`)."""
+    most_recent_k: int | None
+    """checkpoint.most_recent_k: the complete checkpoints a resumable run keeps."""
+    keep_final: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    """What the finished run is judged by."""
+
+    metrics: tuple[str, ...]
+    """test.metrics: compared with the golden values."""
+    logs_mhc_stats: bool
+    """The ranks log the mHC gains (metrics.json records them too)."""
+    tolerances: Mapping[str, Mapping[str, Any]]
+    golden_path: Path | None
+    golden_write_problem: str | None
+    numerics_overridden: bool
+    """The overrides change the numerics: golden values are compared only when forced."""
+    tokens_per_iteration: int
     schedule_plan: Any
     """The :class:`~megatron_ext.schedules.schedule.SchedulePlan` the ranks train with and its
-    message size (``run --trace`` compares the measured timeline with it); None when refused."""
+    message size (``run --trace`` compares the measured timeline with it); None unless traced."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRequest:
+    """One recipe, checked and answered for a run, in four parts. Not :attr:`ok`
+    (``refusal`` or ``problems``): it may not start; its flags are what could be derived of
+    them (none when refused, or when deriving them failed)."""
+
+    display: Display
+    launch: Launch
+    phases: Phases
+    verdict: Verdict
+    problems: tuple[Problem, ...]
+    """The recipe's own problems (Megatron's argument checks included when asked)."""
+    refusal: str | None
+    """Why it may not start before the recipe is even checked (a checkpoint it would load
+    could run code): the runner says it first, and nothing else was checked."""
 
     @property
     def ok(self) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_ext.pipeline.message_size import DTYPE_BYTES, MessageSize
 from megatron_ext.recipes.command import path_for_ranks
-from megatron_ext.schedules.report import DTYPE_BYTES, MessageSize
 from megatron_ext.schedules.schedule import ONE_F_ONE_B, SchedulePlan
 
 

@@ -11,7 +11,6 @@ Nothing here imports torch or megatron: loading and checking a recipe is instant
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import types
@@ -19,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from megatron_ext.errors import MegatronExtError, Problem
+from megatron_ext.errors import MegatronExtError, Problem, suggestion
 from megatron_ext.mhc_flags import MHC_DEFAULTS
 from megatron_ext.parallel_plan import ParallelPlan
 
@@ -29,9 +28,6 @@ SCHEMA_VERSION = 1
 MODEL_TYPES = ("gpt", "hybrid", "multimodule")
 DEFAULT_ENTRIES = {"gpt": "megatron_ext.pretrain_gpt", "hybrid": "megatron_ext.pretrain_hybrid"}
 """The training module each model type runs when the recipe names none (``model.entry``)."""
-
-DEFAULT_PLATFORM = "cpu"
-"""The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them)."""
 
 
 class RecipeError(MegatronExtError, ValueError):
@@ -457,6 +453,13 @@ class Recipe:
         multi-module entry has its own loop) outside the ckpt-resume test (which is a resume)."""
         return self.model.type != "multimodule" and self.test.type != "ckpt-resume"
 
+    @property
+    def logs_mhc_stats(self) -> bool:
+        """Whether the run logs mHC stats: ``model.mhc.log_stats``, or a multi-module recipe's
+        ``model.modules.<name>.mhc.log_stats``."""
+        modules = self.model.modules or {}
+        return self.model.mhc.log_stats or any(m.mhc.log_stats for m in modules.values())
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -569,11 +572,6 @@ def split_path(path: str) -> list[str]:
     if quoted or any(p == "" for p in parts):
         raise KeyError(f"malformed key {path!r}")
     return parts
-
-
-def suggestion(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
 
 
 def _convert(value: Any, tp: Any, where: str, problems: list[Problem]) -> Any:

@@ -12,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 
+from megatron_ext.errors import suggestion
+
 PACKAGE_DATA = "_recipes"
 """megatron_ext/_recipes in a wheel: setup.py maps the source tree's recipes/ there."""
 
@@ -50,8 +52,6 @@ def copy_out(name: str, destination: Path, with_golden: bool = False) -> list[Pa
     exists there."""
     recipes = shipped_recipes()
     if not _NAME.match(name) or name not in recipes:
-        from megatron_ext.recipes.schema import suggestion
-
         raise ValueError(f"no shipped recipe {name!r}{suggestion(name, list(recipes))}")
     if destination.exists() and not destination.is_dir():
         raise ValueError(f"{destination} is not a directory")

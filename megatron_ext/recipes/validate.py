@@ -302,6 +302,30 @@ def golden_notes(loaded: LoadedRecipe) -> list[str]:
     return []
 
 
+def _words_of(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [w for k, v in value.items() for w in (str(k), *_words_of(v))]
+    if isinstance(value, (list, tuple)):
+        return [w for v in value for w in _words_of(v)]
+    return [str(value)]
+
+
+def _rank_argv(loaded: LoadedRecipe) -> list[str]:
+    """Every word the recipe may put on the ranks' command line: its Megatron flags when they
+    can be derived, and every key and value of ``extra_args`` (also when they cannot)."""
+    extra = loaded.recipe.extra_args if isinstance(loaded.recipe.extra_args, dict) else {}
+    # a flag whose value is null or false is left off the command line, as command._flag does
+    words = [
+        w
+        for k, v in extra.items()
+        if v is not None and v is not False
+        for w in (str(k), *_words_of(v))
+    ]
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
+        words += command.megatron_args(loaded)
+    return words
+
+
 def unused_split_note(loaded: LoadedRecipe) -> list[str]:
     """data.split set (in the file or an override) where it is not used: with valid_paths or
     test_paths, Megatron reads data.paths whole as --train-data-path and ignores --split
@@ -342,6 +366,7 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
                 )
             )
     problems += env_policy.env_problems(recipe.launch.env, loaded.allowed_env)
+    problems += env_policy.remote_code_problems(_rank_argv(loaded), loaded.allowed_env)
     slurm = recipe.launch.slurm
     for field_name in ("partition", "account", "time", "container_image"):
         problems.append(
@@ -357,6 +382,22 @@ def unsafe_values(loaded: LoadedRecipe) -> list[Problem]:
     return [p for p in problems if p is not None]
 
 
+def checkpoint_load_problems(loaded: LoadedRecipe) -> list[Problem]:
+    """What ``checkpoint.load`` cannot start (another model, a layout change the optimizer
+    state cannot cross: :func:`megatron_ext.checkpoint.start_from.problems`), so ``validate``
+    and ``run --dry-run`` refuse what ``run`` would (issue 40, item 8). The checkpoint's
+    pickles were checked before any validation reads it."""
+    from megatron_ext.checkpoint import start_from
+
+    prefix = "checkpoint.load: "
+    return [
+        Problem("checkpoint.load", line.removeprefix(prefix))
+        if line.startswith(prefix)
+        else Problem("", line)
+        for line in start_from.problems(loaded.recipe)
+    ]
+
+
 def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
     """Every plan check, then (when they pass) Megatron's own checks and the guards."""
     sizes = size_problems(loaded)
@@ -369,6 +410,8 @@ def validate(loaded: LoadedRecipe, megatron_checks: bool = True) -> Validation:
         + optimizer_problems(loaded)
         + fsdp_problems(loaded)
     )
+    if not result.problems:  # the checkpoint is read only for a recipe that is right itself
+        result.problems += checkpoint_load_problems(loaded)
     if not result.problems:  # worth knowing once the recipe itself is right
         result.notes += golden_notes(loaded) + unused_split_note(loaded)
     if not _module_importable("tensorboard"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ def default_rule(metric: str, device: str) -> Rule:
 
 
 def rules_for(
-    metrics: list[str], device: str, overrides: dict[str, dict[str, Any]]
+    metrics: list[str], device: str, overrides: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, Rule]:
     """The rule of each metric: the device's default with the recipe's fields on top."""
     rules = {}

@@ -31,8 +31,11 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
+
+from megatron_ext import files
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION_LINE = re.compile(
@@ -144,9 +147,20 @@ def parse_lines(lines: Iterable[str]) -> Metrics:
     return metrics
 
 
+# A golden-value or metrics JSON of a million steps is ~40 MB; a log line is far below 1 MiB.
+MAX_METRICS_JSON_BYTES = 256 << 20
+MAX_LOG_LINE_CHARS = 1 << 20
+
+
+def _log_lines(stream: Any) -> Iterator[str]:
+    """The lines of a log, each read with a bound (a line without end is cut, not held)."""
+    while line := stream.readline(MAX_LOG_LINE_CHARS):
+        yield line
+
+
 def parse_log(path: str | Path) -> Metrics:
-    with open(path, errors="replace") as f:
-        return parse_lines(f)
+    with files.open_regular(path, "r", errors="replace") as f:
+        return parse_lines(_log_lines(f))
 
 
 def parse_run_logs(log_dir: str | Path) -> Metrics:
@@ -206,13 +220,14 @@ def write_golden(path: str | Path, metrics: Metrics, names: Iterable[str] | None
 
 
 def read_golden(path: str | Path) -> Metrics:
-    return from_golden(json.loads(Path(path).read_text()))
+    """Golden-value JSON, read with a bound on the bytes read (issue 40, item 15)."""
+    return from_golden(json.loads(files.read_bounded(path, MAX_METRICS_JSON_BYTES, "metrics JSON")))
 
 
 def read_validation_losses(path: str | Path) -> Series:
     out: Series = {}
-    with open(path, errors="replace") as f:
-        for line in f:
+    with files.open_regular(path, "r", errors="replace") as f:
+        for line in _log_lines(f):
             match = VALIDATION_LINE.search(line)
             if match and "on validation set" not in line and "on test set" not in line:
                 out[int(match.group(1))] = float(match.group(2))

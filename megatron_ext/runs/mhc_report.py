@@ -19,17 +19,11 @@ GAIN_NAMES = (
 PLOT_NAME = "mhc.png"
 
 
-def logs_stats(recipe) -> bool:
-    """Whether the run logs mHC stats: ``model.mhc.log_stats``, or a multi-module recipe's
-    ``model.modules.<name>.mhc.log_stats``."""
-    modules = getattr(recipe.model, "modules", None) or {}
-    return bool(recipe.model.mhc.log_stats) or any(m.mhc.log_stats for m in modules.values())
-
-
-def recorded_names(recipe, names: list[str]) -> list[str]:
-    """metrics.json's metrics: the recipe's, plus the gains when the run logs mHC stats (a
-    gain the run did not log, e.g. the MTP path's without MTP, is left out)."""
-    if not logs_stats(recipe):
+def recorded_names(logs_stats: bool, names: list[str]) -> list[str]:
+    """metrics.json's metrics: the recipe's, plus the gains when the run logs mHC stats
+    (``logs_stats``: the request's ``verdict.logs_mhc_stats``; a gain the run did not log, e.g.
+    the MTP path's without MTP, is left out)."""
+    if not logs_stats:
         return names
     return names + [name for name in GAIN_NAMES if name not in names]
 
@@ -154,7 +148,9 @@ def write_plot(run_dir: Path, run_metrics: dict, title: str) -> Path | None:
     from megatron_ext.runs.plot import _pyplot
 
     path = Path(run_dir) / PLOT_NAME
-    fig.savefig(path, dpi=90)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=90)
     _pyplot().close(fig)
     return path
 
@@ -176,7 +172,6 @@ __all__ = [
     "GAIN_NAMES",
     "PLOT_NAME",
     "figure",
-    "logs_stats",
     "recorded_names",
     "summary_lines",
     "write_plot",

@@ -121,7 +121,9 @@ def write_run_plot(
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 
@@ -150,6 +152,8 @@ def write_png_plot(path: str | Path, series: dict[str, Series], title: str = "")
         ax.set_title(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

@@ -257,6 +257,8 @@ def plot(path: Path, curves: list[RunCurves], names: list[str], title: str = "")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=90)
     plt.close(fig)
     return path

@@ -20,13 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.launch import nodes as node_layout, shell, slurm
+from megatron_ext.launch import faults, nodes as node_layout, shell, slurm
 from megatron_ext.launch.local import LogFollower
 from megatron_ext.launch.shell import UnsafeValueError
 from megatron_ext.recipes.request import RunRequest
 from megatron_ext.runs import resume as rsm, runner
 from megatron_ext.runs.options import RunOptions
-from megatron_ext.runs.runner import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, Progress
+from megatron_ext.runs.outcome import EXIT_INVALID, EXIT_TRAINING_FAILED, Outcome, default_echo
+from megatron_ext.runs.runner import Progress
+from megatron_ext.runs.verdict import finalize, write_summary
 
 
 @dataclass
@@ -45,15 +47,13 @@ def build_job(
     request: RunRequest, run_dir: Path, options: SlurmOptions
 ) -> tuple[slurm.SlurmJob | None, list[str]]:
     """The job for this recipe, or None and the reasons it cannot be laid out."""
-    recipe = request.recipe
-    cfg = recipe.launch.slurm
-    nodes = options.nodes or recipe.launch.nodes
-    world = recipe.world_size
+    launch, flags = request.launch, request.phases
+    cfg = launch.slurm
+    nodes = options.nodes or launch.nodes
+    world = launch.world_size
     gpus = options.gpus_per_node if options.gpus_per_node is not None else cfg.gpus_per_node
-    tasks = gpus if recipe.launch.device == "gpu" else None
-    problems = node_layout.layout_problems(
-        world, nodes, tasks, node_layout.layout(recipe, 1, world).grids, cfg.tp_within_node
-    )
+    tasks = gpus if launch.device == "gpu" else None
+    problems = node_layout.layout_problems(world, nodes, tasks, launch.grids, cfg.tp_within_node)
     if nodes < 1 or world % nodes:
         return None, problems
     per_node = world // nodes
@@ -70,26 +70,26 @@ def build_job(
         problems.append(image_problem)
     python = options.python or ("python" if image else sys.executable)
     steps = []
-    resumable = request.recipe.resumable
+    resumable = flags.resumable
     for phase in runner.phases(request, run_dir, slurm.SEGMENT if resumable else "", resumable):
         before = None
         if phase.name == "resume":
-            before = runner.resume_shell(run_dir / "checkpoints", recipe.training.iterations)
+            before = runner.resume_shell(run_dir / "checkpoints", flags.iterations)
         # a resumable job's restarts write below logs/ (the srun output names the segment)
         logs = run_dir / "logs" if resumable else phase.log_dir
         name = "train" if resumable else phase.name
-        assert recipe.entry is not None  # a recipe without one fails validation
-        steps.append(slurm.Step(name, recipe.entry, phase.args, logs, before))
+        assert launch.entry is not None  # a recipe without one fails validation
+        steps.append(slurm.Step(name, launch.entry, phase.args, logs, before))
     job = slurm.SlurmJob(
-        name=request.name,
+        name=request.display.name,
         run_dir=run_dir,
         steps=steps,
         nodes=nodes,
         tasks_per_node=per_node,
-        device=recipe.launch.device,
+        device=launch.device,
         workdir=Path.cwd(),
         python=python,
-        env=dict(request.environment),
+        env=dict(launch.environment),
         gpus_per_node=gpus,
         partition=options.partition or cfg.partition,
         account=options.account or cfg.account,
@@ -97,11 +97,11 @@ def build_job(
         container_image=image,
         container_mounts=options.container_mounts
         if options.container_mounts is not None
-        else cfg.container_mounts,
-        sbatch_args=cfg.sbatch_args,
+        else list(cfg.container_mounts),
+        sbatch_args=list(cfg.sbatch_args),
         requeue=slurm.Requeue(
             checkpoint_dir=rsm.checkpoint_dir(run_dir),
-            final_iteration=recipe.training.iterations,
+            final_iteration=flags.iterations,
             signal_warning_s=cfg.signal_warning_s,
             max_requeues=cfg.max_requeues,
         )
@@ -183,14 +183,49 @@ def container_image_warning(image: str | None) -> str | None:
     )
 
 
-def _echo_first_failure(job: slurm.SlurmJob, echo) -> None:
-    """The earliest failure any rank reported (rank, where, original error)."""
-    from megatron_ext.launch import faults
-
-    logs = [step.log_dir / f"rank-{r}.log" for step in job.steps for r in range(job.world_size)]
+def _echo_first_failure(job: slurm.SlurmJob, job_id: str, echo) -> None:
+    """Why the job's last start ended: the earliest failure a rank of that start reported
+    (rank, where, original error), else what srun said of its tasks there. A requeued job's
+    earlier starts failed too (a lost node's peers: a gloo error) but are not why it ended
+    (issue 40, item 7)."""
+    restart, logs = _last_start_logs(job)
     failure = faults.first_failure(logs)
+    where = f" (start {restart + 1} of the job, restart count {restart})" if restart else ""
     if failure is not None:
-        echo(f"  first failure: {failure}")
+        echo(f"  first failure{where}: {failure}")
+        return
+    said = _srun_errors_of_last_start(job.run_dir / f"slurm-{job_id}.out")
+    if said:
+        echo(f"  last start{where}: {said[0]}")
+
+
+def _last_start_logs(job: slurm.SlurmJob) -> tuple[int, list[Path]]:
+    """(restart count, rank logs) of the job's last start: a requeued job's N-th restart
+    writes into the ``resumed-N`` segment of its logs."""
+    ranks = range(job.world_size)
+    if job.requeue is None:
+        return 0, [step.log_dir / f"rank-{r}.log" for step in job.steps for r in ranks]
+    for restart in range(job.requeue.max_requeues, 0, -1):
+        segment = f"{rsm.SEGMENT_PREFIX}{restart}"
+        dirs = [step.log_dir / segment for step in job.steps if (step.log_dir / segment).is_dir()]
+        if dirs:
+            return restart, [d / f"rank-{r}.log" for d in dirs for r in ranks]
+    return 0, [step.log_dir / f"rank-{r}.log" for step in job.steps for r in ranks]
+
+
+def _srun_errors_of_last_start(slurm_out: Path) -> list[str]:
+    """srun's "error: NODE: tasks A-B: Terminated"-style lines after the last start's line."""
+    try:
+        text = slurm_out.read_text(errors="replace")
+    except OSError:
+        return []
+    last = text.rfind("[megatron-ext] start ")
+    tail = text[last:] if last >= 0 else text
+    return [
+        " ".join(line.split())[:300]
+        for line in tail.splitlines()
+        if line.startswith("srun: error:") and ": tasks " in line
+    ]
 
 
 def submit(
@@ -202,7 +237,7 @@ def submit(
     wait: bool = True,
     compare_golden: bool = True,
     force_compare: bool = False,
-    echo=runner._default_echo,
+    echo=default_echo,
 ) -> Outcome:
     started = time.monotonic()
     if dry_run:  # stdout is the script alone; everything else goes to stderr
@@ -230,7 +265,7 @@ def submit(
         echo(f"cannot submit: {exc}")
         return Outcome(EXIT_INVALID, None, message=str(exc))
     if dry_run:
-        layout = node_layout.layout(request.recipe, job.nodes, job.tasks_per_node)
+        layout = node_layout.layout(request.launch.grids, job.nodes, job.tasks_per_node)
         for line in layout.lines():
             echo(line)
         print(script, end="")
@@ -239,10 +274,11 @@ def submit(
     (run_dir / "logs").mkdir(exist_ok=True)
     script_path = run_dir / "sbatch.sh"
     script_path.write_text(script)
-    echo(f"megatron-ext submit {request.source} (platform {request.platform})")
-    echo(f"  {request.describe}")
+    shown = request.display
+    echo(f"megatron-ext submit {shown.source} (platform {shown.platform})")
+    echo(f"  {shown.describe}")
     echo(f"  run directory {run_dir}")
-    launch = request.recipe.launch
+    launch = request.launch
     watch = slurm.StepWatch(
         job.steps, job.world_size, launch.stall_timeout_s, launch.startup_timeout_s
     )
@@ -303,9 +339,7 @@ def submit(
     if result.exit_code == runner.EXIT_STOPPED and result.stall is None:
         latest = rsm.latest_complete(rsm.checkpoint_dir(run_dir))
         phase_results[0]["resume_from"] = latest
-        runner._write_summary(
-            request, run_dir, "stopped", phase_results, [], time.monotonic() - started
-        )
+        write_summary(request, run_dir, "stopped", phase_results, [], time.monotonic() - started)
         echo(f"  latest complete checkpoint at iteration {latest}")
         echo(f"{runner.STOPPED_RESUMABLE}: megatron-ext run --resume {run_dir}")
         return Outcome(runner.EXIT_STOPPED, run_dir, message=runner.STOPPED_RESUMABLE)
@@ -318,15 +352,15 @@ def submit(
         phase_results[0]["stalled_rank"] = result.stall.rank
     elif not result.ok:
         echo(f"training failed; see {run_dir}/slurm-{job_id}.out and {run_dir}/logs/")
-        _echo_first_failure(job, echo)
+        _echo_first_failure(job, job_id, echo)
     for lost in node_layout.lost_nodes(run_dir / f"slurm-{job_id}.out"):
         echo(f"  {lost}" + (" (the job was requeued)" if result.ok else ""))
     if not result.ok:
-        runner._write_summary(
+        write_summary(
             request, run_dir, "training-failed", phase_results, [], time.monotonic() - started
         )
         return Outcome(EXIT_TRAINING_FAILED, run_dir, message=f"job state {result.state}")
-    return runner.finalize(
+    return finalize(
         request,
         run_dir,
         phase_results,

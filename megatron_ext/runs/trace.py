@@ -92,7 +92,7 @@ def summarize(request: Any, run_dir: Path, echo: Callable[[str], None]) -> dict 
     if not any(events):
         echo("  trace: the ranks recorded no pipelined schedule (PP=1 runs have none)")
         return None
-    plan, size = request.schedule_plan
+    plan, size = request.verdict.schedule_plan
     schedule = schedule_of(plan)  # a ZB-H1 order given as text: that order
     (Path(run_dir) / "trace.json").write_text(
         json.dumps(chrome_trace(events, schedule.chunks, [r.get("module") for r in ranks]))
@@ -151,7 +151,7 @@ def summarize(request: Any, run_dir: Path, echo: Callable[[str], None]) -> dict 
         plot_timeline(
             timeline,
             Path(run_dir) / "timeline.png",
-            f"{request.name}: measured iteration {shown + 1}",
+            f"{request.display.name}: measured iteration {shown + 1}",
             schedule.chunks,
             unit="ms",
             note=f"bubble {measured[shown]:.1%} measured, {entry['bubble_theoretical']:.1%} in theory",

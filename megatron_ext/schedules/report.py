@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from types import SimpleNamespace
+from typing import Protocol
 
 from megatron_ext.errors import Problem
-from megatron_ext.pipeline.payload import HIDDEN_STATES, StagePayload, stage_payload
 from megatron_ext.schedules.schedule import (
     ONE_F_ONE_B,
     ZB_H1,
@@ -20,81 +19,24 @@ from megatron_ext.schedules.schedule import (
     SchedulePlan,
     Timeline,
     build_schedule,
+    format_bytes,
     format_timeline,
     simulate,
     textbook_bubble,
 )
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# The wire's dtype for a width in bytes (fp16's messages are bf16's size).
-WIRE_DTYPES = {4: "fp32", 2: "bf16"}
 
-
-@dataclass
-class MessageSize:
-    """The message on a pipeline edge: the edge's stage payload
-    (:mod:`megatron_ext.pipeline.payload`), every field [seq / cp (/ tp with SP),
-    micro_batch_size, width], packed into one tensor: n * hidden wide (the residual), plus the
-    fp32 coefficients with single-pass mHC."""
-
-    hidden: int
-    seq: int
-    micro_batch_size: int
-    mhc_streams: int = 1
-    dtype_bytes: int = 4
-    tp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-    single_pass: bool = False
+class EdgeMessage(Protocol):
+    """The message on a pipeline edge, as the report prints it: handed in by the caller
+    (:class:`megatron_ext.pipeline.message_size.MessageSize`), so that the schedules, below the
+    pipeline, never import it."""
 
     @property
-    def local_seq(self) -> int:
-        return self.seq // self.cp // (self.tp if self.sequence_parallel else 1)
+    def bytes(self) -> int: ...
 
-    @property
-    def payload(self) -> StagePayload:
-        settings = SimpleNamespace(
-            hidden_size=self.hidden,
-            enable_mhc_connections=self.mhc_streams > 1,
-            mhc_num_residual_streams=self.mhc_streams,
-            mhc_single_pass=self.single_pass,
-            pipeline_dtype=WIRE_DTYPES[self.dtype_bytes],
-        )
-        return stage_payload(settings, pipeline_parallel_size=2)
+    def describe(self) -> str: ...
 
-    @property
-    def bytes(self) -> int:
-        return self.payload.nbytes(self.local_seq, self.micro_batch_size)
-
-    def describe(self) -> str:
-        s, b, payload = self.local_seq, self.micro_batch_size, self.payload
-        width = f"{self.mhc_streams}*{self.hidden}" if self.mhc_streams > 1 else str(self.hidden)
-        if not payload.is_plain:
-            width = str(payload.wire_width)
-        return f"[{s}, {b}, {width}] x {self.dtype_bytes} B = {_size(self.bytes)}"
-
-    def describe_fields(self) -> list[str]:
-        """One line per payload field: name, shape, dtype, gradient, bytes."""
-        s, b = self.local_seq, self.micro_batch_size
-        lines = []
-        for field in self.payload.fields:
-            width = str(field.width)
-            if field.name == HIDDEN_STATES and self.mhc_streams > 1:
-                width = f"{self.mhc_streams}*{self.hidden}"
-            grad = "with its gradient" if field.requires_grad else "no gradient"
-            lines.append(
-                f"    {field.name} [{s}, {b}, {width}] {field.dtype} ({grad}) = "
-                f"{_size(field.nbytes(s, b))}"
-            )
-        return lines
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    def describe_fields(self) -> list[str]: ...
 
 
 # The grid gives every rank a row and every time unit a column; beyond this many cells (a few
@@ -208,7 +150,7 @@ def grid_cells(plan: SchedulePlan, costs: Costs) -> int:
 
 def report(
     plan: SchedulePlan,
-    size: MessageSize | None = None,
+    size: EdgeMessage | None = None,
     steps: bool = False,
     costs: Costs | None = None,
     schedule: Schedule | None = None,
@@ -248,7 +190,7 @@ def report(
         text = f"  {src} -> {dst}: {counts['F']} activation(s), {counts['B']} gradient(s)"
         if size is not None:
             total = (counts["F"] + counts["B"]) * size.bytes
-            text += f" = {_size(total)}"
+            text += f" = {format_bytes(total)}"
         lines.append(text)
     if size is not None:
         lines.append(f"  each message {size.describe()}, its fields:")

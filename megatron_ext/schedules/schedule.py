@@ -727,6 +727,15 @@ def message_bytes(
 # ---------------------------------------------------------------------------------------------
 # Text
 # ---------------------------------------------------------------------------------------------
+def format_bytes(n: float) -> str:
+    """A byte count for people: 512 B, 1.5 KiB, 3.0 MiB, 2.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def format_timeline(
     timeline: Timeline, chunks: int = 1, unit: float = 1.0, mark: tuple[int, int] | None = None
 ) -> str:

@@ -175,6 +175,8 @@ def plot_timeline(
     )
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    from megatron_ext import files
+
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

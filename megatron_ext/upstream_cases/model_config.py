@@ -43,8 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import Problem, suggestion
 from megatron_ext.mhc_flags import MHC_ALIASES
-from megatron_ext.recipes.flags import (
+from megatron_ext.parallel_plan import (
+    OPTIMIZER_INSTANCES_FLAG,
+    ParallelPlan,
+    smallest_instances_dp,
+)
+from megatron_ext.recipe_flags import (
+    DEFAULT_PLATFORM,
     FIELD_FLAGS,
     PATTERN_LIST_FLAGS,
     PIPELINE_SPLIT_FLAGS,
@@ -52,7 +59,6 @@ from megatron_ext.recipes.flags import (
     layer_list,
     layer_list_text,
 )
-from megatron_ext.recipes.schema import DEFAULT_PLATFORM, Problem, Recipe
 
 UPSTREAM_KEYS = ("ENV_VARS", "MODEL_ARGS", "TEST_TYPE", "METRICS", "LAUNCHER", "MODE")
 REFUSED_KEYS = {
@@ -197,6 +203,9 @@ class Conversion:
     problems: list[Problem] = field(default_factory=list)
     unresolved: dict[str, str] = field(default_factory=dict)
     """Placeholder variable -> the flag that uses it, for variables the environment lacks."""
+    secrets: dict[str, str] = field(default_factory=dict)
+    """Placeholder naming a secret (or filled with one's value) -> the flag that uses it:
+    never filled in (:func:`secret_problems`)."""
     gpu_platforms: list[str] = field(default_factory=list)
     refused: bool = False
     """The case is not one megatron-ext trains (its family, mode or test type, or no flags):
@@ -255,9 +264,27 @@ def _get(data: dict, path: str, default: Any = None) -> Any:
     return node
 
 
-def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[str, str]) -> Any:
+def _secret_values(env: Mapping[str, str]) -> dict[str, str]:
+    """value -> name of the environment's secrets (long enough not to match by chance)."""
+    from megatron_ext.launch.shell import is_secret
+
+    return {v: k for k, v in env.items() if is_secret(k) and len(str(v)) >= MIN_SECRET_CHARS}
+
+
+MIN_SECRET_CHARS = 8
+"""A secret's value shorter than this is not looked for in a filled placeholder (``1``, ``on``
+would match everywhere)."""
+
+
+def _substitute(value: Any, flag: str, env: Mapping[str, str], conversion: Conversion) -> Any:
+    """``value`` with its ``${NAME}`` placeholders filled (run-directory paths, CI values, the
+    environment). A secret is never filled in: a flag's value is written to command.sh,
+    recipe.yaml, the rank logs, TensorBoard and the checkpoint's arguments (issue 40, item 14),
+    so a placeholder naming a secret, or filled with a secret's value, is a problem."""
+    from megatron_ext.launch.shell import is_secret
+
     if isinstance(value, list):
-        return [_substitute(v, flag, env, unresolved) for v in value]
+        return [_substitute(v, flag, env, conversion) for v in value]
     if not isinstance(value, str):
         return value
     whole = PLACEHOLDER.fullmatch(value)
@@ -270,12 +297,32 @@ def _substitute(value: Any, flag: str, env: Mapping[str, str], unresolved: dict[
             return RUN_DIR_PLACEHOLDERS[name]
         if name in CI_VALUES:
             return str(CI_VALUES[name])
+        if is_secret(name):
+            conversion.secrets.setdefault(name, flag)
+            return match.group(0)
         if name in env:
+            if (secret := _secret_values(env).get(str(env[name]))) is not None:
+                conversion.secrets.setdefault(f"{name} (the value of {secret})", flag)
+                return match.group(0)
             return env[name]
-        unresolved.setdefault(name, flag)
+        conversion.unresolved.setdefault(name, flag)
         return match.group(0)
 
     return PLACEHOLDER.sub(fill, value)
+
+
+def secret_problems(conversion: Conversion) -> list[Problem]:
+    """One problem per MODEL_ARGS flag a secret would have been filled into."""
+    return [
+        Problem(
+            f"MODEL_ARGS.{flag}",
+            f"${{{name.split()[0]}}} would put a secret ({name}) on the ranks' command line, "
+            "which is written to command.sh, recipe.yaml, the rank logs, TensorBoard and the "
+            "checkpoint; remove it from MODEL_ARGS (the ranks inherit the variable from your "
+            "environment)",
+        )
+        for name, flag in conversion.secrets.items()
+    ]
 
 
 def _listed(value: Any) -> Any:
@@ -372,7 +419,7 @@ def model_args_to_sections(
                 )
             )
             continue
-        value = _substitute(raw_value, flag, env, conversion.unresolved)
+        value = _substitute(raw_value, flag, env, conversion)
         if flag not in PATTERN_LIST_FLAGS:  # a per-layer list is one value, never split
             value = _listed(value)
         if value is None or value is False:
@@ -679,22 +726,22 @@ def _without_moe_act_recompute(extra: dict) -> list[str]:
     return ["extra_args: left out moe_act from --recompute-modules (it needs grouped GEMM)"]
 
 
-def _schema_default(path: str) -> Any:
-    node: Any = Recipe().to_dict()
+def _schema_default(defaults: Mapping[str, Any], path: str) -> Any:
+    node: Any = defaults
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
-    return node
+    return copy.deepcopy(node)
 
 
-def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
-    """What merged over ``cpu`` gives ``full``: changed values, and schema defaults for keys
-    only the cpu sections set."""
+def _overlay(full: dict, cpu: dict, defaults: Mapping[str, Any], prefix: str = "") -> dict:
+    """What merged over ``cpu`` gives ``full``: changed values, and schema defaults (``defaults``:
+    the default recipe as a mapping) for keys only the cpu sections set."""
     out: dict = {}
     for key, value in full.items():
         if isinstance(value, dict) and isinstance(cpu.get(key), dict):
-            inner = _overlay(value, cpu[key], f"{prefix}{key}.")
+            inner = _overlay(value, cpu[key], defaults, f"{prefix}{key}.")
             if inner:
                 out[key] = inner
         elif key not in cpu or cpu[key] != value:
@@ -702,7 +749,9 @@ def _overlay(full: dict, cpu: dict, prefix: str = "") -> dict:
     for key in cpu:
         if key not in full:
             out[key] = (
-                None if prefix.startswith("extra_args") else _schema_default(f"{prefix}{key}")
+                None
+                if prefix.startswith("extra_args")
+                else _schema_default(defaults, f"{prefix}{key}")
             )
     return out
 
@@ -785,9 +834,14 @@ def convert(
     case_dir: Path,
     env: Mapping[str, str] | None = None,
     duplicates: tuple[str, ...] = (),
+    *,
+    defaults: Mapping[str, Any],
 ) -> Conversion:
     """A Megatron-LM test case as a recipe mapping (see the module docstring). ``duplicates``:
-    the keys the file gives twice (``section.key``), noted (the last value is read)."""
+    the keys the file gives twice (``section.key``), noted (the last value is read);
+    ``defaults``: the default recipe as a mapping (``Recipe().to_dict()``: the schema is the
+    caller's, handed in so that this package imports nothing of ``recipes/``), which a GPU
+    platform resets the keys to that only the cpu overlay sets."""
     env = os.environ if env is None else env
     case_dir = Path(case_dir)
     conversion = Conversion(recipe={})
@@ -815,8 +869,6 @@ def convert(
                 "and read there"
             )
         elif key not in UPSTREAM_KEYS:
-            from megatron_ext.recipes.schema import suggestion
-
             conversion.problems.append(
                 Problem(
                     str(key),
@@ -831,6 +883,7 @@ def convert(
     _launcher_note(raw, conversion)
     case = case_dir.parent.name if case_dir.parent.name else ""
     full = model_args_to_sections(args, case, env, conversion)
+    conversion.problems += secret_problems(conversion)
 
     env_vars = raw.get("ENV_VARS") or {}
     if not isinstance(env_vars, dict):
@@ -863,7 +916,7 @@ def convert(
         DEFAULT_GPU_PLATFORM
     ]
     cpu["test"]["golden_values"] = golden_file(case_dir, DEFAULT_PLATFORM)
-    overlay = _overlay(full, cpu)
+    overlay = _overlay(full, cpu, defaults)
     platforms = {}
     for platform in conversion.gpu_platforms:
         platforms[platform] = {
@@ -928,8 +981,6 @@ def _run_args_key(raw: dict, key: str, conversion: Conversion) -> None:
 def _expert_dp(full: dict) -> int:
     """The data-parallel size the imported case needs: the smallest whose world the expert
     grid divides (expert TP defaults to TP, as megatron's does), 1 without experts."""
-    from megatron_ext.parallel_plan import ParallelPlan
-
     sizes = {k: _get(full, f"parallelism.{k}", 1) for k in ("tp", "pp", "cp", "ep")}
     etp = _get(full, "extra_args.--expert-tensor-parallel-size", None)
     if sizes["ep"] <= 1 or not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
@@ -940,8 +991,6 @@ def _expert_dp(full: dict) -> int:
 
 def _instances_dp(full: dict) -> int:
     """The smallest dp whose dp * cp --num-distributed-optimizer-instances divides (1 without)."""
-    from megatron_ext.parallel_plan import OPTIMIZER_INSTANCES_FLAG, smallest_instances_dp
-
     instances = _get(full, f"extra_args.{OPTIMIZER_INSTANCES_FLAG}", 1)
     cp = _get(full, "parallelism.cp", 1)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (instances, cp)):

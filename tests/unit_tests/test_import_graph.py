@@ -165,10 +165,47 @@ def test_runs_imports_recipes_only_through_the_request_and_the_schema():
     )
 
 
-def test_schedules_imports_no_recipes_runs_or_multimodule():
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which top-level package (or module) of megatron_ext imports which other one."""
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        packages.setdefault(_package(module), set())
+        for target in imported:
+            if _package(target) != _package(module):
+                packages[_package(module)].add(_package(target))
+                packages.setdefault(_package(target), set())
+    return packages
+
+
+def test_no_two_packages_lean_on_each_other():
+    """The packages stand on floors: none imports, even through others, a package that imports
+    it back (the modules may be a tree inside, the packages still lean on each other)."""
+    packages = package_graph(import_graph())
+    found = circles(packages)
+    assert not found, "package circles:\n" + "\n".join(
+        "  " + "; ".join(_edges_within(packages, c)) for c in found
+    )
+
+
+def test_schedules_imports_no_recipes_runs_multimodule_or_pipeline():
+    """schedules/ is the schedule as data; the pipeline that runs it stands on it."""
     graph = import_graph()
-    for above in ("recipes", "runs", "multimodule"):
+    for above in ("recipes", "runs", "multimodule", "pipeline"):
         assert not _arrows(graph, "schedules", above), above
+
+
+def test_launch_knows_no_recipe():
+    """launch/ starts processes from what it is handed (a node layout's grids included): it
+    imports no recipes/, runs/ or cli/."""
+    graph = import_graph()
+    for above in ("recipes", "runs", "cli"):
+        assert not _arrows(graph, "launch", above), above
+
+
+def test_upstream_cases_stand_below_the_recipes():
+    """The recipe loader reads a Megatron-LM test case through upstream_cases/, which imports
+    nothing of recipes/ (its flag tables are recipe_flags.py, the schema's defaults are handed in)."""
+    assert not _arrows(import_graph(), "upstream_cases", "recipes")
 
 
 def test_mhc_never_imports_guards():
@@ -183,6 +220,23 @@ def test_no_package_holds_more_than_15_percent_of_the_lines():
     total = sum(lines.values())
     heavy = {name: f"{n / total:.1%}" for name, n in lines.items() if n > 0.15 * total}
     assert not heavy, f"packages above 15 % of megatron_ext's {total} lines: {heavy}"
+
+
+def test_a_planted_package_circle_is_found(tmp_path):
+    """Two packages whose modules form no circle still lean on each other (a.x -> b.y, b.z ->
+    a.w): the package rule sees it."""
+    package = tmp_path / "megatron_ext"
+    for sub in ("a", "b"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a" / "x.py").write_text("from megatron_ext.b import y\n")
+    (package / "b" / "y.py").write_text("")
+    (package / "b" / "z.py").write_text("def f():\n    from megatron_ext.a import w\n")
+    (package / "a" / "w.py").write_text("")
+    graph = import_graph(package)
+    assert circles(graph) == []
+    assert circles(package_graph(graph)) == [["a", "b"]]
 
 
 def test_the_shape_rules_can_fail(tmp_path):

@@ -3,6 +3,7 @@ and, with ``config.enable_mhc_connections``, n mHC residual streams between its 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron.core import parallel_state
@@ -14,13 +15,15 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer, TransformerLayer
 
 from megatron_ext import guards
+from megatron_ext.mhc import native
 from megatron_ext.mhc.transformer_block import (
     HyperConnectionTransformerBlock,
     check_layers_support_mhc,
 )
+from megatron_ext.mhc.transformer_layer import run_attention_then_mlp
 from megatron_ext.models.norms import LocalNorm
 
 
@@ -56,6 +59,40 @@ def _layer_specs(spec: Any) -> list:
     return [spec]
 
 
+class ContractedStreamTransformerLayer(TransformerLayer):
+    """megatron-core's TransformerLayer as an MTP layer of an mHC GPTModel: it runs after the
+    decoder contracted the n streams, on the single stream, exactly as TransformerLayer does.
+
+    Where megatron-core has native mHC, its TransformerLayer refuses an mHC config (its
+    ``__init__`` without ``supports_mhc_connections``, its ``forward`` by an assert), although
+    such a layer never sees the streams; this class says so and runs the same two steps."""
+
+    supports_mhc_connections: bool = True
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return run_attention_then_mlp(self, *args, **kwargs)
+
+
+def _on_contracted_stream(spec: Any) -> Any:
+    """``spec`` (an MTP block spec, its submodules, lists of them) with every plain
+    TransformerLayer replaced by :class:`ContractedStreamTransformerLayer`."""
+    if isinstance(spec, ModuleSpec):
+        module = (
+            ContractedStreamTransformerLayer if spec.module is TransformerLayer else spec.module
+        )
+        return dataclasses.replace(
+            spec, module=module, submodules=_on_contracted_stream(spec.submodules)
+        )
+    if isinstance(spec, list):
+        return [_on_contracted_stream(item) for item in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = [f.name for f in dataclasses.fields(spec) if f.init]
+        return dataclasses.replace(
+            spec, **{name: _on_contracted_stream(getattr(spec, name)) for name in fields}
+        )
+    return spec
+
+
 class GPTModel(_CoreGPTModel):
     """megatron-core's GPTModel; same constructor, same parameters and outputs.
 
@@ -73,6 +110,8 @@ class GPTModel(_CoreGPTModel):
         if mhc:
             guards.check_gpt_mhc_mtp(config)
             check_layers_support_mhc(config, _layer_specs(spec), "the GPTModel layer spec")
+            if kwargs.get("mtp_block_spec") is not None and native.config_declares_mhc():
+                kwargs["mtp_block_spec"] = _on_contracted_stream(kwargs["mtp_block_spec"])
         super().__init__(config, spec, *args, **kwargs)
         if mhc:
             # megatron-core's GPTModel builds a plain TransformerBlock with no way to choose

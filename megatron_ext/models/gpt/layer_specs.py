@@ -26,6 +26,7 @@ from megatron_ext.mhc.hyper_connection import HyperConnectionModule
 from megatron_ext.mhc.transformer_layer import (
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
+    layer_fields_without_hyper_connections,
 )
 from megatron_ext.models.context_parallel import ContextParallelDotProductAttention
 from megatron_ext.models.linears import RowParallelLinear
@@ -85,7 +86,7 @@ def with_hyper_connections(spec: ModuleSpec) -> ModuleSpec:
             f"with_hyper_connections expects a ModuleSpec of megatron-core's TransformerLayer, "
             f"got {spec!r}"
         )
-    fields = {f.name: getattr(spec.submodules, f.name) for f in dataclasses.fields(spec.submodules)}
+    fields = layer_fields_without_hyper_connections(spec.submodules)
     submodules = HyperConnectionTransformerLayerSubmodules(
         **fields,
         self_attention_hyper_connection=HyperConnectionModule,

@@ -55,6 +55,7 @@ from megatron_ext.mhc.hyper_connection import HyperConnectionModule
 from megatron_ext.mhc.transformer_layer import (
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
+    layer_fields_without_hyper_connections,
 )
 from megatron_ext.models.gpt.layer_specs import get_gpt_layer_local_spec, with_local_modules
 from megatron_ext.models.hybrid.hybrid_stack import HybridStack, HybridStackSubmodules
@@ -139,9 +140,7 @@ def with_hyper_connections(layer_spec: ModuleSpec, *, allow_moe_mlp: bool = Fals
             f"with_hyper_connections expects a ModuleSpec of a TransformerLayer, got {layer_spec!r}"
         )
     submodules = layer_spec.submodules
-    fields = {
-        f.name: getattr(submodules, f.name) for f in dataclasses.fields(TransformerLayerSubmodules)
-    }
+    fields = layer_fields_without_hyper_connections(submodules, TransformerLayerSubmodules)
     # Sub-layers that are IdentityOp get no hyper connection (the layer skips them).
     mhc_submodules = HyperConnectionTransformerLayerSubmodules(
         **fields,

@@ -124,3 +124,53 @@ class _Payload:
         from pathlib import Path
 
         return (Path.touch, (Path(self.marker),))
+
+
+# ---- issue 40, item 8: the layout changes run --resume refuses, refused through checkpoint.load
+def _moe_checkpoint(root, optimizer=True):
+    """An EP2 save: its args, and (``optimizer``) an optimizer state item."""
+    args = argparse.Namespace(**{**SAVED, "expert_model_parallel_size": 2})
+    state = {
+        "embedding.word_embeddings.weight": torch.zeros(256, 64),
+        "common_state/shard_0_1": [{"args": args, "iteration": 4}],
+    }
+    if optimizer:
+        state["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(256, 64)
+    dcp.save(
+        state,
+        checkpoint_id=str(root / "iter_0000004"),
+        planner=DefaultSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    return root
+
+
+def test_an_ep_change_with_optimizer_state_is_refused_as_resume_refuses_it(tmp_path):
+
+    root = _moe_checkpoint(tmp_path / "ckpt")
+    found = start_from.problems(_recipe(f"checkpoint.load={root}"))  # ep=1 here
+    assert len(found) == 1 and "\n" not in found[0], found
+    assert found[0].startswith("checkpoint.load: parallelism.ep 2 -> 1: ")
+    same_rule = start_from.ep_change_problem(2, 1, "X")
+    assert same_rule and found[0].split(": ", 1)[1].startswith(same_rule.split("; keep")[0])
+    assert (
+        start_from.problems(_recipe(f"checkpoint.load={root}", "checkpoint.load_optim=false")) == []
+    )
+    assert start_from.problems(_recipe(f"checkpoint.load={root}", "checkpoint.finetune=true")) == []
+    plain = _moe_checkpoint(tmp_path / "no-optimizer", optimizer=False)
+    assert start_from.problems(_recipe(f"checkpoint.load={plain}")) == []
+
+
+def test_validate_and_dry_run_refuse_the_ep_change_before_any_rank(tmp_path, capsys):
+    from megatron_ext import cli
+
+    root = _moe_checkpoint(tmp_path / "ckpt")
+    common = [str(RECIPE), "--platform", "cpu", "test.type=regular", f"checkpoint.load={root}"]
+    assert cli.main(["validate", *common, "--skip-megatron-checks"]) == 2
+    out = capsys.readouterr().out
+    assert "checkpoint.load: parallelism.ep 2 -> 1" in out, out
+    code = cli.main(["run", *common, "--dry-run", "--run-dir", str(tmp_path / "R")])
+    out = capsys.readouterr().out
+    assert code == 2 and "checkpoint.load: parallelism.ep 2 -> 1" in out, out
+    assert not (tmp_path / "R").exists()

@@ -26,14 +26,15 @@ def test_version():
 def test_doctor_reports_versions_runtime_and_patches():
     from megatron_ext import registry
 
+    version = registry.megatron_core_version()  # 0.19.2, or 0.20.0 in the 0.20 lane
     report, errors = _run("doctor", stderr=True)
     # Issue 25 item 19: the verdict first, and no upstream start-up warnings before it; issue
     # 35: they are counted into one line at the end (doctor imports megatron, so there are some).
-    assert report.startswith("verdict: ready - megatron-core 0.19.2 verified")
+    assert report.startswith(f"verdict: ready - megatron-core {version} verified")
     assert re.fullmatch(
         r"megatron-ext: \d+ upstream warnings hidden; --verbose shows them\n", errors
     )
-    assert "megatron-core     0.19.2" in report
+    assert f"megatron-core     {version}" in report
     assert "cpu runtime       active" in report
     assert "backend           gloo" in report
     for patch in registry.patches():
@@ -46,6 +47,31 @@ def test_doctor_reports_versions_runtime_and_patches():
         assert f"{state} {patch.target}" in report
     for seam in registry.seams():
         assert f"[{seam.kind}] ok {seam.target} (verified on {seam.package}" in report
+    for patch in registry.patches(every=True):
+        if not registry.applies(patch):  # a version-scoped fix for code this one lacks
+            assert f"n/a      {patch.target}" in report
+
+
+def test_doctor_gives_its_verdict_on_an_unverified_megatron_core(monkeypatch, capsys):
+    """Issue 39: on a megatron-core it refuses, doctor still reports and ends in a verdict
+    (it used to end in the traceback of install()'s refusal)."""
+    import argparse
+
+    from megatron_ext import registry
+    from megatron_ext.cli import doctor
+
+    megatron_ext.uninstall()
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.setattr(doctor, "_package_version", lambda name: "0.99.0")
+    monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
+    try:
+        exit_code = doctor.main(argparse.Namespace())
+    finally:
+        megatron_ext.uninstall()
+    report = capsys.readouterr().out
+    assert exit_code == 1
+    assert report.startswith("verdict: NOT READY - megatron-core 0.99.0 is not a verified version")
+    assert "install refused    megatron-ext's patches are verified on megatron-core" in report
 
 
 def test_the_program_exits_without_the_interpreter_teardown():

@@ -11,6 +11,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MHCTransformerConfig
+from megatron_ext.mhc import native
 
 BASE = dict(num_layers=2, hidden_size=8, num_attention_heads=2)
 MHC_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mhc"])
@@ -103,18 +104,16 @@ def test_disabled_mhc_is_exactly_transformer_config():
     assert ours["pipeline_schedule"] == "1f1b"  # megatron's schedule (issue 21's field)
     assert ours["pipeline_schedule_file"] is None  # the built order (issue 43's field)
     mhc_fields = ext_fields - {"pipeline_schedule", "pipeline_schedule_file"}
-    assert mhc_fields == {
-        "enable_mhc_connections",
-        "mhc_num_residual_streams",
-        "mhc_sinkhorn_iterations",
+    ours_only = {
         "mhc_h_res_method",
-        "mhc_init_gating_factor",
-        "mhc_recompute_layer_num",
         "mhc_learned_output_contract",
         "mhc_single_pass",
         "use_fused_mhc",
         "mhc_variant",
     }
+    # megatron-core 0.20 declares the five native ones itself (same names and defaults).
+    native_fields = set() if native.config_declares_mhc() else set(native.NATIVE_MHC_FIELDS)
+    assert mhc_fields == ours_only | native_fields
     # repr: the init-method partials are fresh objects per config and compare by identity.
     assert {k: repr(v) for k, v in ours.items() if k not in ext_fields} == {
         k: repr(v) for k, v in core.items()
@@ -122,8 +121,10 @@ def test_disabled_mhc_is_exactly_transformer_config():
 
 
 def test_megatron_core_itself_rejects_mhc_as_a_recompute_module():
-    """Why MHCTransformerConfig hides "mhc" from the base validation (0.19.2 behaviour)."""
-    with pytest.raises(AssertionError, match="recompute_modules"):
+    """Why MHCTransformerConfig hides "mhc" from the base validation: 0.19.2 does not know the
+    module, 0.20 (native mHC) knows it and refuses it without its own mHC enabled."""
+    error = ValueError if native.config_declares_mhc() else AssertionError
+    with pytest.raises(error, match="recompute_modules"):
         TransformerConfig(**BASE, recompute_granularity="selective", recompute_modules=["mhc"])
 
 

@@ -8,7 +8,7 @@ import sys
 
 from megatron_ext.launch import nodes
 from megatron_ext.recipes import load
-from megatron_ext.recipes.prepare import prepare
+from megatron_ext.recipes.prepare import node_grids, prepare
 from megatron_ext.runs.submit import SlurmOptions, build_job
 
 from recipe_texts import REPO_ROOT, shared_build_dir
@@ -35,7 +35,7 @@ def test_gpt_coordinates_follow_megatrons_rank_order():
 
 def test_tp2_pp2_over_two_nodes_puts_a_tp_group_and_a_stage_on_each_node():
     recipe = load(TP2_PP2_SP).recipe
-    layout = nodes.layout(recipe, 2, 2)
+    layout = nodes.layout(node_grids(recipe), 2, 2)
     assert [list(layout.ranks_on(n)) for n in range(2)] == [[0, 1], [2, 3]]
     assert layout.tp_groups_across_nodes() == []
     assert layout.lines()[1:] == [
@@ -46,14 +46,14 @@ def test_tp2_pp2_over_two_nodes_puts_a_tp_group_and_a_stage_on_each_node():
         "    rank 2: tp 0 cp 0 dp 0 pp 1",
         "    rank 3: tp 1 cp 0 dp 0 pp 1",
     ]
-    crossing = nodes.layout(recipe, 4, 1)
+    crossing = nodes.layout(node_grids(recipe), 4, 1)
     assert crossing.tp_groups_across_nodes() == [("model", [0, 1]), ("model", [2, 3])]
     assert "spans nodes" in crossing.lines()[-1]
 
 
 def test_multimodule_modules_land_on_their_own_nodes():
     recipe = load(REPO_ROOT / "recipes/multimodule_encoder_llm_mhc_pp2.yaml").recipe
-    layout = nodes.layout(recipe, 2, 2)
+    layout = nodes.layout(node_grids(recipe), 2, 2)
     assert [layout.describe_rank(r) for r in range(4)] == [
         "rank 0: vision_encoder tp 0 cp 0 pp 0 dp 0",
         "rank 1: vision_encoder tp 0 cp 0 pp 0 dp 1",

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 from megatron_ext.launch import local
-from megatron_ext.runs import runner
+from megatron_ext.runs import verdict
 
 
 def test_a_rank_ending_between_reap_and_poll_keeps_its_peak_rss(tmp_path, monkeypatch):
@@ -40,12 +39,9 @@ def test_a_rank_ending_between_reap_and_poll_keeps_its_peak_rss(tmp_path, monkey
 
 
 def test_the_peak_memory_line_names_every_rank_and_says_na_for_a_missing_one():
-    recipe = SimpleNamespace(
-        world_size=4, training=SimpleNamespace(global_batch_size=1), model=None
-    )
     phases = [{"phase": "train", "peak_rss_mib": {"0": 100.0, "2": 120.0, "3": 90.0}}]
-    performance = runner._performance(recipe, {}, phases)
+    performance = verdict._performance(1, {}, phases, world_size=4)
     assert performance["peak_rss_mib_per_rank"] == {"0": 100.0, "1": None, "2": 120.0, "3": 90.0}
-    assert runner._performance_lines(performance) == [
+    assert verdict._performance_lines(performance) == [
         "peak RSS per rank (MiB): 0: 100, 1: n/a, 2: 120, 3: 90"
     ]

@@ -37,11 +37,9 @@ def test_the_language_model_may_log_mhc_stats_with_either_h_res_method(method):
     ]
     assert validate_recipe(str(RECIPE), overrides, world_size=4) == []
     recipe = load_recipe(str(RECIPE), overrides)
-    assert mhc_report.logs_stats(recipe)
-    assert "mhc/forward_gain" in mhc_report.recorded_names(recipe, ["lm loss"])
-    assert not mhc_report.logs_stats(
-        load_recipe(str(RECIPE), ["model.modules.llm.mhc.log_stats=false"])
-    )
+    assert recipe.logs_mhc_stats
+    assert "mhc/forward_gain" in mhc_report.recorded_names(recipe.logs_mhc_stats, ["lm loss"])
+    assert not load_recipe(str(RECIPE), ["model.modules.llm.mhc.log_stats=false"]).logs_mhc_stats
 
 
 def test_the_entry_refuses_zb_h1_it_would_ignore():

@@ -63,3 +63,55 @@ def test_variable_sequence_lengths_and_unknown_shapes_are_left_to_megatron():
     assert pipeline_tensor_shape(_config(variable=True), (), 2) == ()
     assert pipeline_tensor_shape(_config(), None, 2) is None
     assert pipeline_tensor_shape(_config(), [16, 2, 128], 2) == [16, 2, 128]
+
+
+@pytest.mark.parametrize("schedules_size_streams", [False, True])
+def test_a_megatron_that_sizes_n_streams_itself_is_not_widened_twice(
+    monkeypatch, schedules_size_streams
+):
+    """Issue 39: megatron-core with native mHC under PP (Megatron-LM #4946) already gives its
+    buffers n * hidden_size; that width, like hidden_size, becomes the payload's wire width
+    (single-pass mHC: the streams and the fp32 coefficients), never n * (n * hidden_size)."""
+    from megatron_ext.mhc import native
+
+    monkeypatch.setattr(native, "schedules_size_streams", lambda: schedules_size_streams)
+    single_pass = types.SimpleNamespace(**vars(_config()), mhc_single_pass=True)
+    wire = pipeline_hidden_size(single_pass, 2)
+    assert wire == 4 * 32 + 4  # the streams and one coefficient per stream
+    assert pipeline_tensor_shape(single_pass, [16, 2, 32], 2) == [16, 2, wire]
+    as_megatron_sized = pipeline_tensor_shape(single_pass, [16, 2, 128], 2)
+    assert as_megatron_sized == ([16, 2, wire] if schedules_size_streams else [16, 2, 128])
+    assert pipeline_tensor_shape(_config(), [16, 2, 128], 2) == [16, 2, 128]
+
+
+def test_the_installed_schedules_are_recognised_for_what_they_size():
+    """native.schedules_size_streams() reads the installed code: True exactly where
+    megatron's own get_tensor_shapes gives a middle stage n * hidden_size with mHC."""
+    from megatron_ext.mhc import native
+
+    config = _config()
+    shapes = get_tensor_shapes(
+        seq_length=16,
+        micro_batch_size=2,
+        decoder_seq_length=None,
+        config=config,
+        tp_group=_Group(1),
+        cp_group=_Group(1),
+        **({"pp_group": _Rank(1, 2), "is_recv": True} if _takes_pp_group() else {}),
+    )
+    assert native.schedules_size_streams() == (list(shapes[0])[-1] == 128)
+
+
+class _Rank(_Group):
+    def __init__(self, rank, size):
+        super().__init__(size)
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def _takes_pp_group() -> bool:
+    import inspect
+
+    return "pp_group" in inspect.signature(get_tensor_shapes).parameters

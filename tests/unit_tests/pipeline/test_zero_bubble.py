@@ -53,6 +53,7 @@ def plain_config(**fields):
         variable_seq_lengths=False,
         sequence_parallel=False,
         hidden_size=4,
+        enable_mhc_connections=False,  # megatron-core 0.20's get_tensor_shapes reads it
     )
     values.update(fields)
     return SimpleNamespace(**values)

@@ -4,10 +4,10 @@ all without a process."""
 
 import pytest
 
+from megatron_ext.recipe_flags import conflicts
 from megatron_ext.recipes import RecipeError, load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import describe, megatron_args
-from megatron_ext.recipes.flags import conflicts
 
 from recipe_texts import MINIMAL, REPO_ROOT
 

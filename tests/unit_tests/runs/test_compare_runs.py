@@ -9,7 +9,7 @@ from pathlib import Path
 from megatron_ext.cli import main as cli_main
 from megatron_ext.recipes import load
 from megatron_ext.recipes.prepare import prepare
-from megatron_ext.runs import resume as rsm, runner, side_by_side as sbs
+from megatron_ext.runs import resume as rsm, side_by_side as sbs, verdict
 
 from recipe_texts import REPO_ROOT
 
@@ -37,11 +37,11 @@ def test_plot_titles_carry_the_overrides():
         megatron_checks=False,
         check_pickles=False,
     )
-    assert runner.plot_title(plain) == "gpt_mhc_pp2_real_data (cpu)"
-    title = runner.plot_title(v4)
+    assert verdict.plot_title(plain.display) == "gpt_mhc_pp2_real_data (cpu)"
+    title = verdict.plot_title(v4.display)
     assert title.splitlines()[0] == "gpt_mhc_pp2_real_data (cpu)"
     assert "model.mhc.variant=deepseek-v4" in title
-    assert title != runner.plot_title(plain)
+    assert title != verdict.plot_title(plain.display)
 
 
 def test_constant_panels_are_left_out_of_the_plot(tmp_path, capsys):

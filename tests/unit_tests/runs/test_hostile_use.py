@@ -14,7 +14,7 @@ import torch
 
 from megatron_ext.recipes import load
 from megatron_ext.recipes.prepare import RunDirRecipes, prepare
-from megatron_ext.runs import lock as run_lock, resume as rsm, runner
+from megatron_ext.runs import lock as run_lock, resume as rsm, runner, verdict
 from megatron_ext.runs.options import RunOptions
 
 from recipe_texts import REPO_ROOT
@@ -276,7 +276,7 @@ def test_a_secret_name_written_with_yaml_escapes_is_redacted_everywhere(tmp_path
     assert loaded.recipe.launch.env["HF_TOKEN"] == "hf_abc123"  # YAML unescaped the names
     run_dir = tmp_path / "R"
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
     )
     for name in ("command.sh", "recipe.yaml", "run.json", "summary.json"):
@@ -305,15 +305,15 @@ def test_an_error_line_never_echoes_a_secret_value(override):
 
 
 def test_resume_gives_the_ranks_the_exported_secret_not_the_redacted_text(tmp_path, monkeypatch):
-    from megatron_ext.recipes import command as plan
-
     run_dir = tmp_path / "R"
     loaded = load(BASE, "cpu", [*BASE_OVERRIDES, "launch.env.HF_TOKEN=hf_first"])
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
     (run_dir / "summary.json").write_text(json.dumps({"status": "stopped"}))
     envs = []
     monkeypatch.setattr(
-        runner, "_run_phases", lambda loaded, *a, **k: envs.append(plan.run_environment(loaded))
+        runner,
+        "_run_phases",
+        lambda request, *a, **k: envs.append(dict(request.launch.environment)),
     )
     monkeypatch.delenv("HF_TOKEN", raising=False)
     lines: list[str] = []
@@ -476,7 +476,7 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
     loaded = load(BASE, "cpu", BASE_OVERRIDES)
     run_dir = tmp_path / "R"
     runner.write_run_files(prepare(loaded, megatron_checks=False, check_pickles=False), run_dir)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "stopped", [], [], 1.0
     )
     before = (run_dir / "summary.json").read_text()
@@ -487,7 +487,7 @@ def test_a_full_disk_leaves_the_previous_summary_whole_and_names_the_cause(
         raise OSError(errno.ENOSPC, "")  # the kernel's errno, no message of its own
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "passed", [], [], 2.0
     )
     monkeypatch.undo()
@@ -694,3 +694,49 @@ def test_prepare_data_bounds_the_line_size(tmp_path, capsys, monkeypatch):
     rc = _prepare_data(tmp_path, ['{"text": "' + "1 " * 2000 + '"}'])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "in.jsonl:1: a line of more than" in err[-1], err[-2:]
+
+
+# ---- issue 40, item 5: a run directory's own entries resolve inside it --------------------------
+@pytest.mark.parametrize("entry", ["checkpoints", "logs", "checkpoints/" + rsm.TRACKER])
+def test_resume_refuses_a_run_whose_entries_lead_into_another_run(tmp_path, entry, no_training):
+    """`R/checkpoints -> OTHER/checkpoints`: the resume used to delete OTHER's cut-short save and
+    rewrite its tracker without OTHER's lock. Now refused, OTHER unchanged."""
+    other = _stopped_run(tmp_path)  # tracker 3, iteration 4 cut short
+    mine = _stopped_run(tmp_path / "mine")
+    link = mine / entry
+    (link.parent).mkdir(parents=True, exist_ok=True)
+    if link.is_dir():
+        import shutil
+
+        shutil.rmtree(link)
+    else:
+        link.unlink(missing_ok=True)
+    link.symlink_to(other / entry)
+    (other / "logs").mkdir(exist_ok=True)
+    before = sorted(p.name for p in rsm.checkpoint_dir(other).iterdir())
+    lines: list[str] = []
+    outcome = runner.resume_run(
+        mine, RunDirRecipes(), RunOptions(megatron_checks=False), echo=lines.append
+    )
+    assert outcome.exit_code == runner.EXIT_INVALID
+    assert len(lines) == 1 and "leads outside the run directory" in lines[0], lines
+    assert sorted(p.name for p in rsm.checkpoint_dir(other).iterdir()) == before
+    assert (rsm.checkpoint_dir(other) / rsm.TRACKER).read_text() == "3"
+
+
+def test_a_new_run_refuses_a_linked_checkpoints_directory(tmp_path, no_training):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "R"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(run_lock.RunDirectoryEscapes, match="checkpoints leads outside"):
+        with run_lock.holding(run_dir):
+            pass
+    (run_dir / "checkpoints").unlink()
+    (run_dir / run_lock.LOCK_NAME).unlink()  # the first try's own lock file
+    (run_dir / run_lock.LOCK_NAME).symlink_to(elsewhere / "lock")
+    with pytest.raises(run_lock.RunDirectoryBusy):
+        with run_lock.holding(run_dir):
+            pass
+    assert not (elsewhere / "lock").exists()

@@ -215,7 +215,9 @@ def test_resumable_recipe_sbatch_script_requeues_with_a_bound(tmp_path):
     for line in ("#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert line in script
     assert f"export {stop_signals.ROUTE_ENV}=SIGTERM" in script
-    assert script.count("srun ") == 1 and "--exit-signal SIGUSR1" in script
+    # one training step (the other srun: throwaway steps past an earlier start's step ids)
+    assert script.count("srun --mpi=none --kill-on-bad-exit") == 1
+    assert "--exit-signal SIGUSR1" in script
     assert f"--load {tmp_path}/run/checkpoints" in script, "a restart resumes"
     assert '[ -z "$STOPPED" ] && [ "$RESTART" -lt 2 ]' in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "exit 75" in script

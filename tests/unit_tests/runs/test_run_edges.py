@@ -13,7 +13,7 @@ from megatron_ext.recipes import load
 from megatron_ext.recipes.loader import dump
 from megatron_ext.recipes.prepare import prepare
 from megatron_ext.recipes.validate import validate
-from megatron_ext.runs import metrics as met, runner
+from megatron_ext.runs import metrics as met, runner, verdict
 
 from recipe_texts import MINIMAL, REPO_ROOT
 
@@ -187,8 +187,10 @@ def test_tensorboard_scalars_are_read_per_step_with_a_log_fallback(tmp_path):
 
 
 def test_summary_versions_name_the_packages_and_the_commit():
-    versions = runner.versions()
-    assert versions["megatron-core"] == "0.19.2" and versions["torch"]
+    versions = verdict.versions()
+    from importlib import metadata
+
+    assert versions["megatron-core"] == metadata.version("megatron-core") and versions["torch"]
     assert (
         versions["megatron-ext-git-commit"] is None
         or len(versions["megatron-ext-git-commit"]) >= 40
@@ -212,3 +214,17 @@ def test_a_mistyped_multimodule_field_is_rejected_before_start():
     )
     problems = [str(p) for p in validate(loaded, megatron_checks=False).problems]
     assert problems and all(p.startswith("model.modules: ") for p in problems), problems
+
+
+# ---- run on a megatron-core megatron-ext refuses: that first, before any recipe problem ---------
+def test_run_names_the_version_refusal_before_any_recipe_problem(tmp_path, capsys, monkeypatch):
+    """Issue 39: a refused megatron-core is what run reports, not the recipe's first problem
+    (a recipe that does not even exist here) nor every rank's death at start-up."""
+    from megatron_ext import registry
+
+    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.99.0")
+    monkeypatch.delenv(registry.ALLOW_UNVERIFIED_ENV, raising=False)
+    assert cli.main(["run", str(tmp_path / "no-such-recipe.yaml")]) == runner.EXIT_INVALID
+    errors = capsys.readouterr().err
+    assert errors.startswith("megatron-ext run: megatron-ext's patches are verified on")
+    assert "0.99.0" in errors and "no-such-recipe" not in errors

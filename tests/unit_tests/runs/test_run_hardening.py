@@ -13,7 +13,7 @@ from megatron_ext.launch import shell
 from megatron_ext.recipes import golden_paths, load
 from megatron_ext.recipes.loader import dump
 from megatron_ext.recipes.prepare import prepare
-from megatron_ext.runs import runner
+from megatron_ext.runs import runner, verdict
 from megatron_ext.runs.options import RunOptions
 
 from recipe_texts import MINIMAL
@@ -34,7 +34,7 @@ def test_secrets_in_any_override_form_are_not_written(write_recipe, tmp_path, ov
     loaded = load(write_recipe(MINIMAL), overrides=[override])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False), run_dir, "passed", [], [], 1.0
     )
     written = (
@@ -104,7 +104,7 @@ def test_a_full_disk_ends_in_one_line_not_a_traceback(write_recipe, tmp_path, mo
     assert outcome.exit_code == runner.EXIT_INVALID and "No space left" in outcome.message
     # after the ranks: the summary cannot be written, the verdict still comes out
     (tmp_path / "run2").mkdir()
-    runner._write_summary(
+    verdict.write_summary(
         prepare(loaded, megatron_checks=False, check_pickles=False),
         tmp_path / "run2",
         "passed",

@@ -2,7 +2,7 @@
 
 from megatron_ext.recipes import load
 from megatron_ext.recipes.prepare import prepare
-from megatron_ext.runs import runner
+from megatron_ext.runs import runner, verdict
 from megatron_ext.runs.runner import Progress, command_script, phases, prepare_resume
 
 from recipe_texts import REPO_ROOT
@@ -76,10 +76,10 @@ def test_the_verdict_says_passed_only_after_a_golden_comparison():
     """Issue 25 item 19: no "PASSED" when nothing was compared."""
     import types
 
-    assert runner.verdict([]) == "FINISHED (nothing compared with golden values)"
+    assert verdict.verdict([]) == "FINISHED (nothing compared with golden values)"
     passed, failed = types.SimpleNamespace(passed=True), types.SimpleNamespace(passed=False)
-    assert runner.verdict([passed]) == "PASSED"
-    assert runner.verdict([passed, failed]) == "FAILED"
+    assert verdict.verdict([passed]) == "PASSED"
+    assert verdict.verdict([passed, failed]) == "FAILED"
 
 
 def test_trace_is_suggested_only_once_the_training_loop_started(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from megatron_ext.recipes import load
+from megatron_ext.recipes import Recipe, load
 from megatron_ext.recipes.checks import plan_problems
 from megatron_ext.recipes.command import run_environment
 from megatron_ext.recipes.validate import argv_problems
@@ -15,7 +15,9 @@ from recipe_texts import write_case
 
 
 def _convert(path):
-    return upstream.convert(yaml.safe_load(path.read_text()), path.parent)
+    return upstream.convert(
+        yaml.safe_load(path.read_text()), path.parent, defaults=Recipe().to_dict()
+    )
 
 
 def test_keys_upstreams_ci_reads_are_not_called_unknown(tmp_path):

@@ -6,7 +6,9 @@ last one): ``extra_args={--pipeline-model-parallel-size: 1}`` would validate as 
 PP=1. :func:`conflicts` names the field to use instead, and the Megatron-LM test-case importer
 (:mod:`megatron_ext.upstream_cases`) uses the same table to place each ``MODEL_ARGS`` flag.
 
-Nothing here imports torch or megatron.
+It sits below both :mod:`megatron_ext.recipes` and :mod:`megatron_ext.upstream_cases`, which
+share it (with :data:`DEFAULT_PLATFORM`); it imports nothing of either. Nothing here imports
+torch or megatron.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from megatron_ext.recipes.schema import Problem
+from megatron_ext.errors import Problem
+
+DEFAULT_PLATFORM = "cpu"
+"""The platform whose sizes are the recipe's top-level sections (``platforms`` overlay them);
+an imported test case's cpu overlay is this platform."""
 
 FIELD_FLAGS: dict[str, str] = {
     "--num-layers": "model.num_layers",
