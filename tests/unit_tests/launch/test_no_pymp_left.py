@@ -45,4 +45,4 @@ def test_a_failing_rank_with_a_manager_leaves_no_pymp_directory(tmp_path):
         ).returncode
     assert code == 1, log.read_text()
     assert "this rank fails" in log.read_text()
-    assert sorted(p.name for p in temporary.iterdir()) == []
+    assert sorted(p.name for p in temporary.glob("pymp-*")) == []
