@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
+
 from megatron.core import rerun_state_machine as rerun
 
-from megatron_ext.launch import faults, local
-from megatron_ext.launch import training as launch
+from megatron_ext.launch import faults, local, training as launch
 
 LOSS_CHECK = "found NaN in local forward loss calculation"  # megatron_ext.training_steps
 
