@@ -147,6 +147,10 @@ def _one_split(
     for source, documents, tokens in counts:
         if tokens == 0:
             return _empty_split_problem(source, name, index, documents, shares, needed, split)
+    if needed == 0:  # built all the same (Megatron makes a loader for every split with a share)
+        problem = _no_sample_problem(blend, name, index, counts, shares, seq_length, split)
+        if problem:
+            return problem
     if len(blend) > 1 and blend[0].weight is None:  # one epoch of each prefix, no more
         available = sum(max(0, tokens - 1) // seq_length for _, _, tokens in counts)
         if available < needed:
@@ -161,6 +165,74 @@ def _one_split(
                 "then repeats epochs) or add documents",
             )
     return None
+
+
+def one_epoch_samples(tokens: int, seq_length: int) -> int:
+    """Samples of seq_length+1 tokens one epoch of ``tokens`` gives (documents concatenated;
+    consecutive samples share one token: GPTDataset's add_extra_token_to_sequence)."""
+    return max(0, tokens - 1) // seq_length
+
+
+def builds_no_sample(blend: list[Source], tokens: list[int], seq_length: int, shared: bool) -> bool:
+    """Whether Megatron builds a split the run asks 0 samples of (no evaluation) with none.
+
+    Such a split still gets a dataset and a data loader, whose sampler asserts ``no sample to
+    consume: 0`` at start-up. One GPTDataset (a lone unweighted path, or any lone path of a
+    per-split blend) and an unweighted blend build one epoch; a weighted blend is sized by the
+    request, 0 (``shared``: the blend is cut by data.split rather than read whole)."""
+    if (len(blend) == 1 and (blend[0].weight is None or not shared)) or blend[0].weight is None:
+        return sum(one_epoch_samples(t, seq_length) for t in tokens) == 0
+    return True
+
+
+def _zeroed_split(split: str, index: int) -> str:
+    written = re.findall(r"[.0-9]+", split) + ["0"] * len(SPLITS)
+    return ",".join("0" if i == index else written[i] for i in range(len(SPLITS)))
+
+
+def _no_sample_problem(
+    blend: list[Source],
+    name: str,
+    index: int,
+    counts: list[tuple[Source, int, int]],
+    shares: list[float] | None,
+    seq_length: int,
+    split: str | None,
+) -> tuple[str, str] | None:
+    tokens = [t for _, _, t in counts]
+    if not builds_no_sample(blend, tokens, seq_length, shared=shares is not None):
+        return None
+    drop = (
+        f"set its share to 0 (data.split: {_zeroed_split(split, index)})"
+        if split is not None
+        else f"leave out {blend[0].where.split('[')[0]}"
+    )
+    stops = (
+        "Megatron builds this split although the run evaluates nothing and stops at start-up "
+        "(no sample to consume: 0)"
+    )
+    what = f"the {name} split of {_blend_name(blend)}"
+    if blend[0].weight is not None and (len(blend) > 1 or shares is not None):
+        return (
+            _field(blend[0], split),
+            f"{what} is a weighted blend sized by the 0 samples the run asks of it; {stops}; "
+            f"{drop}, or evaluate (training.eval_interval)",
+        )
+    documents = sum(d for _, d, _ in counts)
+    longest = max(tokens) - 1  # the longest seq_length one of its paths still gives a sample
+    fix = f"set model.seq_length to at most {longest}, " if longest >= 1 else ""
+    return (
+        "model.seq_length",
+        f"{seq_length} is too long for {what}: its {documents} documents hold {sum(tokens)} "
+        f"tokens and one sample takes seq_length+1 = {seq_length + 1}; {stops}; {fix}give the "
+        f"split more documents, or {drop}",
+    )
+
+
+def _blend_name(blend: list[Source]) -> str:
+    if len(blend) == 1:
+        return f"{blend[0].where} ({blend[0].prefix})"
+    return blend[0].where.split("[")[0]
 
 
 def _field(source: Source, split: str | None) -> str:
@@ -190,9 +262,7 @@ def _empty_split_problem(
     if shares is None or split is None:
         return source.where, what + "; give it a prefix with documents"
     if needed == 0:
-        written = re.findall(r"[.0-9]+", split) + ["0"] * len(SPLITS)
-        zeroed = ",".join("0" if i == index else written[i] for i in range(len(SPLITS)))
-        fix = f"set its share to 0 (data.split: {zeroed})"
+        fix = f"set its share to 0 (data.split: {_zeroed_split(split, index)})"
         if total > 1:
             fix += f" or give it documents (e.g. data.split: {_share_text(shares, total)})"
     elif total > 1:

@@ -83,6 +83,8 @@ def test_a_dozen_documents_at_98_1_1_is_refused_in_one_line(dozen):
 
 def test_the_suggested_split_passes_and_evaluation_needs_are_counted(dozen):
     assert _data_problems(_recipe(dozen, split="10,1,1")) == []
+    # (without evaluation, the 5-token valid split then cannot make one 16+1-token sample:
+    # refused on model.seq_length, tests/unit_tests/data/test_seq_length_checks.py)
     with_eval = _recipe(dozen, split="10,1,1", training=", eval_interval: 2, eval_iters: 3")
     assert _data_problems(with_eval) == []  # 5-token documents repeat as epochs: never empty
     args = megatron_args(with_eval)
@@ -123,7 +125,8 @@ def test_per_split_paths_become_megatrons_per_split_flags(dozen):
         '  valid_paths: ["0.5 ../data/one_text_document", "0.5 ../data/dozen_text_document"]\n'
         '  test_paths: ["../data/one_text_document"]\n'
     )
-    loaded = _recipe(dozen, split="98,1,1", extra=extra)
+    # evaluating: a weighted valid blend asked 0 samples would be built empty (issue 40 item 13)
+    loaded = _recipe(dozen, split="98,1,1", training=", eval_interval: 2", extra=extra)
     assert _data_problems(loaded) == []  # each split reads its prefixes whole
     args = megatron_args(loaded)
     assert "--data-path" not in args and "--split" not in args
