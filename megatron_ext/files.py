@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from megatron_ext.errors import MegatronExtError
+
 
 def kind_of(mode: int) -> str:
     """What a file of this ``st_mode`` is, in words ("a FIFO", "a device", ...)."""
@@ -43,14 +45,15 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-class NotRegularFile(OSError):
-    """An input that is a FIFO, socket, device or directory where a file is read (one line)."""
+class NotRegularFile(MegatronExtError, OSError):
+    """An input that is a FIFO, socket, device or directory where a file is read (one line).
+    An OSError too, so every caller that reports a failed read reports this one."""
 
     kind = "not a regular file"
 
 
-class InputTooLarge(OSError):
-    """An input that holds more than the reader's bound (one line)."""
+class InputTooLarge(MegatronExtError, OSError):
+    """An input that holds more than the reader's bound (one line); an OSError too."""
 
 
 def not_regular(path: str | os.PathLike, mode: int) -> NotRegularFile:

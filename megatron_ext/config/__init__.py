@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron_ext import guards
-from megatron_ext.mhc import native
+from megatron_ext import guards, native_mhc as native
 from megatron_ext.mhc_flags import MHC_DEFAULTS
 
 # Our entry in TransformerConfig.recompute_modules: output-discarding selective recompute of
@@ -100,7 +99,7 @@ class MHCTransformerConfig(TransformerConfig):
 
     def _validate_base_without_native_mhc(self) -> None:
         """TransformerConfig's own validation. Where megatron-core declares the mHC fields
-        itself (its native mHC, :func:`megatron_ext.mhc.native.config_declares_mhc`), that
+        itself (its native mHC, :func:`megatron_ext.native_mhc.config_declares_mhc`), that
         validation would judge megatron-ext's mHC by upstream's limits (no PP > 1, no MTP, no
         full recompute): it runs with mHC hidden, and megatron-ext's guards (run next) judge
         every mHC setting, upstream's checks among them, with megatron-ext's messages."""

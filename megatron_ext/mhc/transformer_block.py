@@ -43,8 +43,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_ext import registry
-from megatron_ext.mhc import native
+from megatron_ext import native_mhc as native, registry
 from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
@@ -141,7 +140,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
 
     def _hide_mhc_from_upstream_forward(self) -> None:
         """Where megatron-core's own block expands and contracts the streams (its native mHC,
-        :func:`megatron_ext.mhc.native.block_expands_streams`), it must not do so a second
+        :func:`megatron_ext.native_mhc.block_expands_streams`), it must not do so a second
         time: its forward reads a config view with mHC off, and its recompute managers stay
         off. The layers keep the shared config (they are megatron-ext's mHC layers)."""
         if not native.block_expands_streams():

@@ -44,8 +44,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
+from megatron_ext import native_mhc as native
 from megatron_ext.errors import UnsupportedCombinationError
-from megatron_ext.mhc import native
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.single_pass import SinglePassState, single_pass_site

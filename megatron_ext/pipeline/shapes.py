@@ -46,7 +46,7 @@ def megatron_widths(config: Any) -> tuple[int, ...]:
     """The last dimensions megatron-core itself gives a pipeline buffer: ``hidden_size``, and,
     where its schedules size buffers for native mHC's n streams (Megatron-LM #4946), also
     ``n * hidden_size``. Either is replaced by the payload's wire width, never widened twice."""
-    from megatron_ext.mhc import native
+    from megatron_ext import native_mhc as native
 
     if getattr(config, "enable_mhc_connections", False) and native.schedules_size_streams():
         return (config.hidden_size, config.hidden_size * config.mhc_num_residual_streams)

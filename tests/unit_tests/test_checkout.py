@@ -127,7 +127,7 @@ def test_a_megatron_lm_with_its_own_mhc_is_refused_in_one_line():
     assert "-m megatron_ext.pretrain_gpt" in message and "core_v0.19" in message
     # megatron-core 0.19.2 has no mHC of its own: nothing to refuse. (0.20 has: the patched
     # core_v0.19 scripts refuse it, as they refuse main's class above.)
-    from megatron_ext.mhc import native
+    from megatron_ext import native_mhc as native
 
     if native.config_declares_mhc():
         with pytest.raises(SystemExit, match="--enable-mhc-connections"):

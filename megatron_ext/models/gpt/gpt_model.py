@@ -17,8 +17,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, TransformerLayer
 
-from megatron_ext import guards
-from megatron_ext.mhc import native
+from megatron_ext import guards, native_mhc as native
 from megatron_ext.mhc.transformer_block import (
     HyperConnectionTransformerBlock,
     check_layers_support_mhc,

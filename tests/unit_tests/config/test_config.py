@@ -10,8 +10,8 @@ import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext import native_mhc as native
 from megatron_ext.config import MHCTransformerConfig
-from megatron_ext.mhc import native
 
 BASE = dict(num_layers=2, hidden_size=8, num_attention_heads=2)
 MHC_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mhc"])

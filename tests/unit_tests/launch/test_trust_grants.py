@@ -226,7 +226,7 @@ def test_a_case_env_vars_secret_is_neither_printed_nor_written(tmp_path, capsys)
     # run directly, the ranks still get it from the case; no file holds it
     loaded = load(case / "model_config.yaml", "cpu")
     request = prepare(loaded, megatron_checks=False, check_pickles=False)
-    assert request.environment["HF_TOKEN"] == TOKEN
+    assert request.launch.environment["HF_TOKEN"] == TOKEN
     run_dir = tmp_path / "R"
     runner.write_run_files(request, run_dir)
     for written in run_dir.rglob("*"):
@@ -249,7 +249,7 @@ def test_a_field_or_knob_with_a_secret_looking_word_is_shown_as_given(write_reci
     assert shell.redact_override(override) == override
     loaded = load(write_recipe(MINIMAL), overrides=[override])
     request = prepare(loaded, megatron_checks=False, check_pickles=False)
-    assert request.shown_overrides == (override,)
+    assert request.display.shown_overrides == (override,)
     assert f"# overrides: {override}" in dump(loaded)
 
 

@@ -72,7 +72,7 @@ def test_a_megatron_that_sizes_n_streams_itself_is_not_widened_twice(
     """Issue 39: megatron-core with native mHC under PP (Megatron-LM #4946) already gives its
     buffers n * hidden_size; that width, like hidden_size, becomes the payload's wire width
     (single-pass mHC: the streams and the fp32 coefficients), never n * (n * hidden_size)."""
-    from megatron_ext.mhc import native
+    from megatron_ext import native_mhc as native
 
     monkeypatch.setattr(native, "schedules_size_streams", lambda: schedules_size_streams)
     single_pass = types.SimpleNamespace(**vars(_config()), mhc_single_pass=True)
@@ -87,7 +87,7 @@ def test_a_megatron_that_sizes_n_streams_itself_is_not_widened_twice(
 def test_the_installed_schedules_are_recognised_for_what_they_size():
     """native.schedules_size_streams() reads the installed code: True exactly where
     megatron's own get_tensor_shapes gives a middle stage n * hidden_size with mHC."""
-    from megatron_ext.mhc import native
+    from megatron_ext import native_mhc as native
 
     config = _config()
     shapes = get_tensor_shapes(

@@ -1,4 +1,4 @@
-"""megatron_ext.mhc.native: what the installed megatron-core's own mHC does, read from the code.
+"""megatron_ext.native_mhc: what the installed megatron-core's own mHC does, read from the code.
 
 0.19.2 has none of it. A 0.20 build owns the config fields, the layer's hyper-connection
 submodules and the block's expansion; whether its schedules size n streams is cross-checked
@@ -11,8 +11,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_ext import registry
-from megatron_ext.mhc import native
+from megatron_ext import native_mhc as native, registry
 from megatron_ext.mhc.transformer_layer import layer_fields_without_hyper_connections
 from megatron_ext.runtime.config_fields import CPU_SAFE_FIELDS
 
