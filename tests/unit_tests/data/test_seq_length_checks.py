@@ -102,13 +102,18 @@ def test_a_seq_length_no_valid_sample_fits_is_refused_in_one_line(corpus, tmp_pa
         f"seq_length+1 = {TOKENS + 1}",
         "no sample to consume",
         f"set model.seq_length to at most {TOKENS - 1}",
-        "data.split: 10,0,1",
     ):
         assert words in valid, (words, valid)
     assert "\n" not in valid
     data = str(corpus / "data" / "twelve")
     lengths = _megatron_lengths(([data], None), "10,1,1", [16, 0, 0], TOKENS, tmp_path)
     assert lengths[1:] == [0, 0]  # what megatron's sampler then refuses at start-up
+
+
+def test_the_split_fix_zeroes_that_split_only():
+    source = splits.Source("data.paths[0]", "p", None, np.full(DOCUMENTS, TOKENS))
+    found = splits.split_problems([source], "10,1,1", (16, 0, 0), TOKENS)
+    assert [what.rsplit("data.split: ", 1)[1] for _, what in found] == ["10,0,1)", "10,1,0)"]
 
 
 def test_a_just_short_enough_seq_length_passes(corpus, tmp_path):
