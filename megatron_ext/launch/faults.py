@@ -181,6 +181,7 @@ def where(exc: BaseException) -> str:
 
 
 MAX_ERROR_CHARS = 500
+LOG_TAIL_BYTES = 1 << 20  # how far back from a rank log's end megatron's last words are looked for
 
 
 # What torch's writers say when the disk under them fills up: the zip writer of torch.save
@@ -251,6 +252,32 @@ def disk_failure(exc: BaseException) -> str | None:
     return files.cannot_write(save, OSError(code, os.strerror(code)))
 
 
+# megatron's result validation (megatron.core.rerun_state_machine) names the rejected value and
+# its check, whichever way it ends the run: "Unexpected result nan (message='found NaN in local
+# forward loss calculation')" in the RuntimeError of --rerun-mode disabled, "Unexpected result
+# nan on rank 1 at iteration #5 invocation #1 (message='...')" logged before exit code 16/17.
+_REJECTED_RESULT = re.compile(r"Unexpected result (\S+)(.*?)\(message='([^']*)'\)")
+NON_FINITE_FIX = (
+    "the loss or gradients overflowed: lower training.lr (or raise training.lr_warmup_iters, "
+    "set training.clip_grad) and restart from a checkpoint saved before it"
+)
+
+
+def non_finite_result(text: str) -> str | None:
+    """``NaN loss/grad (found NaN in ...) - fix`` when ``text`` carries megatron's rejection of a
+    NaN or Inf (its validation of the loss and of each gradient bucket's norm); else None."""
+    match = _REJECTED_RESULT.search(text)
+    if match is None:
+        return None
+    value, check = match.group(1).lower(), match.group(3)
+    what = "NaN" if "nan" in value else "Inf" if "inf" in value else None
+    if what is None:
+        return None
+    iteration = re.search(r"iteration #?(\d+)", match.group(0))
+    at = f" at iteration {iteration.group(1)}" if iteration else ""
+    return f"{what} in training{at} ({check}): {NON_FINITE_FIX}"
+
+
 def describe_error(exc: BaseException) -> str:
     """``Type: message`` in one line. A write the disk refused is ``cannot write PATH: No
     space left on device`` (:func:`disk_failure`). A distributed-checkpoint failure (torch's
@@ -268,6 +295,8 @@ def describe_error(exc: BaseException) -> str:
             return f"{type(exc).__name__} (checkpoint rank {rank}): {describe_error(inner)}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = " ".join(" ".join(lines).split())
+    if (non_finite := non_finite_result(text)) is not None:
+        return f"{type(exc).__name__}: {non_finite}"
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS - 3] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -346,6 +375,23 @@ def first_failure(logs: Iterable[Path]) -> RankFailure | None:
     """The earliest reported failure among the rank logs (the others fail because of it)."""
     found = [f for f in (failure_in_log(p) for p in logs) if f is not None]
     return min(found, key=lambda f: f.time) if found else None
+
+
+def non_finite_in_log(path: Path) -> str | None:
+    """The last NaN/Inf rejection megatron logged near the end of a rank's log
+    (:func:`non_finite_result`): a rank that megatron itself stops on one (exit 16/17,
+    ``--rerun-mode validate_results``) writes no failure marker."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - LOG_TAIL_BYTES))
+            text = log.read(LOG_TAIL_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(text.splitlines()):
+        if (found := non_finite_result(line)) is not None:
+            return found
+    return None
 
 
 def describe_exit(code: int | None) -> str:

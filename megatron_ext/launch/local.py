@@ -479,8 +479,15 @@ def failure_summary(job: LocalJob, result: LaunchResult) -> str | None:
     if reported is not None:
         return str(reported)
     if result.failed_rank is not None:
-        ending = error_ending(job.log_path(result.failed_rank))
-        why = f"its log ends: {ending}" if ending else "no error reported in its log"
+        log = job.log_path(result.failed_rank)
+        # megatron's own stop on a NaN/Inf (exit 16/17) logs the rejection, then exits cleanly
+        non_finite = faults.non_finite_in_log(log)
+        ending = error_ending(log)
+        why = (
+            non_finite
+            or (f"its log ends: {ending}" if ending else None)
+            or "no error reported in its log"
+        )
         return f"rank {result.failed_rank} {faults.describe_exit(code)} ({why})"
     return None
 

@@ -33,6 +33,20 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 # crashes get_train_valid_test_num_samples (train_iters // None) instead of skipping eval.
 DEFAULT_EVAL_INTERVAL = 1000
 
+# A NaN or Inf loss/grad ends the run at once with megatron's own RuntimeError ("Unexpected
+# result nan (message='found NaN in local forward loss calculation')"), which the rank's
+# failure marker then names. Megatron's default, ``validate_results``, instead reruns the step,
+# *saves a checkpoint of the NaN state* and exits with 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE) so
+# that the step can be replayed on another GPU; a NaN loss is almost always the recipe's fault
+# (too high a learning rate), and a checkpoint of it would be what ``--resume`` picks up next.
+# An explicit ``--rerun-mode`` still wins (issue 40 item 13).
+RERUN_MODE_DEFAULT = "disabled"
+
+
+def run_defaults() -> dict[str, Any]:
+    """Parser defaults every megatron-ext entry applies, whatever the machine."""
+    return {"eval_interval": DEFAULT_EVAL_INTERVAL, "rerun_mode": RERUN_MODE_DEFAULT}
+
 
 # ---- what this machine has -------------------------------------------------------------------
 def gpu_available() -> bool:
@@ -214,7 +228,7 @@ def parse_megatron_args(
 
     from megatron.training.arguments import parse_and_validate_args
 
-    defaults = {"eval_interval": DEFAULT_EVAL_INTERVAL, **(parser_defaults or {})}
+    defaults = {**run_defaults(), **(parser_defaults or {})}
     provider = _with_parser_defaults(extra_args_providers, defaults)
     problem = size_flag_problem(sys.argv[1:])
     if problem:

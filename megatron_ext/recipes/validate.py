@@ -622,7 +622,7 @@ def argv_problems(
                 return [Problem(stage, size_problem)]
             with _as_rank_zero_of(recipe.world_size, argv), _device_architecture_without_gpu():
                 extra = launch._with_parser_defaults(
-                    [provider], {"eval_interval": launch.DEFAULT_EVAL_INTERVAL, **parser_defaults}
+                    [provider], {**launch.run_defaults(), **parser_defaults}
                 )
                 try:
                     args = megatron_arguments.parse_args(extra)
