@@ -10,7 +10,7 @@ stable API is ``__all__`` here and in the subpackages docs/registry.md ("Stable 
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from megatron_ext import registry
 from megatron_ext.errors import MegatronExtError, Problem

@@ -52,8 +52,13 @@ def test_unreleased_comes_first_and_releases_go_back_in_time():
 
 
 def test_the_check_fails_on_a_version_the_changelog_has_not_released():
-    text = "# Changelog\n\n## Unreleased\n\n## 0.3.0 - 2027-01-05\n\n## 0.2.0 - 2026-12-02\n"
-    assert newest_release(text) == "0.3.0" != megatron_ext.__version__
+    major, minor, _ = (int(part) for part in megatron_ext.__version__.split("."))
+    ahead = f"{major}.{minor + 1}.0"  # a version this checkout has not released
+    text = (
+        f"# Changelog\n\n## Unreleased\n\n## {ahead} - 2099-01-05\n\n"
+        f"## {megatron_ext.__version__} - 2026-12-02\n"
+    )
+    assert newest_release(text) == ahead != megatron_ext.__version__
     undated = "## Unreleased\n\n## 0.2.0\n"
     try:
         releases(undated)
