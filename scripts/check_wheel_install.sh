@@ -56,7 +56,7 @@ grep -E "^megatron-core " "$work/doctor.txt"
 grep -qE "^megatron-core +0\.19\.2" "$work/doctor.txt" || fail "doctor does not report megatron-core 0.19.2"
 
 step "the shipped recipes and golden values from the wheel"
-(cd "$work" && env -u PYTHONPATH "$work/env/bin/megatron-ext" recipes --copy gpt_tp2_pp2 "$work/copied" > "$work/recipes.txt" 2>&1) \
+(cd "$work" && env -u PYTHONPATH "$work/env/bin/megatron-ext" recipes --copy gpt_tp2_pp2 "$work/copied" --with-golden > "$work/recipes.txt" 2>&1) \
   || { cat "$work/recipes.txt"; fail "megatron-ext recipes --copy failed"; }
 grep -q "_recipes" <(cd "$work" && env -u PYTHONPATH "$work/env/bin/megatron-ext" recipes) \
   || fail "the recipes listed are not the wheel's package data"
