@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_ext.errors import DataError
+
 SPLITS = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005
 """megatron-core's ``mid_level_dataset_surplus`` default: each prefix of a weighted blend is
@@ -51,7 +53,7 @@ def split_shares(text: str) -> list[float]:
     """``"98,1,1"`` -> ``[0.98, 0.01, 0.01]`` as Megatron reads it (missing shares are 0)."""
     numbers = [float(x) for x in re.findall(r"[.0-9]+", text)]
     if len(numbers) > len(SPLITS) or not numbers or sum(numbers) <= 0:
-        raise ValueError(f"{text!r} is not a train,valid,test split such as 98,1,1")
+        raise DataError(f"{text!r} is not a train,valid,test split such as 98,1,1")
     numbers += [0.0] * (len(SPLITS) - len(numbers))
     total = sum(numbers)
     return [x / total for x in numbers]
