@@ -11,6 +11,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_ext.errors import ConfigError, SpecError
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
