@@ -25,6 +25,7 @@ from megatron_ext.schedules.text import (
     derive_exchanges,
     format_text,
     schedule_from_text,
+    schedule_of,
 )
 
 RECIPES = Path(__file__).parents[3] / "recipes"
@@ -257,6 +258,16 @@ def test_torch_spelling_reads_as_the_same_schedule():
     assert format_text(expected, spelling="torch") == torch_actions
     one_f_one_b = "0F0 0F1 0B0 0F2 0B1 0B2\n1F0 1B0 1F1 1B1 1F2 1B2\n"  # torch's B: whole
     assert schedule_from_text(one_f_one_b) == build_schedule(SchedulePlan(pp=2, microbatches=3))
+
+
+def test_zb_h1_runs_a_torch_spelled_order_file(tmp_path):
+    """The runtime's reader (schedule_of: parallelism.schedule_file, pipeline_schedule_file)
+    takes torch's spelling and gives the schedule, P2P calls included, that ours gives."""
+    plan = SchedulePlan(pp=4, microbatches=6, schedule="zb-h1")
+    built = build_schedule(plan)
+    path = tmp_path / "order.csv"
+    path.write_text(format_text(built, spelling="torch").replace(" ", ","))
+    assert schedule_of(dataclasses.replace(plan, order_file=str(path))) == built
 
 
 def test_a_torch_split_text_for_a_1f1b_plan_says_to_write_whole_backwards():
