@@ -141,20 +141,20 @@ def format_text(
     if spelling not in SPELLINGS:
         raise ScheduleTextError(f"spelling {spelling!r}: use one of {', '.join(SPELLINGS)}")
     lines = [f"# {comment}"] if comment else []
+    # torch writes ZB-H1's input-gradient backward I; any other backward is its whole B
+    torch = TORCH_SPLIT if schedule.plan.schedule == ZB_H1 else TORCH_WHOLE
     for rank in range(len(schedule.ranks)):
         computes = schedule.computes(rank)
         if spelling == "torch":
-            lines.append(" ".join(_torch_token(schedule, rank, s) for s in computes))
+            lines.append(" ".join(_torch_token(schedule, rank, s, torch) for s in computes))
         else:
             lines.append(" ".join(s.label(schedule.chunks) for s in computes))
     return "\n".join(lines) + "\n"
 
 
-def _torch_token(schedule: Schedule, rank: int, step: Compute) -> str:
+def _torch_token(schedule: Schedule, rank: int, step: Compute, torch: Spelling) -> str:
     """torch's ``_Action`` text of one compute step: stage, letter, micro-batch (``1I0``)."""
-    split = any(s.kind == "W" for r in range(len(schedule.ranks)) for s in schedule.computes(r))
-    letter = (TORCH_SPLIT if split else TORCH_WHOLE).letters[step.kind]
-    return f"{_stage_of(schedule, rank, step.chunk)}{letter}{step.microbatch}"
+    return f"{_stage_of(schedule, rank, step.chunk)}{torch.letters[step.kind]}{step.microbatch}"
 
 
 # ---------------------------------------------------------------------------------------------
