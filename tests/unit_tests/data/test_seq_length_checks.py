@@ -248,6 +248,8 @@ def _fixed(line: str, paths, split, training, extra, seq) -> list[tuple]:
         fixed.append((int(m.group(1)), paths, split or "98,1,1", training, extra))
     if m := re.search(r"data\.split: ([0-9.,]+)\)", line):
         fixed.append((seq, paths, m.group(1), training, extra))
+    if "give every path a weight" in line:
+        fixed.append((seq, [f"1 {p}" for p in paths], split or "98,1,1", training, extra))
     if "evaluate (training.eval_interval)" in line:
         fixed.append((seq, paths, split or "98,1,1", EVAL, extra))
     if m := re.search(r"leave out data\.(valid|test)_paths( and set data\.split: 1,0,0)?", line):
