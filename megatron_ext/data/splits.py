@@ -339,7 +339,8 @@ def _empty_split_problem(
     against (False: suggest none)."""
     total = len(source.lengths)
     what = (
-        f"the {fill.name} split of {source.where} ({source.prefix}) gets {documents} of {total} "
+        f"the {fill.name} split of {source.where} ({os.path.basename(source.prefix)}) gets "
+        f"{documents} of {total} "
         f"documents, 0 tokens"
     )
     if split is not None:

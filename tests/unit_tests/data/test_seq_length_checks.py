@@ -301,6 +301,35 @@ def test_a_suggested_split_must_fill_every_split(corpus):
     assert _ours(_recipe(corpus, 8, ["dozen"], "8,2,2")) == []
 
 
+def test_a_long_data_path_leaves_the_line_whole(tmp_path):
+    """The line names the path by its data.paths entry and file name: a deep directory does not
+    push the fix past the length a problem line is cut at."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_ext.errors import MAX_PROBLEM_CHARS
+
+    deep = tmp_path.joinpath(*["a_rather_long_directory_name"] * 12)
+    deep.mkdir(parents=True)
+    builder = IndexedDatasetBuilder(str(deep / "corpus.bin"), dtype=np.uint16)
+    for i in range(12):
+        builder.add_document(np.arange(7, dtype=np.int64) + i, [7])
+    builder.finalize(str(deep / "corpus.idx"))
+    recipe = tmp_path / "r.yaml"
+    for seq in (7, 8):  # the valid split: one 7-token document, then none (98,1,1)
+        recipe.write_text(
+            RECIPE.format(
+                seq=seq,
+                paths=f'["{deep}/corpus"]',
+                split="10,1,1" if seq == 7 else "98,1,1",
+                training="",
+                extra="",
+            )
+        )
+        lines = [str(p) for p in plan_problems(load(recipe)) if "split" in str(p)]
+        assert lines and all(len(line) < MAX_PROBLEM_CHARS for line in lines), lines
+        assert all(line.endswith(")") for line in lines), lines  # the fix, not "... (N chars)"
+
+
 def test_flags_that_change_the_sample_counts_leave_the_verdict_to_megatron(corpus):
     extra = "extra_args: {'--full-validation': true}\n"
     loaded = _recipe(corpus, 50, ["hundred"])
