@@ -52,7 +52,7 @@ TRAINED_ELSEWHERE = {
     "gpt_mhc_pp2_standalone_embedding_loss",
     "gpt_mhc_tp2_pp2_sp",
 }
-# Recipes trained only in the soak tier (`make test-soak`), to keep `make test` within its 20
+# Recipes trained only in the soak tier (`make test-soak`), to keep `make test` within its 30
 # minutes. Each one's layout is proven against a single-rank reference (loss and every gradient)
 # by the unit tests (PP4 x VPP2: pipeline/test_pp_mhc_compatibility_4ranks.py; Hybrid
 # TP2 x PP2 + SP with MTP and the VPP2 empty chunk with MTP: pipeline/
