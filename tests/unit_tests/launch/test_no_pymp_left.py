@@ -19,9 +19,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from recipe_texts import REPO_ROOT
 
 from megatron_ext.launch import local, mp_temp_dir
+
+from recipe_texts import REPO_ROOT
 
 
 @pytest.fixture
