@@ -8,7 +8,12 @@ returns every problem at once and its caller raises them together.
 :class:`MegatronExtError` is the root of every exception megatron-ext raises on purpose, so a
 caller can catch the plugin's errors without catching megatron-core's or Python's. Each
 subclass also keeps the built-in base it had (``ValueError`` for bad input, ``RuntimeError``
-for a failed run, ...), so existing ``except`` clauses still match.
+for a failed run, ...), so existing ``except`` clauses still match (megatron-core's own
+``except ValueError`` around a config included). The kinds of bad input that several packages
+raise live here (:class:`ConfigError`, :class:`SpecError`, :class:`DataError`,
+:class:`EnvVariableError`); a kind that belongs to one package lives beside its code
+(``RecipeError``, ``ScheduleTextError``, ``ConversionError`` ...). A bare ``ValueError`` is left
+only where no user can meet it (tests/unit_tests/test_errors.py keeps the list).
 
 Nothing here imports anything of the product, torch or megatron.
 """
@@ -26,6 +31,28 @@ class MegatronExtError(Exception):
 class UnsupportedCombinationError(MegatronExtError, NotImplementedError):
     """A combination of settings that megatron-ext rejects (a NotImplementedError); the guards
     (:mod:`megatron_ext.guards`) and the layers that refuse a combination raise it."""
+
+
+class ConfigError(MegatronExtError, ValueError):
+    """A model or layer configuration megatron-ext cannot use: a config field out of its range
+    or a combination of fields it refuses (the mHC guards, the fused kernels' limits); the
+    message names the field and the value to set."""
+
+
+class SpecError(ConfigError):
+    """A module spec that cannot build what its config asks for (a layer without mHC streams in
+    an mHC model, a missing hyper-connection submodule, a norm of the wrong kind); the message
+    names the spec field and the spec builder that fits."""
+
+
+class DataError(MegatronExtError, ValueError):
+    """Training data described in a way megatron-ext cannot read (a split string, a synthetic
+    data pattern); the message names the field and a value that works."""
+
+
+class EnvVariableError(MegatronExtError, ValueError):
+    """An environment variable megatron-ext reads (``MEGATRON_EXT_*``, a recipe's secret on
+    resume) that is unset or holds a value it cannot use; the message names the variable."""
 
 
 MAX_PROBLEM_CHARS = 400
@@ -48,7 +75,15 @@ class Problem:
         )
 
 
-__all__ = ["MegatronExtError", "Problem", "UnsupportedCombinationError"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "EnvVariableError",
+    "MegatronExtError",
+    "Problem",
+    "SpecError",
+    "UnsupportedCombinationError",
+]
 
 
 def suggestion(key: str, known: list[str]) -> str:

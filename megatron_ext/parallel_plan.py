@@ -15,9 +15,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_ext.errors import Problem
+from megatron_ext.errors import MegatronExtError, Problem
 
 SIZES = ("tp", "pp", "cp", "ep", "dp")
+
+
+class ParallelPlanError(MegatronExtError, ValueError):
+    """Parallel sizes that do not fit together (a world size, a batch or a sequence that does
+    not split over the grid); the message names the sizes and the fix."""
 
 
 @dataclass(frozen=True)
@@ -208,10 +213,10 @@ class ParallelPlan:
         )
 
     def check(self) -> ParallelPlan:
-        """Raise ``ValueError`` listing every problem; returns the plan."""
+        """Raise :class:`ParallelPlanError` listing every problem; returns the plan."""
         problems = self.problems()
         if problems:
-            raise ValueError("; ".join(map(str, problems)))
+            raise ParallelPlanError("; ".join(map(str, problems)))
         return self
 
 
@@ -226,7 +231,7 @@ def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 def cp_token_positions(local_seq_length: int, cp_size: int, cp_rank: int) -> list[int]:
     """Global sequence index of each of CP rank ``cp_rank``'s ``local_seq_length`` tokens."""
     if local_seq_length % 2:
-        raise ValueError(
+        raise ParallelPlanError(
             f"a CP rank holds two equal chunks, but its local sequence has {local_seq_length} "
             f"tokens; the sequence length must be divisible by 2 * context_parallel_size"
         )

@@ -33,6 +33,7 @@ writes the ``mhc/...`` scalars and prints the gains.
 from __future__ import annotations
 
 from megatron_ext.launch import startup
+from megatron_ext.recipes.schema import RecipeFieldError
 
 startup.begin_entry_imports()  # until the imports below are done: see launch/startup.py
 
@@ -58,7 +59,7 @@ HONOURED_FLAGS = recipe_plan.HONOURED_FLAGS
 
 
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
-    """The typed recipe through the one recipe loader (schema, overrides); ValueError lists
+    """The typed recipe through the one recipe loader (schema, overrides); RecipeFieldError lists
     every problem. A pipeline schedule other than megatron's 1F1B is refused here too: started
     without ``megatron-ext run`` (which validates), this entry would otherwise ignore it."""
     from megatron_ext.recipes.checks import schedule_problems
@@ -66,10 +67,10 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     try:
         recipe = load(path, overrides=list(overrides)).recipe
     except RecipeError as error:
-        raise ValueError("; ".join(str(p) for p in error.problems)) from None
+        raise RecipeFieldError("; ".join(str(p) for p in error.problems)) from None
     problems = schedule_problems(recipe)
     if problems:
-        raise ValueError("; ".join(str(p) for p in problems))
+        raise RecipeFieldError("; ".join(str(p) for p in problems))
     return recipe
 
 
@@ -115,7 +116,7 @@ def _image_lengths(recipe: Recipe) -> tuple[int, ...]:
         if m.kind == "vision_encoder"
     }
     if len(lengths) > 1:
-        raise ValueError(
+        raise RecipeFieldError(
             f"every vision_encoder must use the same image_lengths, got {sorted(lengths)}"
         )
     return lengths.pop() if lengths else (8,)
@@ -206,7 +207,7 @@ def train(
 
     t = recipe.training
     if t.lr_schedule != "constant":
-        raise ValueError(
+        raise RecipeFieldError(
             f"training.lr_schedule={t.lr_schedule!r}: this entry trains with a constant lr"
         )
     num_microbatches = recipe_plan.num_microbatches(recipe, plan)

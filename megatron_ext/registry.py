@@ -38,6 +38,12 @@ class UnverifiedMegatronCoreError(MegatronExtError, RuntimeError):
     """The installed megatron-core is not one megatron-ext's patches were verified on."""
 
 
+class DeclarationError(MegatronExtError, ValueError):
+    """A patch or seam declared wrongly (twice, or a target that is not ``module:name``), or a
+    patch asked for that is not applied: a mistake in megatron-ext's or a plugin's own
+    declarations, found when they are imported."""
+
+
 @dataclass(frozen=True)
 class Patch:
     """One replaced attribute.
@@ -80,11 +86,11 @@ _applied: dict[str, tuple[Any, Any]] = {}
 def register(patch: Patch) -> Patch:
     """Add a patch to the registry; a target may be registered only once."""
     if any(p.target == patch.target for p in _PATCHES):
-        raise ValueError(f"patch target {patch.target!r} is registered twice")
+        raise DeclarationError(f"patch target {patch.target!r} is registered twice")
     if ":" not in patch.target:
-        raise ValueError(f"patch target {patch.target!r} must look like 'module:attribute'")
+        raise DeclarationError(f"patch target {patch.target!r} must look like 'module:attribute'")
     if ":" not in patch.replacement:
-        raise ValueError(
+        raise DeclarationError(
             f"patch {patch.target!r}: replacement {patch.replacement!r} must look like "
             "'module:function'"
         )
@@ -250,7 +256,7 @@ def suspended(target: str) -> Iterator[None]:
     """Run with one applied patch's original in place (tests that show why a patch exists);
     install() leaves it alone meanwhile, and the patch is back afterwards."""
     if target not in _applied:
-        raise ValueError(f"{target!r} is not applied")
+        raise DeclarationError(f"{target!r} is not applied")
     original, replacement = _applied[target]
     owner, name = _owner_and_name(target)
     setattr(owner, name, original)
@@ -336,11 +342,13 @@ _seams_verified = False
 def declare(seam: Seam) -> Seam:
     """Add a seam; a target may be declared only once."""
     if seam.kind not in SEAM_KINDS:
-        raise ValueError(f"seam {seam.target!r}: kind {seam.kind!r} is not one of {SEAM_KINDS}")
+        raise DeclarationError(
+            f"seam {seam.target!r}: kind {seam.kind!r} is not one of {SEAM_KINDS}"
+        )
     if seam.target in _SEAMS:
-        raise ValueError(f"seam target {seam.target!r} is declared twice")
+        raise DeclarationError(f"seam target {seam.target!r} is declared twice")
     if ":" not in seam.target:
-        raise ValueError(f"seam target {seam.target!r} must look like 'module:qualname'")
+        raise DeclarationError(f"seam target {seam.target!r} must look like 'module:qualname'")
     _SEAMS[seam.target] = seam
     return seam
 

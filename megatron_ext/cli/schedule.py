@@ -99,13 +99,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=FORMATS,
         default="report",
         help="report: grid, bubble, in-flight, bytes (default); text: the schedule's text "
-        "form, one line per rank, one action per token (F0 B0 W0; --from-text reads it)",
+        "form, one line per rank, one action per token (F0 B0 W0; --from-text reads it); "
+        "torch-text: the same in torch.distributed.pipelining's spelling (0F0 0I0 0W0: the "
+        "stage first, I the input gradient, B only a whole backward)",
     )
     parser.add_argument(
         "--from-text",
         metavar="FILE",
-        help="read the order from a schedule text (--format text's) and report on it; the "
-        "plan is the text's own, or --recipe's / the flags' when given (checked against it)",
+        help="read the order from a schedule text (--format text's, or torch's spelling: "
+        "F, I, W, B with or without the stage, 1I0) and report on it; the plan is the "
+        "text's own, or --recipe's / the flags' when given (checked against it)",
     )
     parser.set_defaults(targets=[])
 
@@ -115,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # readable anyway. 64 stages x 4 chunks x 64 micro-batches fits.
 MAX_COMPUTE_STEPS = 20_000
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
-FORMATS = ("report", "text")
+FORMATS = ("report", "text", "torch-text")
 
 
 def _size_problem(plan, costs) -> str | None:
@@ -251,8 +254,10 @@ def main(args: argparse.Namespace) -> int:
             plan = order.plan
         elif plan.order_file:  # the recipe's parallelism.schedule_file
             order = schedule_of(plan)
-        if args.format == "text":
-            print(format_text(order or rep.build_schedule(plan), _text_comment(plan)), end="")
+        if args.format in ("text", "torch-text"):
+            spelling = "torch" if args.format == "torch-text" else "megatron-ext"
+            shown = order or rep.build_schedule(plan)
+            print(format_text(shown, _text_comment(plan), spelling), end="")
             return 0
         lines, schedule = rep.report(plan, size, steps=args.steps, costs=costs, schedule=order)
         if order is not None:

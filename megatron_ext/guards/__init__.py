@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.errors import MegatronExtError, UnsupportedCombinationError
+from megatron_ext.errors import ConfigError, MegatronExtError, UnsupportedCombinationError
 from megatron_ext.schedules.schedule import SCHEDULES
 
 __all__ = [
@@ -60,7 +60,7 @@ def check_mhc_recompute(config: Any) -> None:
     if layer_num is not None and (
         isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1
     ):
-        raise ValueError(
+        raise ConfigError(
             f"mhc_recompute_layer_num must be a positive integer or None, got {layer_num!r}"
         )
     if not config.mhc_recompute_enabled:
@@ -74,12 +74,12 @@ def check_mhc_recompute(config: Any) -> None:
             )
         return
     if not config.enable_mhc_connections:
-        raise ValueError(
+        raise ConfigError(
             "'mhc' in recompute_modules requires enable_mhc_connections=True; "
             "set enable_mhc_connections=True or remove 'mhc' from recompute_modules"
         )
     if "mlp" in config.recompute_modules:
-        raise ValueError(
+        raise ConfigError(
             "'mhc' and 'mlp' in recompute_modules cannot be used together: they checkpoint "
             "the same MLP path with different mechanisms; remove one of them from "
             f"recompute_modules (got {config.recompute_modules})"
@@ -98,7 +98,7 @@ def check_fused_mhc(config: Any) -> None:
     if not getattr(config, "use_fused_mhc", False):
         return
     if not config.enable_mhc_connections:
-        raise ValueError(
+        raise ConfigError(
             "use_fused_mhc=True requires enable_mhc_connections=True; set "
             "enable_mhc_connections=True or use_fused_mhc=False"
         )
@@ -111,14 +111,14 @@ def check_mhc_values(config: Any) -> None:
     """The mHC fields' own ranges."""
     streams = config.mhc_num_residual_streams
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise ValueError(f"mhc_num_residual_streams must be an integer >= 1, got {streams!r}")
+        raise ConfigError(f"mhc_num_residual_streams must be an integer >= 1, got {streams!r}")
     if config.mhc_sinkhorn_iterations < 1:
-        raise ValueError(
+        raise ConfigError(
             "mhc_sinkhorn_iterations must be >= 1 (the Sinkhorn-Knopp backward relies on "
             f"at least one row normalisation), got {config.mhc_sinkhorn_iterations}"
         )
     if config.mhc_init_gating_factor < 0:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_init_gating_factor must be non-negative, got {config.mhc_init_gating_factor}"
         )
 
@@ -130,14 +130,14 @@ def check_mhc_h_res_method(config: Any) -> None:
 
     method = getattr(config, "mhc_h_res_method", "sinkhorn")
     if method not in H_RES_METHODS:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_h_res_method must be one of {', '.join(H_RES_METHODS)}, got {method!r}"
         )
     if method != "birkhoff":
         return
     check_birkhoff_streams(config.mhc_num_residual_streams)
     if getattr(config, "use_fused_mhc", False):
-        raise ValueError(
+        raise ConfigError(
             "mhc_h_res_method='birkhoff' has no fused kernel yet (the Triton kernels implement "
             "Sinkhorn only); set use_fused_mhc=False or mhc_h_res_method='sinkhorn'"
         )
@@ -150,17 +150,17 @@ def check_mhc_variant(config: Any) -> None:
 
     variant = getattr(config, "mhc_variant", "megatron")
     if variant not in VARIANTS:
-        raise ValueError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+        raise ConfigError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     if variant == "megatron":
         return
     if getattr(config, "use_fused_mhc", False):
-        raise ValueError(
+        raise ConfigError(
             f"mhc_variant={variant!r} has no fused kernel (the Triton kernels compute megatron's "
             "RMS factor, exp/clamp Sinkhorn and H_pre without eps); set use_fused_mhc=False or "
             "mhc_variant='megatron'"
         )
     if variant == "glm5" and getattr(config, "mhc_learned_output_contract", False):
-        raise ValueError(
+        raise ConfigError(
             "mhc_variant='glm5' contracts the streams by their mean (GLM-5-Next has no hc_head); "
             "set mhc_learned_output_contract=False, or mhc_variant='deepseek-v4' for the "
             "learned head"
@@ -289,7 +289,7 @@ def check_mhc_single_pass(config: Any) -> None:
     if not getattr(config, "mhc_single_pass", False):
         return
     if not getattr(config, "enable_mhc_connections", False):
-        raise ValueError(
+        raise ConfigError(
             "mhc_single_pass=True needs enable_mhc_connections=True (--enable-mhc-connections)"
         )
     refusals = (

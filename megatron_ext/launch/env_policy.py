@@ -42,7 +42,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from megatron_ext.errors import Problem
+from megatron_ext.errors import EnvVariableError, Problem
 
 ALLOW_FLAG = "--allow-env"
 REMOTE_CODE_FLAG = "--trust-remote-code"
@@ -310,7 +310,7 @@ def restore_secrets(env: Mapping[str, object], environ: Mapping[str, str]) -> di
     missing = [k for k, v in env.items() if is_secret(k) and v == REDACTED and k not in environ]
     if missing:
         names = ", ".join(missing)
-        raise ValueError(
+        raise EnvVariableError(
             f"launch.env.{missing[0]} is a secret, not kept in the run directory; export "
             f"{names} before megatron-ext run --resume"
         )

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.errors import MegatronExtError
+from megatron_ext.errors import EnvVariableError, MegatronExtError
 from megatron_ext.launch import heartbeat, mp_temp_dir
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
@@ -57,22 +57,22 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """``rank=R,step=S[,kind=K]`` -> :class:`Fault`; a clear ValueError otherwise."""
+    """``rank=R,step=S[,kind=K]`` -> :class:`Fault`; a clear EnvVariableError otherwise."""
     fields: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in ("rank", "step", "kind"):
-            raise ValueError(
+            raise EnvVariableError(
                 f"{FAULT_ENV}={text!r}: expected rank=R,step=S[,kind={'|'.join(KINDS)}]"
             )
         fields[key.strip()] = value.strip()
     try:
         rank, step = int(fields["rank"]), int(fields["step"])
     except (KeyError, ValueError):
-        raise ValueError(f"{FAULT_ENV}={text!r}: rank and step must be integers") from None
+        raise EnvVariableError(f"{FAULT_ENV}={text!r}: rank and step must be integers") from None
     kind = fields.get("kind", "raise")
     if kind not in KINDS or rank < 0 or step < 1:
-        raise ValueError(
+        raise EnvVariableError(
             f"{FAULT_ENV}={text!r}: kind is one of {', '.join(KINDS)}, rank >= 0, step >= 1"
         )
     return Fault(rank, step, kind)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext import registry
+from megatron_ext.errors import EnvVariableError
 
 DIR_ENV = "MEGATRON_EXT_HEARTBEAT_DIR"
 STALL_ENV = "MEGATRON_EXT_STALL_TIMEOUT_S"
@@ -234,9 +235,9 @@ def _env_seconds(name: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a number of seconds") from None
+        raise EnvVariableError(f"{name}={text!r}: expected a number of seconds") from None
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name}={text!r}: expected a finite number of seconds >= 0")
+        raise EnvVariableError(f"{name}={text!r}: expected a finite number of seconds >= 0")
     return value
 
 

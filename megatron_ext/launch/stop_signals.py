@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import signal
 
+from megatron_ext.errors import EnvVariableError
+
 SAVE_SIGNAL = signal.SIGUSR1
 """What megatron-ext's ranks pass as ``--exit-signal``: the launchers send it to ask for a save."""
 
@@ -41,14 +43,14 @@ def megatron_args() -> list[str]:
 
 
 def parse_signals(text: str) -> list[signal.Signals]:
-    """'SIGTERM,USR1' -> [SIGTERM, SIGUSR1]; ValueError names an unknown one."""
+    """'SIGTERM,USR1' -> [SIGTERM, SIGUSR1]; EnvVariableError names an unknown one."""
     out = []
     for name in (n.strip().upper() for n in text.split(",") if n.strip()):
         full = name if name.startswith("SIG") else f"SIG{name}"
         try:
             out.append(signal.Signals[full])
         except KeyError:
-            raise ValueError(f"{ROUTE_ENV}: unknown signal {name!r}") from None
+            raise EnvVariableError(f"{ROUTE_ENV}: unknown signal {name!r}") from None
     return out
 
 

@@ -28,6 +28,8 @@ from functools import cache
 
 import torch
 
+from megatron_ext.errors import ConfigError
+
 # Largest n allowed: the H_res logits are n! wide (n=6: 720; n=7 would be 5040 per sub-layer).
 MAX_BIRKHOFF_STREAMS = 6
 
@@ -39,7 +41,7 @@ def check_birkhoff_streams(n: int) -> None:
     :data:`MAX_BIRKHOFF_STREAMS` streams (the guard
     :func:`megatron_ext.guards.check_mhc_h_res_method` asks it)."""
     if n > MAX_BIRKHOFF_STREAMS:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_h_res_method='birkhoff' supports mhc_num_residual_streams <= "
             f"{MAX_BIRKHOFF_STREAMS} (got {n}: its H_res logits are n! = {math.factorial(n)} "
             "projection columns per sub-layer); use fewer streams or mhc_h_res_method='sinkhorn'"

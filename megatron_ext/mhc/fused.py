@@ -52,6 +52,7 @@ import os
 
 import torch
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.mhc.lean import RMS_EPS
 
 # Lower bound on every Sinkhorn row/column sum (as megatron_ext.mhc.sinkhorn).
@@ -92,14 +93,14 @@ def check_fused_available(num_streams: int) -> None:
     :func:`megatron_ext.guards.check_fused_mhc` asks it): at most :data:`MAX_FUSED_STREAMS`
     streams, and triton with CUDA (or the CPU under the interpreter)."""
     if num_streams > MAX_FUSED_STREAMS:
-        raise ValueError(
+        raise ConfigError(
             f"use_fused_mhc=True supports mhc_num_residual_streams <= {MAX_FUSED_STREAMS} "
             f"(got {num_streams}); set use_fused_mhc=False"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reason = fused_unavailable_reason(device)
     if reason is not None:
-        raise ValueError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
+        raise ConfigError(f"use_fused_mhc=True cannot run here: {reason}; set use_fused_mhc=False")
 
 
 def _pow2(value: int) -> int:
@@ -366,7 +367,7 @@ def fused_streams_in(x3, gated_weight, bias, n: int, iterations: int, method: st
     """:class:`FusedStreamsIn` after checking it can run here (Sinkhorn only: the config
     refuses ``mhc_h_res_method="birkhoff"`` with ``use_fused_mhc``)."""
     if method != "sinkhorn":
-        raise ValueError(
+        raise ConfigError(
             f"the fused mHC kernels implement mhc_h_res_method='sinkhorn' only, got {method!r}; "
             "set use_fused_mhc=False"
         )

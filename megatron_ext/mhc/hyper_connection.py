@@ -45,6 +45,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.mhc import stats
 from megatron_ext.mhc.birkhoff import birkhoff_mix, h_res_width
 from megatron_ext.mhc.lean import MergeStreams, StreamsIn
@@ -71,7 +72,7 @@ def _math(tensor: torch.Tensor) -> torch.Tensor:
 def _split_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """View ``[..., n*h]`` as ``[..., n, h]``."""
     if x.shape[-1] % n != 0:
-        raise ValueError(
+        raise ConfigError(
             f"last dim {x.shape[-1]} of the n-stream tensor is not divisible by "
             f"mhc_num_residual_streams={n}"
         )
@@ -138,7 +139,7 @@ def _token_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """``[..., n*h] -> [T, n, h]`` (a view for contiguous ``x``)."""
     width = x.shape[-1]
     if width % n != 0:
-        raise ValueError(
+        raise ConfigError(
             f"last dim {width} of the n-stream tensor is not divisible by "
             f"mhc_num_residual_streams={n}"
         )

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from megatron_ext import registry
+from megatron_ext.errors import ConfigError
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 
@@ -49,7 +50,7 @@ def plan_recompute_groups(num_layers: int, layers_per_group: int | None) -> list
     ``None`` makes the whole block one group.
     """
     if layers_per_group is not None and layers_per_group < 1:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_recompute_layer_num must be a positive integer or None, got {layers_per_group}"
         )
     ends = []

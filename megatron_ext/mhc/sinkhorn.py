@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.errors import ConfigError
+
 # Lower bound on every row/column sum; keeps a fully underflowed row from dividing by zero.
 _MIN_DENOMINATOR = 1e-6
 
@@ -39,7 +41,7 @@ def _check_iterations(iterations: int) -> None:
     if iterations < 1:
         # The backward below drops the gradient through rowmax(logits); that is exact only
         # because the first row normalisation cancels any per-row scale of M0.
-        raise ValueError(
+        raise ConfigError(
             f"Sinkhorn-Knopp needs iterations >= 1, got {iterations}; "
             "set mhc_sinkhorn_iterations to a positive integer (upstream default 20)"
         )

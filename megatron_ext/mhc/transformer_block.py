@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from megatron_ext import native_mhc as native, registry
+from megatron_ext.errors import ConfigError, SpecError
 from megatron_ext.mhc.hyper_connection import contract_mean, expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
@@ -72,7 +73,7 @@ def check_layers_support_mhc(config, layers: Iterable[Any], where: str) -> None:
     classes = {_layer_class(layer) for layer in layers}
     plain = sorted(cls.__name__ for cls in classes if not layer_supports_mhc(cls))
     if plain:
-        raise ValueError(
+        raise SpecError(
             f"enable_mhc_connections=True, but {where} uses {', '.join(plain)}, which does not "
             f"implement mHC residual streams (no supports_mhc_connections); {MHC_SPEC_HINT}, "
             "or set enable_mhc_connections=False"
@@ -106,7 +107,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
     def _setup_streams(self) -> None:
         config = self.config
         if not getattr(config, "enable_mhc_connections", False):
-            raise ValueError(
+            raise ConfigError(
                 "HyperConnectionTransformerBlock needs enable_mhc_connections=True in its config "
                 "(megatron_ext.config.MHCTransformerConfig)"
             )
@@ -114,7 +115,7 @@ class HyperConnectionTransformerBlock(LearnedContraction, TransformerBlock):
         self.num_residual_streams = config.mhc_num_residual_streams
         self.contracts_streams = self.final_layernorm is not None
         if self.post_process and not self.contracts_streams and config.mtp_num_layers is None:
-            raise ValueError(
+            raise SpecError(
                 "with enable_mhc_connections=True the last stage must have the final layernorm "
                 "(the n streams are contracted right before it); build the block with "
                 "post_layer_norm=True and a layer_norm in its spec"

@@ -45,7 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_ext import native_mhc as native
-from megatron_ext.errors import UnsupportedCombinationError
+from megatron_ext.errors import ConfigError, SpecError, UnsupportedCombinationError
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, run_maybe_checkpointed
 from megatron_ext.mhc.reference import reference_aggregate
 from megatron_ext.mhc.single_pass import SinglePassState, single_pass_site
@@ -121,7 +121,7 @@ def check_mhc_layer_features(config: Any) -> None:
 def _check_config(config) -> None:
     """Refuse configurations this layer does not implement, before anything is built."""
     if not getattr(config, "enable_mhc_connections", False):
-        raise ValueError(
+        raise ConfigError(
             "HyperConnectionTransformerLayer needs enable_mhc_connections=True in its config "
             "(megatron_ext.config.MHCTransformerConfig); set enable_mhc_connections=True, or "
             "build the spec with enable_mhc_connections=False for plain residual connections"
@@ -132,7 +132,7 @@ def _check_config(config) -> None:
 def _check_submodules(submodules: TransformerLayerSubmodules) -> None:
     cross_connection = getattr(submodules, "cross_attention_hyper_connection", IdentityOp)
     if not _is_identity(cross_connection):
-        raise ValueError(
+        raise SpecError(
             "HyperConnectionTransformerLayer does not support cross-attention hyper "
             "connections; set cross_attention_hyper_connection=IdentityOp"
         )
@@ -206,7 +206,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         )
         self.mlp_hyper_connection = self._build_connection(self.mlp, submodules, "mlp")
         if self.self_attention_hyper_connection is None and self.mlp_hyper_connection is None:
-            raise ValueError(
+            raise SpecError(
                 "HyperConnectionTransformerLayer has neither self_attention nor mlp (both are "
                 "IdentityOp); give the layer spec at least one of them"
             )
@@ -225,7 +225,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         field = f"{name}_hyper_connection"
         spec = getattr(submodules, field, IdentityOp)
         if _is_identity(spec):
-            raise ValueError(
+            raise SpecError(
                 f"HyperConnectionTransformerLayer has a {name} but no {field}; set {field}="
                 f"HyperConnectionModule in its submodules ({MHC_SPEC_HINT})"
             )
@@ -244,7 +244,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         def apply_norm(x):
             output = norm(x)
             if isinstance(output, tuple):
-                raise ValueError(
+                raise SpecError(
                     f"HyperConnectionTransformerLayer does not support a {norm_name} that "
                     "returns an (output, residual) tuple: the mHC residual is the n-stream "
                     f"input, not the norm's; use a {norm_name} that returns only its output"

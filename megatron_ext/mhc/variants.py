@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.errors import ConfigError
+
 VARIANTS = ("megatron", "deepseek-v4", "glm5")
 """The values of ``mhc_variant`` (recipe ``model.mhc.variant``, flag ``--mhc-variant``)."""
 
@@ -81,7 +83,7 @@ def uses_deepseek_maps(variant: str) -> bool:
 def maps_form(variant: str, rms_eps: float) -> MapsForm:
     """The :class:`MapsForm` of ``variant``; ``rms_eps`` is the model's RMSNorm eps."""
     if variant not in VARIANTS:
-        raise ValueError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+        raise ConfigError(f"mhc_variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     if not uses_deepseek_maps(variant):
         return MEGATRON_FORM
     return MapsForm(rms_eps=float(rms_eps), pre_eps=HC_EPS, softmax_sinkhorn=True)
@@ -128,7 +130,7 @@ def inverse_rms_grad_coefficient(
 
 def _check_iterations(iterations: int) -> None:
     if iterations < 1:
-        raise ValueError(
+        raise ConfigError(
             f"the DeepSeek-V4 Sinkhorn needs iterations >= 1, got {iterations}; "
             "set mhc_sinkhorn_iterations to a positive integer (DeepSeek-V4: 20)"
         )

@@ -13,11 +13,13 @@ import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.errors import ConfigError
+
 
 def _norm_class(normalization: str) -> type[torch.nn.Module]:
     classes = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
     if normalization not in classes:
-        raise ValueError(
+        raise ConfigError(
             f"normalization={normalization!r} is not supported by megatron-ext's local norm; "
             f"use one of {sorted(classes)}"
         )
@@ -39,7 +41,7 @@ class LocalNorm:
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
         if config.layernorm_zero_centered_gamma or config.persist_layer_norm:
-            raise ValueError(
+            raise ConfigError(
                 "layernorm_zero_centered_gamma and persist_layer_norm need Apex or Transformer "
                 "Engine norms; set both to False to use the local torch norm"
             )

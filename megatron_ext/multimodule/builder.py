@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import registry
-from megatron_ext.errors import Problem
+from megatron_ext.errors import ConfigError, Problem
 from megatron_ext.multimodule.communicator import MultiModuleCommunicator
 from megatron_ext.multimodule.errors import MultiModuleBuildError, MultiModulePlanError
 from megatron_ext.multimodule.grads import finalize_multimodule_grads
@@ -420,7 +420,7 @@ def _build_on_groups(plan, impls, config, ddp_config, seed, grids, embedding_gro
             if module_config.calculate_per_token_loss != bool(
                 getattr(config, "calculate_per_token_loss", False)
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"module {name!r} has calculate_per_token_loss="
                     f"{module_config.calculate_per_token_loss}, the pipeline config "
                     f"{config.calculate_per_token_loss}; they decide together whether DDP "

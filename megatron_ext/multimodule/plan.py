@@ -31,7 +31,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 
 from megatron_ext.errors import Problem
 from megatron_ext.multimodule.errors import MultiModulePlanError
-from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.parallel_plan import ParallelPlan, ParallelPlanError
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ModulePlan:
     def coordinates(self, rank: int) -> dict[str, int]:
         """The (tp, cp, pp, dp) coordinates of ``rank`` in this module's grid."""
         if rank not in self.ranks:
-            raise ValueError(
+            raise ParallelPlanError(
                 f"rank {rank} is not in ranks {self.ranks.start}..{self.ranks.stop - 1}"
             )
         local = rank - self.first_rank
@@ -189,7 +189,9 @@ class MultiModulePlan:
         :meth:`stages_after` its module). See the module docstring for why."""
         counts = {self._warmup_of(name, rank) for name in self.modules_on(rank)}
         if len(counts) != 1:
-            raise ValueError(f"rank {rank} holds stages with different warm-up counts {counts}")
+            raise ParallelPlanError(
+                f"rank {rank} holds stages with different warm-up counts {counts}"
+            )
         return counts.pop()
 
     def _warmup_of(self, name: str, rank: int) -> int:
@@ -204,7 +206,7 @@ class MultiModulePlan:
         total = language_model_micro_batch_size * self.modules[self.language_model].dp
         dp = self.modules[name].dp
         if total % dp:
-            raise ValueError(
+            raise ParallelPlanError(
                 f"module {name!r}: the global micro-batch of {total} samples "
                 f"(language model micro_batch_size {language_model_micro_batch_size} x dp "
                 f"{self.modules[self.language_model].dp}) does not split over its dp={dp}"

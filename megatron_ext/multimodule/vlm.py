@@ -24,6 +24,7 @@ import torch
 
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.errors import DataError
 from megatron_ext.models.lm_loss import masked_token_loss
 from megatron_ext.multimodule.builder import ModuleImpl
 from megatron_ext.multimodule.model import StageContext, core_module
@@ -253,7 +254,7 @@ class VLMData:
         elif self.text_pattern == "random":
             tokens = torch.randint(0, self.vocab_size, (samples, s_txt + 1), generator=g)
         else:
-            raise ValueError(
+            raise DataError(
                 f"text_pattern must be 'random' or 'arithmetic', got {self.text_pattern!r}"
             )
         labels = torch.zeros(samples, total, dtype=torch.long)

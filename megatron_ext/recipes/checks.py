@@ -641,6 +641,22 @@ def _check_data(loaded: LoadedRecipe, add) -> None:
     _check_blends(loaded, blends, add)
 
 
+SAMPLE_COUNT_FLAGS = (
+    "--train-samples",
+    "--skip-train",
+    "--full-validation",
+    "--start-eval-at-iter",
+    "--multiple-validation-sets",
+    "--eval-global-batch-size",
+    "--phase-transition-iterations",
+    "--dataloader-type",
+    "--mid-level-dataset-surplus",
+)
+"""Megatron flags (in ``extra_args``) that change how many samples each split is asked for, or
+how a split is built or sampled, from what :func:`megatron_ext.data.splits.samples_needed`
+assumes; with one of them the split check gives no verdict."""
+
+
 def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
     """Weights on all entries of a blend or on none (Megatron's rule), then whether each split
     can give the run its samples (:mod:`megatron_ext.data.splits`), when every path is readable."""
@@ -654,8 +670,11 @@ def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
             return
     if any(s is None for sources in blends.values() for s in sources) or not blends["paths"]:
         return
+    if any(flag in r.extra_args for flag in SAMPLE_COUNT_FLAGS):
+        return  # Megatron sizes or loads the splits otherwise: no verdict rather than a wrong one
     t = r.training
     needed = splits.samples_needed(t.iterations, t.global_batch_size, t.eval_interval, t.eval_iters)
+    fields = list(blends)  # paths, valid_paths, test_paths
     per_split = bool(blends["valid_paths"] or blends["test_paths"])
     for name, split_name in zip(blends, splits.SPLITS, strict=True):
         if not blends[name] or (name != "paths" and not per_split):
@@ -667,6 +686,7 @@ def _check_blends(loaded: LoadedRecipe, blends: dict[str, list], add) -> None:
                 needed,
                 r.model.seq_length,
                 split_name if per_split else None,
+                alone=per_split and not any(blends[n] for n in fields[1:] if n != name),
             )
         except ValueError as e:  # a split string Megatron cannot read
             add("data.split", str(e))

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from megatron_ext.multimodule.plan import ModulePlan, MultiModulePlan
 from megatron_ext.recipes.loader import load
-from megatron_ext.recipes.schema import Module, Problem, Recipe, RecipeError
+from megatron_ext.recipes.schema import Module, Problem, Recipe, RecipeError, RecipeFieldError
 
 KINDS = ("vision_encoder", "projector", "language_model")
 PARALLEL_KEYS = ("tp", "pp", "dp", "cp", "first_rank", "output_ndim")
@@ -59,7 +59,7 @@ def extra_args_problems(recipe: Recipe) -> list[Problem]:
 
 
 def plan_of(recipe: Recipe, world_size: int | None = None) -> MultiModulePlan:
-    """The modules' grids and graph; raises ValueError listing what makes it no plan."""
+    """The modules' grids and graph; raises RecipeFieldError listing what makes it no plan."""
     modules = recipe.model.modules or {}
     problems = []
     if not modules:
@@ -71,7 +71,7 @@ def plan_of(recipe: Recipe, world_size: int | None = None) -> MultiModulePlan:
     if modules and len(lms) != 1:
         problems.append(f"exactly one module must have kind: language_model, found {lms}")
     if problems:
-        raise ValueError("; ".join(problems))
+        raise RecipeFieldError("; ".join(problems))
     if world_size is None:
         world_size = recipe.launch.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     return MultiModulePlan(
@@ -92,7 +92,7 @@ def num_microbatches(recipe: Recipe, plan: MultiModulePlan) -> int:
     lm_dp = plan.modules[plan.language_model].dp
     per_step = t.micro_batch_size * lm_dp
     if t.global_batch_size % per_step:
-        raise ValueError(
+        raise RecipeFieldError(
             f"training.global_batch_size ({t.global_batch_size}) must be a "
             f"multiple of micro_batch_size ({t.micro_batch_size}) x the "
             f"language model's dp ({lm_dp})"

@@ -39,6 +39,12 @@ class RecipeError(MegatronExtError, ValueError):
         super().__init__("\n".join(f"{source}: {p}" for p in self.problems))
 
 
+class RecipeFieldError(MegatronExtError, ValueError):
+    """A recipe value that a helper given the recipe (not its file) cannot use: a layout
+    symbol, a multi-module plan, a batch that does not split. The message names the dotted
+    field; whoever knows the file reports it (``RecipeError`` carries the file itself)."""
+
+
 def _doc(text: str, **kwargs: Any) -> Any:
     return field(metadata={"doc": text}, **kwargs)
 
@@ -483,13 +489,13 @@ LAYOUT_SYMBOLS = {"E": "embedding", "L": "loss", "t": "transformer layer", "m": 
 
 def layout_stages(layout: str) -> list[str]:
     """The stages of a --pipeline-model-parallel-layout string, unrolled: 'E|(tt|)*2,L' ->
-    ['E', 'tt', 'tt', 'L']. Raises ValueError on a symbol megatron does not know."""
+    ['E', 'tt', 'tt', 'L']. Raises RecipeFieldError on a symbol megatron does not know."""
     text = layout.replace(",", "")
     text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     bad = sorted({ch for ch in text if ch not in LAYOUT_SYMBOLS and ch != "|"})
     if bad:
-        raise ValueError(
+        raise RecipeFieldError(
             f"unknown symbol(s) {', '.join(map(repr, bad))}; a layout uses "
             + ", ".join(f"{k}={v}" for k, v in LAYOUT_SYMBOLS.items())
             + " and '|'"

@@ -12,12 +12,16 @@ import re
 import shutil
 from pathlib import Path
 
-from megatron_ext.errors import suggestion
+from megatron_ext.errors import MegatronExtError, suggestion
 
 PACKAGE_DATA = "_recipes"
 """megatron_ext/_recipes in a wheel: setup.py maps the source tree's recipes/ there."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ShippedRecipeError(MegatronExtError, ValueError):
+    """A shipped recipe that cannot be copied out: no such name, or the destination is taken."""
 
 
 def shipped_dir() -> Path:
@@ -48,13 +52,13 @@ def summary(path: Path) -> str:
 
 def copy_out(name: str, destination: Path, with_golden: bool = False) -> list[Path]:
     """Copy recipe ``name`` (and, ``with_golden``, its golden values golden/<name>/) into
-    ``destination``; refuses (ValueError, one line) an unknown name or any file that already
+    ``destination``; refuses (ShippedRecipeError, one line) an unknown name or any file that already
     exists there."""
     recipes = shipped_recipes()
     if not _NAME.match(name) or name not in recipes:
-        raise ValueError(f"no shipped recipe {name!r}{suggestion(name, list(recipes))}")
+        raise ShippedRecipeError(f"no shipped recipe {name!r}{suggestion(name, list(recipes))}")
     if destination.exists() and not destination.is_dir():
-        raise ValueError(f"{destination} is not a directory")
+        raise ShippedRecipeError(f"{destination} is not a directory")
     golden = shipped_dir() / "golden" / name
     pairs = [(recipes[name], destination / recipes[name].name)]
     if with_golden and golden.is_dir():
@@ -63,7 +67,7 @@ def copy_out(name: str, destination: Path, with_golden: bool = False) -> list[Pa
         ]
     existing = [str(target) for _, target in pairs if target.exists()]
     if existing:
-        raise ValueError(
+        raise ShippedRecipeError(
             f"{existing[0]} exists; copy into another directory (megatron-ext recipes --copy "
             f"{name} DIR) or move it away"
         )

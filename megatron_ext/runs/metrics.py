@@ -36,6 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext import files
+from megatron_ext.errors import MegatronExtError
+
+
+class MetricsFormatError(MegatronExtError, ValueError):
+    """Golden-value JSON not in Megatron's layout (each metric a block of start_step, end_step,
+    step_interval and values); the message names the metric."""
+
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 VALIDATION_LINE = re.compile(
@@ -202,7 +209,7 @@ def from_golden(data: dict) -> Metrics:
     metrics: Metrics = {}
     for name, block in data.items():
         if not isinstance(block, dict) or "values" not in block:
-            raise ValueError(
+            raise MetricsFormatError(
                 f"metric {name!r}: expected {{start_step, end_step, step_interval, values}}"
             )
         metrics[name] = {

@@ -10,6 +10,18 @@ remaining line is rank n::
     F0 F1 B0 W0 F2 B1 W1 B2 W2
     F0 B0 F1 B1 W0 F2 B2 W1 W2
 
+torch.distributed.pipelining's spelling is read too (``_ComputationType``, ``_Action``): ``I``
+is its input-gradient step (our ZB-H1 ``B``), ``W`` the weight step, ``B`` a whole backward
+(our 1F1B ``B``; torch refuses a ``W`` after it), and a token may start with the stage index,
+stage ``s`` being chunk ``s // pp`` of rank ``s % pp``; commas may separate the tokens (its
+CSV). A text is in torch's spelling when a token writes ``I`` or a stage; ZB-H1 splits every
+micro-batch, so such a text with ``I``/``W`` steps cannot also hold a whole ``B``.
+:func:`format_text` writes either spelling (``megatron-ext schedule --format torch-text``)::
+
+    # the same ZB-H1 order in torch's spelling
+    0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2
+    1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2
+
 Only compute actions are written: the P2P calls follow from them. For one chunk per rank the
 calls are derived here by the rules of megatron's 1F1B (:func:`derive_exchanges`), which give
 exactly :func:`~megatron_ext.schedules.schedule.build_schedule`'s calls for the built 1F1B and
@@ -51,23 +63,51 @@ from megatron_ext.schedules.schedule import (
 
 __all__ = [
     "MAX_TEXT_BYTES",
+    "SPELLINGS",
     "ScheduleTextError",
+    "Spelling",
     "derive_exchanges",
     "format_text",
     "parse_text",
+    "place_stages",
     "infer_plan",
     "read_schedule_file",
     "read_text",
     "schedule_of",
     "schedule_from_text",
+    "spelling_of",
 ]
 
 # A text schedule of 64 ranks x 312 micro-batches x 3 actions is under 400 KB.
 MAX_TEXT_BYTES = 4 * 1024 * 1024
-_TOKEN = re.compile(r"([FBW])(\d{1,7})(?:c(\d{1,4}))?")
+# [stage (torch's form)] letter micro-batch [c chunk (ours)]: F3, B3c1, 1I3.
+_TOKEN = re.compile(r"(\d{1,5})?([FBIW])(\d{1,7})(?:c(\d{1,4}))?")
+# torch's non-compute actions (its CSV "comms" form): the P2P calls follow from the computes.
+_TORCH_NON_COMPUTE = re.compile(r"\d*(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 _LETTERS = (
-    "F (forward), B (backward; the input gradient when W steps are given), W (weight gradient)"
+    "F (forward), B (backward; the input gradient when W steps are given), W (weight gradient); "
+    "or torch's: I (input gradient), W, B (whole backward), a stage first (1F0)"
 )
+SPELLINGS = ("megatron-ext", "torch")
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a text writes our step kinds. megatron-ext's: F, B (under ZB-H1 the input-gradient
+    backward), W. torch.distributed.pipelining's (``_ComputationType``): F, I for the input
+    gradient and W for the weight gradient, B only for a whole backward (a W after it is
+    invalid there), and a token may start with the stage index (``1I0``)."""
+
+    name: str
+    letters: dict[str, str]  # our kind -> the letter this spelling writes
+
+    def label(self, step: Compute, chunks: int = 1) -> str:
+        return replace(step, kind=self.letters[step.kind]).label(chunks)
+
+
+OURS = Spelling("megatron-ext", {"F": "F", "B": "B", "W": "W"})
+TORCH_SPLIT = Spelling("torch", {"F": "F", "B": "I", "W": "W"})  # torch's text with I and W
+TORCH_WHOLE = Spelling("torch", {"F": "F", "B": "B", "W": "W"})  # torch's 1F1B: B is whole
 
 
 class ScheduleTextError(MegatronExtError, ValueError):
@@ -83,6 +123,7 @@ class _Token:
     position: int
     text: str
     step: Compute
+    stage: int | None = None  # torch's form names the stage (1F0); ours the chunk (F0c1)
 
     def where(self) -> str:
         return f"rank {self.rank}, token {self.position} {self.text!r}"
@@ -91,40 +132,115 @@ class _Token:
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def format_text(schedule: Schedule, comment: str | None = None) -> str:
-    """``schedule``'s compute actions, one line per rank (``comment``: a first ``#`` line)."""
+def format_text(
+    schedule: Schedule, comment: str | None = None, spelling: str = "megatron-ext"
+) -> str:
+    """``schedule``'s compute actions, one line per rank (``comment``: a first ``#`` line), in
+    megatron-ext's spelling (``F0 B0 W0``, ``F0c1``) or torch's (``0F0 0I0 0W0``: the stage
+    first, I the input gradient, B only for a whole backward)."""
+    if spelling not in SPELLINGS:
+        raise ScheduleTextError(f"spelling {spelling!r}: use one of {', '.join(SPELLINGS)}")
     lines = [f"# {comment}"] if comment else []
+    # torch writes ZB-H1's input-gradient backward I; any other backward is its whole B
+    torch = TORCH_SPLIT if schedule.plan.schedule == ZB_H1 else TORCH_WHOLE
     for rank in range(len(schedule.ranks)):
-        lines.append(" ".join(s.label(schedule.chunks) for s in schedule.computes(rank)))
+        computes = schedule.computes(rank)
+        if spelling == "torch":
+            lines.append(" ".join(_torch_token(schedule, rank, s, torch) for s in computes))
+        else:
+            lines.append(" ".join(s.label(schedule.chunks) for s in computes))
     return "\n".join(lines) + "\n"
+
+
+def _torch_token(schedule: Schedule, rank: int, step: Compute, torch: Spelling) -> str:
+    """torch's ``_Action`` text of one compute step: stage, letter, micro-batch (``1I0``)."""
+    return f"{_stage_of(schedule, rank, step.chunk)}{torch.letters[step.kind]}{step.microbatch}"
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
 def parse_text(text: str) -> list[list[_Token]]:
-    """The tokens of every rank line; refuses a token that is not an action."""
+    """The tokens of every rank line, in our step kinds whichever spelling the text uses
+    (:func:`spelling_of`); refuses a token that is not an action. Tokens are separated by
+    spaces or commas (torch's CSV), empty cells skipped."""
     ranks: list[list[_Token]] = []
     for line in text.splitlines():
-        words = line.split()
+        words = [w for w in re.split(r"[\s,]+", line) if w]
         if not words or words[0].startswith("#"):
             continue
         rank = len(ranks)
-        tokens = []
-        for position, word in enumerate(words, start=1):
-            match = _TOKEN.fullmatch(word)
-            if match is None:
-                raise ScheduleTextError(
-                    f"rank {rank}, token {position} {_shown(word)}: not an action; write "
-                    f"{_LETTERS} and the micro-batch, e.g. F0 B0 W0 (F0c1 on chunk 1)"
-                )
-            kind, microbatch, chunk = match.groups()
-            step = Compute(kind, int(microbatch), int(chunk or 0))
-            tokens.append(_Token(rank, position, word, step))
-        ranks.append(tokens)
+        ranks.append([_read_token(rank, position, w) for position, w in enumerate(words, 1)])
     if not ranks:
         raise ScheduleTextError("no rank line: write one line of actions per pipeline rank")
-    return ranks
+    spelling = spelling_of(ranks)
+    if spelling is TORCH_SPLIT:
+        _check_no_whole_backward(ranks)
+    return [[replace(t, step=_our_step(t, spelling)) for t in tokens] for tokens in ranks]
+
+
+def _read_token(rank: int, position: int, word: str) -> _Token:
+    """One token as written (its letter still the text's own)."""
+    where = f"rank {rank}, token {position} {_shown(word)}"
+    match = _TOKEN.fullmatch(word)
+    if match is None:
+        if _TORCH_NON_COMPUTE.fullmatch(word):
+            raise ScheduleTextError(
+                f"{where}: torch's communication action; a schedule text holds the compute "
+                "actions only (the P2P calls follow from them): remove it"
+            )
+        raise ScheduleTextError(
+            f"{where}: not an action; write {_LETTERS} and the micro-batch, e.g. F0 B0 W0 "
+            "(F0c1 on chunk 1) or torch's 0F0 0I0 0W0"
+        )
+    stage, kind, microbatch, chunk = match.groups()
+    if stage is not None and chunk is not None:
+        raise ScheduleTextError(
+            f"{where}: names both a stage (torch's form, 1F0) and a chunk (ours, F0c1); "
+            "write one of them"
+        )
+    step = Compute(kind, int(microbatch), int(chunk or 0))
+    return _Token(rank, position, word, step, None if stage is None else int(stage))
+
+
+def spelling_of(ranks: Sequence[Sequence[_Token]]) -> Spelling:
+    """torch's spelling when a token writes I (its input-gradient step) or starts with a stage
+    index: then B is a whole backward; ours otherwise. The two agree on a text without W."""
+    tokens = [t for line in ranks for t in line]
+    if any(_letter(t) == "I" for t in tokens):
+        return TORCH_SPLIT
+    if any(t.stage is not None for t in tokens):
+        return TORCH_SPLIT if any(_letter(t) == "W" for t in tokens) else TORCH_WHOLE
+    return OURS
+
+
+def _letter(token: _Token) -> str:
+    """The letter the token was written with (its step may already be in our kinds)."""
+    match = _TOKEN.fullmatch(token.text)
+    assert match is not None
+    return match.group(2)
+
+
+def _check_no_whole_backward(ranks: Sequence[Sequence[_Token]]) -> None:
+    """torch's B is a whole backward: it cannot stand in a text whose backwards are split
+    into I and W (megatron-ext's ZB-H1 splits every micro-batch, and torch itself refuses a W
+    after a B)."""
+    tokens = [t for line in ranks for t in line]
+    whole = next((t for t in tokens if _letter(t) == "B"), None)
+    if whole is None:
+        return
+    split = next(t for t in tokens if _letter(t) in "IW")
+    mb = whole.step.microbatch
+    raise ScheduleTextError(
+        f"{whole.where()}: in torch's spelling (this text has {split.where()}) B is the whole "
+        f"backward, and ZB-H1 splits every micro-batch into I and W: write I{mb} for the input "
+        f"gradient and W{mb} for the weight gradient"
+    )
+
+
+def _our_step(token: _Token, spelling: Spelling) -> Compute:
+    ours = {letter: kind for kind, letter in spelling.letters.items()}
+    return replace(token.step, kind=ours[_letter(token)])
 
 
 def _shown(word: str) -> str:
@@ -136,7 +252,7 @@ def _shown(word: str) -> str:
 def infer_plan(ranks: Sequence[Sequence[_Token]]) -> SchedulePlan:
     """The plan a text describes on its own: one pipeline of one line per rank, micro-batches
     and chunks up to the largest named, ZB-H1 when it has W steps."""
-    steps = [t.step for tokens in ranks for t in tokens]
+    steps = [t.step for tokens in place_stages(ranks, len(ranks)) for t in tokens]
     chunks = max(s.chunk for s in steps) + 1
     split = any(s.kind == "W" for s in steps)
     return SchedulePlan(
@@ -152,7 +268,7 @@ def schedule_from_text(text: str, plan: SchedulePlan | None = None) -> Schedule:
     check of the module docstring; raises :class:`ScheduleTextError` naming rank and token."""
     ranks = parse_text(text)
     if plan is None:
-        plan = _interleaved_group(ranks, infer_plan(ranks))
+        plan = _interleaved_group(place_stages(ranks, len(ranks)), infer_plan(ranks))
     problems = plan.problems()
     if problems:
         raise ScheduleTextError(f"the text's plan: {problems[0]}")
@@ -162,12 +278,14 @@ def schedule_from_text(text: str, plan: SchedulePlan | None = None) -> Schedule:
             f"{len(ranks)} rank line(s) for a plan of {len(built.ranks)} pipeline rank(s): "
             "write one line of actions per rank"
         )
+    spelling = spelling_of(ranks)
+    ranks = place_stages(ranks, plan.pp, plan.multimodule is not None)
     for tokens in ranks:
-        _check_rank(tokens, plan)
-    _check_dependencies(ranks, built)
-    _check_peak(ranks, built)
+        _check_rank(tokens, plan, spelling)
+    _check_dependencies(ranks, built, spelling)
+    _check_peak(ranks, built, spelling)
     if plan.multimodule is not None or plan.chunks > 1:
-        _check_is_built(ranks, built)
+        _check_is_built(ranks, built, spelling)
         return built
     exchanged = [
         derive_exchanges([t.step for t in tokens], rank, plan.pp, plan.microbatches)
@@ -175,6 +293,31 @@ def schedule_from_text(text: str, plan: SchedulePlan | None = None) -> Schedule:
     ]
     _check_exchanges(ranks, exchanged)
     return Schedule(plan, exchanged, built.prev_ranks, built.next_ranks)
+
+
+def place_stages(
+    ranks: Sequence[Sequence[_Token]], pp: int, multimodule: bool = False
+) -> list[list[_Token]]:
+    """Tokens that name a stage (torch's ``1F0``) given the chunk it is on that rank: stage
+    ``s`` is chunk ``s // pp`` of rank ``s % pp`` (megatron's and torch's looped placement;
+    a multi-module rank holds one stage, its own number). A stage on another rank is refused."""
+    placed = []
+    for rank, tokens in enumerate(ranks):
+        line = []
+        for token in tokens:
+            if token.stage is not None:
+                owner = token.stage if multimodule else token.stage % pp
+                if owner != rank:
+                    held = f"stage {rank}" if multimodule else f"stages {rank}, {rank + pp}, ..."
+                    raise ScheduleTextError(
+                        f"{token.where()}: stage {token.stage} does not run on rank {rank}, "
+                        f"which holds {held}; move it to rank {owner}'s line"
+                    )
+                chunk = 0 if multimodule else token.stage // pp
+                token = replace(token, step=replace(token.step, chunk=chunk))
+            line.append(token)
+        placed.append(line)
+    return placed
 
 
 def schedule_of(plan: SchedulePlan) -> Schedule:
@@ -222,10 +365,12 @@ def _kinds(plan: SchedulePlan) -> str:
     return "FBW" if plan.schedule == ZB_H1 else "FB"
 
 
-def _check_rank(tokens: Sequence[_Token], plan: SchedulePlan) -> None:
+def _check_rank(tokens: Sequence[_Token], plan: SchedulePlan, spelling: Spelling = OURS) -> None:
     """Every action of the plan exactly once; a backward after its forward, a W after its B;
-    forwards and backwards of a chunk in micro-batch order (the received tensors queue)."""
+    forwards and backwards of a chunk in micro-batch order (the received tensors queue).
+    Messages write the steps as the text does (``spelling``)."""
     kinds, chunks, microbatches = _kinds(plan), plan.chunks, plan.microbatches
+    letter = spelling.letters
     seen: dict[Compute, _Token] = {}
     done: dict[tuple[str, int], int] = {}  # (kind, chunk) -> the next micro-batch in order
     for token in tokens:
@@ -234,6 +379,7 @@ def _check_rank(tokens: Sequence[_Token], plan: SchedulePlan) -> None:
             raise ScheduleTextError(
                 f"{token.where()}: W steps belong to schedule zb-h1; in a {plan.schedule} "
                 "schedule B is the whole backward"
+                + (f" (write B{step.microbatch}, not I and W)" if spelling is TORCH_SPLIT else "")
             )
         if step.microbatch >= microbatches or step.chunk >= chunks:
             raise ScheduleTextError(
@@ -248,15 +394,16 @@ def _check_rank(tokens: Sequence[_Token], plan: SchedulePlan) -> None:
         before = {"B": "F", "W": "B"}.get(step.kind)
         if before and replace(step, kind=before) not in seen:
             raise ScheduleTextError(
-                f"{token.where()}: comes before its {before}{step.microbatch}; a backward "
-                "follows its forward, a W its B"
+                f"{token.where()}: comes before its {letter[before]}{step.microbatch}; a "
+                f"backward follows its forward, a W its {letter['B']}"
             )
         if step.kind in "FB":
             expected = done.get((step.kind, step.chunk), 0)
             if step.microbatch != expected:
                 raise ScheduleTextError(
-                    f"{token.where()}: {step.kind}{expected} comes first on this chunk; "
-                    "forwards and backwards run in micro-batch order (received tensors queue)"
+                    f"{token.where()}: {letter[step.kind]}{expected} comes first on this "
+                    "chunk; forwards and backwards run in micro-batch order (received tensors "
+                    "queue)"
                 )
             done[(step.kind, step.chunk)] = expected + 1
     for chunk in range(chunks):
@@ -265,13 +412,16 @@ def _check_rank(tokens: Sequence[_Token], plan: SchedulePlan) -> None:
                 step = Compute(kind, microbatch, chunk)
                 if step not in seen:
                     raise ScheduleTextError(
-                        f"rank {tokens[0].rank if tokens else '?'}: {step.label(chunks)!r} is "
-                        f"missing (every micro-batch needs {', '.join(kinds)} on every rank"
+                        f"rank {tokens[0].rank if tokens else '?'}: "
+                        f"{spelling.label(step, chunks)!r} is missing (every micro-batch needs "
+                        f"{', '.join(letter[k] for k in kinds)} on every rank"
                         + (" and chunk)" if chunks > 1 else ")")
                     )
 
 
-def _check_dependencies(ranks: Sequence[Sequence[_Token]], built: Schedule) -> None:
+def _check_dependencies(
+    ranks: Sequence[Sequence[_Token]], built: Schedule, spelling: Spelling = OURS
+) -> None:
     """Every rank can take its actions in order: each waits only for steps (the previous
     stage's F, the next stage's B) that their ranks reach without waiting on it."""
     deps = _dependencies(built)
@@ -303,7 +453,8 @@ def _check_dependencies(ranks: Sequence[Sequence[_Token]], built: Schedule) -> N
         ranks[waits_on][position[waits_on]] if position[waits_on] < len(ranks[waits_on]) else None
     )
     raise ScheduleTextError(
-        f"{token.where()}: waits for {missing[0]}{missing[1]} on rank {waits_on}, which "
+        f"{token.where()}: waits for {spelling.letters[missing[0]]}{missing[1]} on rank "
+        f"{waits_on}, which "
         + (f"waits at token {there.position} {there.text!r}" if there else "never runs it")
         + ": the ranks' orders deadlock"
     )
@@ -315,11 +466,14 @@ def _rank_of(built: Schedule, key: tuple[str, int, object]) -> int:
     return stage if built.plan.multimodule is not None else stage % built.plan.pp
 
 
-def _check_peak(ranks: Sequence[Sequence[_Token]], built: Schedule) -> None:
+def _check_peak(
+    ranks: Sequence[Sequence[_Token]], built: Schedule, spelling: Spelling = OURS
+) -> None:
     """No rank holds more micro-batches' activations (from F until B, under ZB-H1 until W)
     than the built schedule's fullest rank."""
     limit = max(built.peak_in_flight())
     releases = "W" if built.plan.schedule == ZB_H1 else "B"
+    written = spelling.letters[releases]
     for tokens in ranks:
         held = 0
         for token in tokens:
@@ -328,12 +482,14 @@ def _check_peak(ranks: Sequence[Sequence[_Token]], built: Schedule) -> None:
                 bound = "pp, 1F1B's first stage" if releases == "W" else "the built schedule's"
                 raise ScheduleTextError(
                     f"{token.where()}: {held} micro-batches in flight (activations held until "
-                    f"their {releases}), more than the limit of {limit} ({bound}); run a "
-                    f"{releases} earlier"
+                    f"their {written}), more than the limit of {limit} ({bound}); run a "
+                    f"{written} earlier"
                 )
 
 
-def _check_is_built(ranks: Sequence[Sequence[_Token]], built: Schedule) -> None:
+def _check_is_built(
+    ranks: Sequence[Sequence[_Token]], built: Schedule, spelling: Spelling = OURS
+) -> None:
     """Interleaved and multi-module pipelines run megatron-core's order, nothing else."""
     for rank, tokens in enumerate(ranks):
         expected = built.computes(rank)
@@ -342,8 +498,8 @@ def _check_is_built(ranks: Sequence[Sequence[_Token]], built: Schedule) -> None:
                 kind = "multi-module 1F1B" if built.plan.multimodule else "interleaved"
                 raise ScheduleTextError(
                     f"{token.where()}: megatron-core's {kind} schedule runs "
-                    f"{want.label(built.chunks)!r} here and no other order; a different order "
-                    "runs only with one chunk per rank (schedule zb-h1)"
+                    f"{spelling.label(want, built.chunks)!r} here and no other order; a "
+                    "different order runs only with one chunk per rank (schedule zb-h1)"
                 )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.testing.distributed import init_distributed, model_parallel
 from megatron_ext.testing.equivalence import (
     ModelFactory,
@@ -167,7 +168,7 @@ def _metadata() -> dict:
 def trainer_at(link: Link, seed: int, perturb: bool) -> Iterator[Trainer]:
     plan = link.plan
     if plan.use_distributed_optimizer:
-        raise ValueError(
+        raise ConfigError(
             f"{link.name}: use_distributed_optimizer cannot load on CPU (module docstring)"
         )
     forget_moe_metrics()

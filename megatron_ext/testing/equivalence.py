@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.models.lm_loss import masked_token_loss
-from megatron_ext.parallel_plan import ParallelPlan
+from megatron_ext.parallel_plan import ParallelPlan, ParallelPlanError
 from megatron_ext.testing.configs import CPU_SAFE_FIELDS
 from megatron_ext.testing.distributed import model_parallel, world_size
 from megatron_ext.testing.shards import (
@@ -112,7 +112,7 @@ class TrainPlan:
         plan = self.parallel
         problem = plan.batch_problem(self.global_batch_size, self.micro_batch_size)
         if problem:
-            raise ValueError(f"global_batch_size {problem}")
+            raise ParallelPlanError(f"global_batch_size {problem}")
         return self.microbatches_per_step // plan.dp
 
 

@@ -10,6 +10,7 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel as _CoreHybridM
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext import guards
+from megatron_ext.errors import SpecError
 from megatron_ext.mhc.transformer_layer import layer_supports_mhc
 from megatron_ext.models.hybrid.hybrid_stack import HybridStack
 from megatron_ext.models.hybrid.layer_specs import UnavailableHybridLayer, stack_layer_specs
@@ -29,7 +30,7 @@ def _check_mhc_spec(spec: Any, pattern: str | None) -> None:
     """Refuse, before anything is built, a stack spec that cannot carry n streams."""
     stack_class = spec.module if isinstance(spec, ModuleSpec) else spec
     if not (isinstance(stack_class, type) and issubclass(stack_class, HybridStack)):
-        raise ValueError(
+        raise SpecError(
             "enable_mhc_connections=True needs megatron_ext's HybridStack (it expands and "
             f"contracts the streams), but hybrid_stack_spec builds {stack_class!r}; "
             f"{HYBRID_MHC_SPEC_HINT}"
@@ -47,7 +48,7 @@ def _check_mhc_spec(spec: Any, pattern: str | None) -> None:
     }
     if plain:
         described = ", ".join(f"{symbol!r} ({name})" for symbol, name in plain.items())
-        raise ValueError(
+        raise SpecError(
             f"enable_mhc_connections=True, but hybrid_stack_spec builds layers without mHC "
             f"residual streams for pattern symbols {described}; {HYBRID_MHC_SPEC_HINT}, or set "
             "enable_mhc_connections=False"
@@ -59,7 +60,7 @@ def _check_mhc_spec(spec: Any, pattern: str | None) -> None:
             c.__name__ for c in layer_classes if not issubclass(c, HyperConnectionMTPLayer)
         ]
         if plain_mtp:
-            raise ValueError(
+            raise SpecError(
                 "enable_mhc_connections=True with MTP needs mtp_block_spec layers that carry the "
                 f"n streams (HyperConnectionMTPLayer), got {', '.join(plain_mtp)}; "
                 f"{HYBRID_MHC_SPEC_HINT}"

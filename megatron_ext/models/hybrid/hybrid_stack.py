@@ -53,6 +53,7 @@ from megatron.core.models.hybrid.hybrid_block import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
+from megatron_ext.errors import SpecError
 from megatron_ext.mhc.hyper_connection import expand_streams
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.recompute import LayerRecompute, MHCRecomputeGroup, plan_recompute_groups
@@ -136,7 +137,7 @@ class HybridStack(LearnedContraction, _CoreHybridStack):
         self.payload = stage_payload(config)
         if self.contracts_streams:
             if not self.post_layer_norm:
-                raise ValueError(
+                raise SpecError(
                     "with enable_mhc_connections=True the post_process HybridStack must have its "
                     "final norm (the n streams are contracted right before it); build it with "
                     "post_layer_norm=True"

@@ -34,6 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.typed_torch import apply_module
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.mhc.hyper_connection import (
     HyperConnectionModule,
     aggregate,
@@ -67,7 +68,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         name: str | None = None,
     ):
         if not getattr(config, "enable_mhc_connections", False):
-            raise ValueError(
+            raise ConfigError(
                 "HyperConnectionMambaLayer needs enable_mhc_connections=True in its config "
                 "(megatron_ext.config.MHCTransformerConfig); use megatron-core's MambaLayer "
                 "for plain residual connections"

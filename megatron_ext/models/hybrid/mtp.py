@@ -60,6 +60,7 @@ from megatron.core.typed_torch import apply_module
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext import registry
+from megatron_ext.errors import SpecError
 from megatron_ext.mhc.hyper_connection import HyperConnectionModule
 from megatron_ext.mhc.learned_contraction import LearnedContraction
 from megatron_ext.mhc.single_pass import SinglePassState, contract_with_pre_mix
@@ -100,14 +101,14 @@ class HyperConnectionMTPLayer(LearnedContraction, MultiTokenPredictionLayer):
         base_submodules = submodules
         if carries_streams:
             if mtp_layer_pattern is None or (hybrid_submodules or mamba_submodules) is None:
-                raise ValueError(
+                raise SpecError(
                     "with enable_mhc_connections=True, MTP layers carry the n residual streams "
                     "and exist only in a HybridModel (its MTP block passes mtp_layer_pattern and "
                     "hybrid_submodules); GPT MTP layers cannot use HyperConnectionMTPLayer"
                 )
             missing = [f for f in ("e_proj", "h_proj") if getattr(submodules, f, None) is None]
             if missing:
-                raise ValueError(
+                raise SpecError(
                     f"with enable_mhc_connections=True the MTP layer spec needs {missing}: use "
                     "HyperConnectionMTPLayerSubmodules with e_proj and h_proj (column-parallel "
                     "linears), e.g. from get_hybrid_stack_local_spec(enable_mhc_connections=True)"
@@ -237,7 +238,7 @@ class HyperConnectionMTPBlock(MultiTokenPredictionBlock):
             if not getattr(layer, "carries_streams", False)
         ]
         if plain:
-            raise ValueError(
+            raise SpecError(
                 f"with enable_mhc_connections=True the MTP block's layers must carry the n "
                 f"streams, but it has {', '.join(plain)}; build mtp_block_spec with "
                 "HyperConnectionMTPLayer (get_hybrid_stack_local_spec(enable_mhc_connections=True))"

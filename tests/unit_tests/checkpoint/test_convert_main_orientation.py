@@ -54,7 +54,9 @@ def test_the_permutation_transposes_the_res_block_and_is_an_involution(n):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_converted_logits_are_the_transpose_exactly_and_h_res_to_convergence(n):
+def test_converted_logits_are_the_transpose_to_rounding_and_h_res_to_convergence(n):
+    # The rows are moved exactly (tests above); a matrix product may still round a moved row
+    # differently (CPU GEMM kernels block the output columns), so the logits agree to rounding.
     with model_parallel():
         source = _connection(n, seed=1)
         target = _connection(n, seed=2)
@@ -65,10 +67,13 @@ def test_converted_logits_are_the_transpose_exactly_and_h_res_to_convergence(n):
         with torch.no_grad():
             z_source, z_target = source._mapping_logits(tokens), target._mapping_logits(tokens)
             pre_post = slice(0, 2 * n)
-            assert torch.equal(z_target[:, pre_post], z_source[:, pre_post])
+            exact_to_rounding = dict(atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(
+                z_target[:, pre_post], z_source[:, pre_post], **exact_to_rounding
+            )
             res_source = z_source[:, 2 * n :].reshape(-1, n, n)
             res_target = z_target[:, 2 * n :].reshape(-1, n, n)
-            assert torch.equal(res_target, res_source.transpose(1, 2))
+            torch.testing.assert_close(res_target, res_source.transpose(1, 2), **exact_to_rounding)
             # Sinkhorn of the transpose = transpose of Sinkhorn, once it has converged.
             for module in (source, target):
                 module.sinkhorn_iterations = 200

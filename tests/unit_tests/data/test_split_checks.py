@@ -77,12 +77,14 @@ def test_a_dozen_documents_at_98_1_1_is_refused_in_one_line(dozen):
     assert valid.startswith("data.split: the valid split of data.paths[0]")
     for words in ("0 of 12 documents, 0 tokens", "under split 98,1,1", "needs 0 samples"):
         assert words in valid, valid
-    assert "data.split: 10,1,1" in valid  # a fix that works (checked below)
+    # a fix that works (checked below): 10,1,1 would give valid and test one 5-token document,
+    # no sample of 16+1 tokens (tests/unit_tests/data/test_seq_length_checks.py)
+    assert "data.split: 4,4,4" in valid
     assert all("\n" not in p for p in problems)
 
 
 def test_the_suggested_split_passes_and_evaluation_needs_are_counted(dozen):
-    assert _data_problems(_recipe(dozen, split="10,1,1")) == []
+    assert [str(p) for p in plan_problems(_recipe(dozen, split="4,4,4"))] == []
     with_eval = _recipe(dozen, split="10,1,1", training=", eval_interval: 2, eval_iters: 3")
     assert _data_problems(with_eval) == []  # 5-token documents repeat as epochs: never empty
     args = megatron_args(with_eval)
@@ -106,10 +108,16 @@ def test_a_one_document_corpus_asks_for_more_documents(dozen):
 
 
 def test_an_unweighted_blend_builds_one_epoch_and_is_refused_when_short(dozen):
-    paths = '["../data/dozen_text_document", "../data/one_text_document"]'
+    paths = '["../data/dozen_text_document", "../data/dozen_text_document"]'
     (problem,) = _data_problems(_recipe(dozen, paths, split="1,0,0"))
-    # 12 x 5 + 5 tokens: (60 - 1) // 16 + (5 - 1) // 16 = 3 samples; the run asks 4 x 4
-    assert "3 samples of 16+1 tokens, but the run needs 16" in problem, problem
+    # 2 x 12 x 5 tokens: 2 x (60 - 1) // 16 = 6 samples; the run asks 4 x 4
+    assert "6 samples of 16+1 tokens, but the run needs 16" in problem, problem
+    # a path too short for one sample stops megatron-core before that (every weight > 0)
+    with_one = '["../data/dozen_text_document", "../data/one_text_document"]'
+    (problem,) = [str(p) for p in plan_problems(_recipe(dozen, with_one, split="1,0,0"))]
+    assert problem.startswith(
+        "model.seq_length: 16 is too long for the train split of data.paths[1] (one_text_document)"
+    ), problem
     weighted = '["1 ../data/dozen_text_document", "1 ../data/one_text_document"]'
     assert _data_problems(_recipe(dozen, weighted, split="1,0,0")) == []
     mixed = '["1 ../data/dozen_text_document", "../data/one_text_document"]'
@@ -123,7 +131,8 @@ def test_per_split_paths_become_megatrons_per_split_flags(dozen):
         '  valid_paths: ["0.5 ../data/one_text_document", "0.5 ../data/dozen_text_document"]\n'
         '  test_paths: ["../data/one_text_document"]\n'
     )
-    loaded = _recipe(dozen, split="98,1,1", extra=extra)
+    # evaluating: a blend asked for no sample would be built empty (issue 40 item 13)
+    loaded = _recipe(dozen, split="98,1,1", training=", eval_interval: 2", extra=extra)
     assert _data_problems(loaded) == []  # each split reads its prefixes whole
     args = megatron_args(loaded)
     assert "--data-path" not in args and "--split" not in args

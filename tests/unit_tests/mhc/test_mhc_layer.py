@@ -11,6 +11,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_ext.errors import ConfigError, SpecError
 from megatron_ext.mhc import HyperConnectionModule
 from megatron_ext.mhc.transformer_block import HyperConnectionTransformerBlock
 from megatron_ext.mhc.transformer_layer import HyperConnectionTransformerLayer
@@ -163,7 +164,7 @@ def test_tuple_returning_norms_are_rejected(field):
 
 
 def test_cross_attention_hyper_connection_is_rejected():
-    with model_parallel(), pytest.raises(ValueError, match="cross_attention_hyper_connection"):
+    with model_parallel(), pytest.raises(SpecError, match="cross_attention_hyper_connection"):
         _layer(_spec(cross_attention_hyper_connection=HyperConnectionModule))
 
 
@@ -175,17 +176,17 @@ def test_cross_attention_is_rejected():
 
 @pytest.mark.parametrize("field", ["self_attention_hyper_connection", "mlp_hyper_connection"])
 def test_a_present_sublayer_needs_its_hyper_connection(field):
-    with model_parallel(), pytest.raises(ValueError, match=rf"no {field}; set {field}="):
+    with model_parallel(), pytest.raises(SpecError, match=rf"no {field}; set {field}="):
         _layer(_spec(**{field: IdentityOp}))
 
 
 def test_a_layer_with_neither_sublayer_is_rejected():
-    with model_parallel(), pytest.raises(ValueError, match="neither self_attention nor mlp"):
+    with model_parallel(), pytest.raises(SpecError, match="neither self_attention nor mlp"):
         _layer(_spec(**ATTENTION_ONLY, **MLP_ONLY))
 
 
 def test_mhc_layer_needs_mhc_enabled_in_the_config():
-    with model_parallel(), pytest.raises(ValueError, match="enable_mhc_connections=True"):
+    with model_parallel(), pytest.raises(ConfigError, match="enable_mhc_connections=True"):
         _layer(config=_config(enable_mhc_connections=False))
 
 
@@ -244,7 +245,7 @@ def test_plain_layers_in_a_block_spec_are_rejected_too():
 
 
 def test_last_stage_without_final_layernorm_is_rejected():
-    with model_parallel(), pytest.raises(ValueError, match="post_layer_norm=True"):
+    with model_parallel(), pytest.raises(SpecError, match="post_layer_norm=True"):
         HyperConnectionTransformerBlock(
             _config(), get_gpt_layer_local_spec(enable_mhc_connections=True), post_layer_norm=False
         )

@@ -1,7 +1,8 @@
 """A schedule's text form (megatron_ext.schedules.text): every shipped schedule round-trips
-(same steps, grid and bubble), the P2P calls derived from a one-chunk order are the built
-ones, a bad text is refused in one line naming rank and token, and ``megatron-ext schedule
---format text`` / ``--from-text`` print and read it."""
+in both spellings, ours and torch.distributed.pipelining's (same steps, grid and bubble), the
+torch-spelled text is one torch's own parser and validator accept, the P2P calls derived from
+a one-chunk order are the built ones, a bad text is refused in one line naming rank and token,
+and ``megatron-ext schedule --format text|torch-text`` / ``--from-text`` print and read it."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from megatron_ext.schedules.schedule import (
     format_timeline,
 )
 from megatron_ext.schedules.text import (
+    SPELLINGS,
     ScheduleTextError,
     derive_exchanges,
     format_text,
     schedule_from_text,
+    schedule_of,
 )
 
 RECIPES = Path(__file__).parents[3] / "recipes"
@@ -56,9 +59,9 @@ def _recipe_plans() -> list[tuple[str, SchedulePlan]]:
     return plans
 
 
-def _assert_round_trip(plan: SchedulePlan, with_plan: bool) -> None:
+def _assert_round_trip(plan: SchedulePlan, with_plan: bool, spelling: str = "megatron-ext") -> None:
     built = build_schedule(plan)
-    text = format_text(built, "a comment line")
+    text = format_text(built, "a comment line", spelling)
     back = schedule_from_text(text, plan if with_plan else None)
     ranks = range(len(built.ranks))
     assert [back.computes(r) for r in ranks] == [built.computes(r) for r in ranks]
@@ -70,14 +73,16 @@ def _assert_round_trip(plan: SchedulePlan, with_plan: bool) -> None:
         assert format_timeline(timeline, back.chunks) == format_timeline(original, built.chunks)
     assert back.peak_in_flight() == built.peak_in_flight()
     assert format_text(back) == format_text(built)
+    assert format_text(back, spelling=spelling) == format_text(built, spelling=spelling)
 
 
-def test_every_cli_schedule_round_trips():
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_every_cli_schedule_round_trips(spelling):
     plans = _cli_plans()
     assert len(plans) > 200
     for plan in plans:
-        _assert_round_trip(plan, with_plan=False)
-        _assert_round_trip(plan, with_plan=True)
+        _assert_round_trip(plan, with_plan=False, spelling=spelling)
+        _assert_round_trip(plan, with_plan=True, spelling=spelling)
 
 
 @pytest.mark.parametrize(
@@ -85,9 +90,10 @@ def test_every_cli_schedule_round_trips():
 )
 def test_every_shipped_recipe_schedule_round_trips(name, plan):
     # A multi-module text does not carry its modules' links: it is read back with its plan.
-    _assert_round_trip(plan, with_plan=True)
-    if plan.multimodule is None:
-        _assert_round_trip(plan, with_plan=False)
+    for spelling in SPELLINGS:
+        _assert_round_trip(plan, with_plan=True, spelling=spelling)
+        if plan.multimodule is None:
+            _assert_round_trip(plan, with_plan=False, spelling=spelling)
 
 
 def test_the_text_is_the_grid_labels_one_line_per_rank():
@@ -135,7 +141,36 @@ ZB = SchedulePlan(pp=2, microbatches=3, schedule="zb-h1")
 GOOD_RANK_1 = "F0 B0 F1 B1 W0 F2 B2 W1 W2"
 BAD_TEXTS = {
     "unknown token": (f"F0 F1 X0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "rank 0, token 3 'X0'"),
-    "torch's I": (f"F0 F1 I0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "rank 0, token 3 'I0'"),
+    "torch's I beside a B": (
+        f"F0 F1 I0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}",
+        "rank 0, token 6 'B1': in torch's spelling (this text has rank 0, token 3 'I0') B is "
+        "the whole backward",
+    ),
+    "the issue's example, a torch B with I": (
+        f"F0 F1 B0 I1 W0 F2 I2 W1 W2\n{GOOD_RANK_1}",
+        "rank 0, token 3 'B0': in torch's spelling",
+    ),
+    "a torch-form B followed by its W": (
+        "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2\n1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2",
+        "rank 0, token 3 '0B0': in torch's spelling (this text has rank 0, token 4 '0W0')",
+    ),
+    "torch's W before its I": (
+        "F0 F1 I0 W0 F2 W1 I1 I2 W2\nF0 I0 F1 I1 W0 F2 I2 W1 W2",
+        "rank 0, token 6 'W1': comes before its I1; a backward follows its forward, a W its I",
+    ),
+    "torch's I missing": (
+        "F0 F1 I0 W0 F2 I1 W1 W2\nF0 I0 F1 I1 W0 F2 I2 W1 W2",
+        "rank 0, token 8 'W2': comes before its I2",
+    ),
+    "a stage on another rank": (
+        "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2\n1F0 1I0 1F1 1I1 1W0 0F2 1I2 1W1 1W2",
+        "rank 1, token 6 '0F2': stage 0 does not run on rank 1, which holds stages 1, 3, ...",
+    ),
+    "stage and chunk together": (f"0F0c0 F1 B0 W0 F2 B1 W1 B2 W2\n{GOOD_RANK_1}", "token 1"),
+    "torch's communication action": (
+        f"F0 F1 B0 W0 F2 B1 W1 B2 W2 1SEND_B2\n{GOOD_RANK_1}",
+        "rank 0, token 10 '1SEND_B2': torch's communication action",
+    ),
     "missing action": ("F0 F1 B0 W0 F2 B1 W1 B2 W2\nF0 B0 F1 B1 W0 F2 B2 W1", "rank 1: 'W2'"),
     "duplicate action": (f"F0 F1 B0 W0 F2 B1 W1 B2 W2 B2\n{GOOD_RANK_1}", "rank 0, token 10"),
     "micro-batch out of range": (f"F0 F1 B0 W0 F2 B1 W1 B2 W2 F3\n{GOOD_RANK_1}", "token 10 'F3'"),
@@ -154,11 +189,91 @@ BAD_TEXTS = {
 @pytest.mark.parametrize("case", sorted(BAD_TEXTS))
 def test_bad_text_is_refused_in_one_line_naming_rank_and_token(case):
     text, where = BAD_TEXTS[case]
-    plan = dataclasses.replace(ZB, schedule="1f1b") if case == "W in a 1F1B text" else ZB
+    plan = dataclasses.replace(ZB, schedule="1f1b") if "1F1B" in case else ZB
     with pytest.raises(ScheduleTextError) as raised:
         schedule_from_text(text, plan)
     message = str(raised.value)
     assert where in message and "\n" not in message, message
+
+
+def test_an_unknown_token_names_itself_its_rank_line_and_the_letters():
+    with pytest.raises(ScheduleTextError) as raised:
+        schedule_from_text(f"{GOOD_RANK_1}\nF0 F1 X0 W0", ZB)
+    message = str(raised.value)
+    assert message.startswith("rank 1, token 3 'X0': not an action; write F (forward), B ")
+    assert "I (input gradient), W, B (whole backward)" in message and "\n" not in message
+
+
+# ---- torch's spelling -----------------------------------------------------------------------
+def _torch_actions(text: str):
+    from torch.distributed.pipelining.schedules import _Action
+
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    return {rank: [_Action.from_str(t) for t in line.split()] for rank, line in enumerate(lines)}
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        SchedulePlan(pp=4, microbatches=8, schedule="zb-h1"),
+        SchedulePlan(pp=3, microbatches=5),
+        SchedulePlan(pp=2, vpp=3, microbatches=6, microbatch_group_size=3),
+        SchedulePlan(pp=4, vpp=2, microbatches=4),
+    ],
+    ids=lambda p: f"pp{p.pp}-vpp{p.vpp}-m{p.microbatches}-{p.schedule}",
+)
+def test_torch_parses_and_validates_our_torch_spelled_text(plan):
+    """torch's own _Action.from_str reads every token as the same step (stage, kind,
+    micro-batch) and its _validate_schedule accepts the order (F before I before W, I and W
+    counts equal, every stage on one rank)."""
+    from torch.distributed.pipelining.schedules import _ComputationType, _validate_schedule
+
+    built = build_schedule(plan)
+    actions = _torch_actions(format_text(built, spelling="torch"))
+    split = plan.schedule == "zb-h1"
+    kinds = {
+        "F": "FORWARD",
+        "B": "BACKWARD_INPUT" if split else "FULL_BACKWARD",
+        "W": "BACKWARD_WEIGHT",
+    }
+    for rank, steps in actions.items():
+        expected = [
+            (step.chunk * plan.pp + rank, _ComputationType[kinds[step.kind]], step.microbatch)
+            for step in built.computes(rank)
+        ]
+        assert [(a.stage_index, a.computation_type, a.microbatch_index) for a in steps] == expected
+    stage_ranks = _validate_schedule(actions, plan.pp, plan.pp * plan.chunks, plan.microbatches)
+    assert stage_ranks == {s: s % plan.pp for s in range(plan.pp * plan.chunks)}
+
+
+def test_torch_spelling_reads_as_the_same_schedule():
+    ours = "F0 F1 B0 W0 F2 B1 W1 B2 W2\nF0 B0 F1 B1 W0 F2 B2 W1 W2\n"
+    torch_letters = ours.replace("B", "I")  # torch's I is our ZB-H1 B
+    torch_actions = "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2\n1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2\n"
+    torch_csv = torch_actions.replace(" ", ",").replace("0W0,", "0W0,,")  # empty cell: idle
+    expected = schedule_from_text(ours)
+    for text in (torch_letters, torch_actions, torch_csv):
+        assert schedule_from_text(text) == expected
+        assert schedule_from_text(text, ZB) == expected
+    assert format_text(expected, spelling="torch") == torch_actions
+    one_f_one_b = "0F0 0F1 0B0 0F2 0B1 0B2\n1F0 1B0 1F1 1B1 1F2 1B2\n"  # torch's B: whole
+    assert schedule_from_text(one_f_one_b) == build_schedule(SchedulePlan(pp=2, microbatches=3))
+
+
+def test_zb_h1_runs_a_torch_spelled_order_file(tmp_path):
+    """The runtime's reader (schedule_of: parallelism.schedule_file, pipeline_schedule_file)
+    takes torch's spelling and gives the schedule, P2P calls included, that ours gives."""
+    plan = SchedulePlan(pp=4, microbatches=6, schedule="zb-h1")
+    built = build_schedule(plan)
+    path = tmp_path / "order.csv"
+    path.write_text(format_text(built, spelling="torch").replace(" ", ","))
+    assert schedule_of(dataclasses.replace(plan, order_file=str(path))) == built
+
+
+def test_a_torch_split_text_for_a_1f1b_plan_says_to_write_whole_backwards():
+    plan = SchedulePlan(pp=2, microbatches=3)
+    with pytest.raises(ScheduleTextError, match=r"token 4 'W0': W steps belong .* \(write B0, not"):
+        schedule_from_text("F0 F1 I0 W0 F2 I1 W1 I2 W2\nF0 I0 F1 I1 W0 F2 I2 W1 W2", plan)
 
 
 def test_p2p_calls_that_cannot_pair_are_refused():
@@ -212,6 +327,31 @@ def test_cli_prints_text_and_reads_it_back(capsys, tmp_path, flags):
     assert _report_without_order_line(read_back) == original.splitlines()
     assert cli.main(["schedule", "--from-text", str(path), "--format", "text"]) == 0
     assert capsys.readouterr().out == text
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pp", "4", "--microbatches", "8", "--schedule", "zb-h1"],
+        ["--pp", "2", "--vpp", "2", "--microbatches", "6", "--microbatch-group-size", "3"],
+    ],
+)
+def test_cli_reads_torch_text_as_the_same_grid_and_bubble(capsys, tmp_path, flags):
+    assert cli.main(["schedule", *flags, "--format", "torch-text"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[1].split()[0] == "0F0"
+    path = tmp_path / "torch_order.txt"
+    path.write_text(text)
+    assert cli.main(["schedule", *flags]) == 0
+    original = capsys.readouterr().out
+    assert cli.main(["schedule", "--from-text", str(path)]) == 0
+    read_back = capsys.readouterr().out
+    assert f"order: from {path}, the built schedule's exactly" in read_back
+    assert _report_without_order_line(read_back) == original.splitlines()
+    assert cli.main(["schedule", "--from-text", str(path), "--format", "text"]) == 0
+    from_torch = capsys.readouterr().out
+    assert cli.main(["schedule", *flags, "--format", "text"]) == 0
+    assert from_torch == capsys.readouterr().out  # torch's spelling in, ours out
 
 
 def test_cli_reports_a_different_order_and_where_it_differs(capsys, tmp_path):
