@@ -18,6 +18,9 @@ A process started by multiprocessing (forked or spawned) inherits its parent's d
   socket of its workers lies there. A rank started otherwise (torchrun, srun) makes its own at
   that point instead: its workers still share it, and the rank's exit handler removes it, also
   on the failing path (:func:`megatron_ext.launch.faults.run_failing_fast`).
+
+A launcher killed with SIGKILL runs no clean-up: its (empty, once the workers are gone)
+directory stays, as every other process's would.
 """
 
 from __future__ import annotations
