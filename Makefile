@@ -117,6 +117,7 @@ MEGATRON_CORE_WHEEL_PP ?= ../shared/wheels/megatron-core-0.20-mhc-pp
 MEGATRON_CORE_WHEEL_MAIN ?= ../shared/wheels/megatron-core-0.20-main
 test-soak: setup
 	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests --durations=0
+	MEGATRON_EXT_SOAK=1 $(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests/checkpoint/test_resharding_4ranks.py --durations=0
 	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_PP) $(MCORE020) soak
 	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_MAIN) $(MCORE020) soak
 
