@@ -103,15 +103,17 @@ def _far_from_the_start(model: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module")
-def upstream(monkeypatch_module):
+def upstream():
     """Upstream's PP 1 run and its initial weights converted by the CLI (every rank)."""
-    # Upstream's mHC methods are torch.compile'd: the same maths eagerly (a minute less).
-    monkeypatch_module.setattr(torch._dynamo.config, "disable", True)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    reference = run_reference(
-        PLAN, upstream_gpt_factory(PLAN), gpt_forward_step, config_class=TransformerConfig
-    )
+    # Upstream's mHC methods are torch.compile'd: the same maths eagerly (a minute less).
+    # torch's own config patch: a monkeypatch of the config module would hide the key from
+    # every later compile of the session ("torch._dynamo.config.disable does not exist").
+    with torch._dynamo.config.patch(disable=True):
+        reference = run_reference(
+            PLAN, upstream_gpt_factory(PLAN), gpt_forward_step, config_class=TransformerConfig
+        )
     with shared_directory("upstream-mhc-") as directory:
         saved, converted = directory / "upstream.pt", directory / "megatron-ext.pt"
         if dist.get_rank() == 0:
@@ -121,12 +123,6 @@ def upstream(monkeypatch_module):
         dist.barrier()
         weights = torch.load(converted, weights_only=True)
     return reference, weights
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def _continue(plan: TrainPlan, weights: dict[str, torch.Tensor]):
