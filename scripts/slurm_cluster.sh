@@ -185,8 +185,9 @@ start_node() {   # slurmd of node $1 in its own UTS + mount namespace; records p
         node "$name" "$DIR/hosts" "$CONF" >"$DIR/log/slurmd-$name.stdout" 2>&1 &
     pid=$!
     echo "$pid" >"$DIR/node-$name.pid"
-    # the namespace's id: stop and kill-node end every process in it, not only slurmd
-    for _ in $(seq 1 50); do
+    # the namespace's id: stop and kill-node end every process in it, not only slurmd.
+    # Up to 60 s: on a loaded machine unshare, hostname, mount and exec take seconds
+    for _ in $(seq 1 600); do
         [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ] && break
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.1
@@ -201,7 +202,7 @@ node_states() { timeout 5 sinfo -h -N -o '%N %T' 2>/dev/null || true; }
 
 wait_idle() {   # every node named in $@ idle
     local states=""
-    for _ in $(seq 1 120); do
+    for _ in $(seq 1 360); do   # 3 min: slurmd registers slowly on a loaded machine
         states=$(node_states)
         local all=1
         for n in "$@"; do grep -qx "$n idle" <<<"$states" || all=0; done

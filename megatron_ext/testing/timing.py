@@ -89,6 +89,15 @@ def bound(idle_s: float) -> Bound:
     return Bound(idle_s, slowdown())
 
 
+def harness_bound(idle_s: float) -> Bound:
+    """``idle_s`` scaled to the machine's present slowdown even in the soak tier: for a wait on
+    something a test only needs to happen before it can check its claim (a job to reach an
+    iteration, Slurm to notice a lost node, a daemon to start), not for the claim itself. The
+    soak tier keeps idle figures to catch a slow but finite end of the product; a harness step
+    that is merely slow on a shared machine is not that."""
+    return Bound(idle_s, max(reference_slowdown(), load_per_core()))
+
+
 def watchdog_env() -> dict[str, str]:
     """The environment for a run a test starts: the stall watchdog's start-up allowance (300 s
     idle, megatron_ext.launch.heartbeat.STARTUP_S) scaled to the load, so that a slow start on a
