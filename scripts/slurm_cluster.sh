@@ -254,26 +254,30 @@ stop_pid() {
 }
 
 ns_members() {   # pids of the processes in the namespace $1 (a readlink of /proc/PID/ns/uts)
-    local p
-    for p in /proc/[0-9]*; do
-        [ "$(readlink "$p/ns/uts" 2>/dev/null)" = "$1" ] && echo "${p#/proc/}"
-    done
+    # one stat for all processes: a readlink per process takes seconds on a loaded machine
+    QUOTING_STYLE=shell-always stat -c '%N' /proc/[0-9]*/ns/uts 2>/dev/null \
+        | awk -v ns="'$1'" '$3 == ns { split($1, part, "/"); print part[3] }'
     return 0
 }
 
 kill_node() {   # SIGKILL every process of node $1 (its namespace dies with the last of them)
-    local name=$1 ns pids
+    local name=$1 ns pids end
     [ -s "$DIR/node-$name.ns" ] || die "no node $name in $DIR"
     ns=$(cat "$DIR/node-$name.ns")
-    # up to 30 s: on a loaded machine a killed rank's memory takes seconds to be released
-    for _ in $(seq 1 300); do
+    # up to SLURM_CI_KILL_WAIT_S (60 s) of wall clock: on a loaded machine a killed rank's
+    # memory (or its write in progress) takes seconds to be released
+    end=$(( SECONDS + ${SLURM_CI_KILL_WAIT_S:-60} ))
+    while :; do
         pids=$(ns_members "$ns")
         [ -z "$pids" ] && { log "$name: no process left"; return 0; }
+        [ "$SECONDS" -ge "$end" ] && break
         # shellcheck disable=SC2086
         kill -KILL $pids 2>/dev/null || true
         sleep 0.1
     done
-    die "$name: processes survive SIGKILL: $pids"
+    # shellcheck disable=SC2086
+    ps -o pid=,stat=,wchan:24=,etime=,args= -p "$(echo $pids | tr ' ' ',')" >&2 || true
+    die "$name: processes survive SIGKILL for ${SLURM_CI_KILL_WAIT_S:-60} s: $pids (above: state, wait channel)"
 }
 
 stop() {

@@ -56,9 +56,13 @@ def load_per_core() -> float:
 
 def slowdown() -> float:
     """How many times slower than idle this machine runs now (1 under MEGATRON_EXT_SOAK=1)."""
+    return 1.0 if soak() else present_slowdown()
+
+
+def present_slowdown() -> float:
+    """How many times slower than idle this machine runs now, in every tier; measured again
+    when older than ``REFRESH_S`` (a measurement takes seconds on a busy machine)."""
     global _measured
-    if soak():
-        return 1.0
     now = time.monotonic()
     if _measured is None or now - _measured[0] > REFRESH_S:
         _measured = (now, max(reference_slowdown(), load_per_core()))
@@ -95,7 +99,7 @@ def harness_bound(idle_s: float) -> Bound:
     iteration, Slurm to notice a lost node, a daemon to start), not for the claim itself. The
     soak tier keeps idle figures to catch a slow but finite end of the product; a harness step
     that is merely slow on a shared machine is not that."""
-    return Bound(idle_s, max(reference_slowdown(), load_per_core()))
+    return Bound(idle_s, present_slowdown())
 
 
 def watchdog_env() -> dict[str, str]:

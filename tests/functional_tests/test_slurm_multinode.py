@@ -52,13 +52,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _cluster(command: str, state: Path, env: dict, *extra: str, idle_s: float = 120):
+def _cluster(command: str, state: Path, env: dict, *extra: str, idle_s: float = 120, limit=None):
     return subprocess.run(
         ["bash", str(SCRIPT), command, *extra, "--dir", str(state)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=timing.harness_bound(idle_s),  # the harness's step, not a claim
+        # the harness's step, not a claim
+        timeout=limit if limit is not None else timing.harness_bound(idle_s),
     )
 
 
@@ -252,14 +253,14 @@ def _node_state(env: dict, node: str) -> str:
     return " ".join(proc.stdout.split())
 
 
-def _cluster_retried(command: str, cluster, node: str, tries: int = 3):
+def _cluster_retried(command: str, cluster, node: str, limit: float, tries: int = 3):
     """kill-node / start-node, tried again when the script only ran out of time on a busy
     machine (a killed rank's memory slow to go, slurmd slow to exec): each try is complete on
     its own (kill-node SIGKILLs whatever is left; start-node refuses a node still running)."""
     done = None
     for attempt in range(tries):
         try:
-            done = _cluster(command, cluster["state"], cluster["env"], node)
+            done = _cluster(command, cluster["state"], cluster["env"], node, limit=limit)
         except subprocess.TimeoutExpired as error:
             done = subprocess.CompletedProcess(error.cmd, -1, str(error.stdout), "timed out")
             continue
@@ -279,8 +280,10 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool, sub
     tests prove, so they are scaled to the machine's load even in the soak tier; each failure
     says which step of the harness did not happen, with the cluster's and the job's logs."""
     env = cluster["env"]
+    # measured now, not between the iteration and the kill (seconds on a busy machine)
+    reach, noticed = timing.harness_bound(600), timing.harness_bound(180)
+    act = timing.harness_bound(120)  # kill-node, start-node
     started = time.monotonic()
-    reach = timing.harness_bound(600)
     reached = _wait_for_text(
         lambda: (run_dir / "logs").glob("rank-3.log"),
         f"iteration {at_iteration:8d}/",
@@ -299,12 +302,14 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool, sub
             f"harness: the job did not reach iteration {at_iteration} before node2 could be "
             f"lost: {why}\n{output}\n{_harness_state(cluster, run_dir)}"
         )
-    killed = _cluster_retried("kill-node", cluster, "node2")
+    marks = [f"iteration {at_iteration} after {time.monotonic() - started:.0f} s"]
+    killing = time.monotonic()
+    killed = _cluster_retried("kill-node", cluster, "node2", act)
+    marks.append(f"kill-node {time.monotonic() - killing:.0f} s")
     assert killed.returncode == 0, f"harness: kill-node node2 failed: {killed.stderr}"
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     latest = tracker.read_text().strip() if tracker.exists() else ""
-    # SlurmdTimeout (30 s) and slurmctld's ping cycle on an idle machine
-    noticed = timing.harness_bound(180)
+    # noticed: SlurmdTimeout (30 s) and slurmctld's ping cycle on an idle machine
     killed_at = time.monotonic()
     while "down" not in _node_state(env, "node2") and time.monotonic() < killed_at + noticed:
         time.sleep(1)
@@ -312,12 +317,15 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool, sub
         f"harness: Slurm did not declare node2 down: "
         f"{noticed.explain(time.monotonic() - killed_at)}\n{_harness_state(cluster, run_dir)}"
     )
+    marks.append(f"down after {time.monotonic() - killed_at:.0f} s")
     if bring_back:
-        back = _cluster_retried("start-node", cluster, "node2")
+        back = _cluster_retried("start-node", cluster, "node2", act)
+        marks.append("node2 back")
         assert back.returncode == 0, (
             f"harness: start-node node2 failed: {back.stdout}\n{back.stderr}\n"
             f"{_harness_state(cluster, run_dir)}"
         )
+    print("harness: " + "; ".join(marks))  # shown with -s, for the soak tier's record
     return latest
 
 

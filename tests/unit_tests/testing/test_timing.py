@@ -41,6 +41,7 @@ def test_runs_started_by_tests_get_a_scaled_start_up_allowance(monkeypatch):
 
 def test_a_harness_wait_scales_with_the_load_even_in_the_soak_tier(monkeypatch):
     monkeypatch.setenv(timing.SOAK_ENV, "1")
+    monkeypatch.setattr(timing, "_measured", None)
     monkeypatch.setattr(timing, "reference_slowdown", lambda: 2.0)
     monkeypatch.setattr(timing, "load_per_core", lambda: 3.5)  # load 7 on 2 cores
     wait = timing.harness_bound(600)
