@@ -253,10 +253,17 @@ stop_pid() {
     log "killed $name ($pid)"
 }
 
-ns_members() {   # pids of the processes in the namespace $1 (a readlink of /proc/PID/ns/uts)
-    # one stat for all processes: a readlink per process takes seconds on a loaded machine
-    QUOTING_STYLE=shell-always stat -c '%N' /proc/[0-9]*/ns/uts 2>/dev/null \
-        | awk -v ns="'$1'" '$3 == ns { split($1, part, "/"); print part[3] }'
+ns_members() {   # pids of this cluster's processes in the namespace $1 (a readlink of /proc/PID/ns/uts)
+    # One stat for all processes (a readlink each takes seconds on a loaded machine). A
+    # namespace's id is reused once it has ended: a node whose processes all died (its slurmd
+    # stopped) leaves a stale id that another cluster's new node may get a second later, and
+    # stop or kill-node would kill that node (seen: a parallel session's stop killed this
+    # cluster's node1). So a member must also see this cluster's hosts file on /etc/hosts.
+    local p
+    for p in $(QUOTING_STYLE=shell-always stat -c '%N' /proc/[0-9]*/ns/uts 2>/dev/null \
+        | awk -v ns="'$1'" '$3 == ns { split($1, part, "/"); print part[3] }'); do
+        [ /proc/"$p"/root/etc/hosts -ef "$DIR/hosts" ] && echo "$p"
+    done
     return 0
 }
 

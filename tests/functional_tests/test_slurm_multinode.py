@@ -169,6 +169,49 @@ def test_the_cluster_script_refuses_a_second_start_on_its_directory(cluster):
     assert nodes.stdout.split("\n")[:2] == ["node1 2 idle", "node2 2 idle"], nodes.stdout
 
 
+def _in_own_node_namespace(hosts: Path) -> subprocess.Popen:
+    """A process in its own UTS and mount namespace with ``hosts`` on /etc/hosts, as the
+    cluster script starts a node's slurmd."""
+    return subprocess.Popen(
+        [
+            "unshare", "--uts", "--mount", "--propagation", "private", "--", "bash", "-c",
+            'mount --bind "$1" /etc/hosts && exec sleep 600', "node", str(hosts),
+        ]
+    )  # fmt: skip
+
+
+def test_kill_node_kills_only_its_clusters_processes_in_a_reused_namespace_id(tmp_path):
+    """A namespace's id is reused once it ended, so a stale node-NAME.ns (its slurmd stopped)
+    may name another cluster's new node: seen when a parallel session's stop killed this
+    cluster's node1. kill-node kills only processes that see its cluster's hosts file."""
+    assert os.geteuid() == 0, "this test makes namespaces: run it as root"
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for d in (ours, theirs):
+        d.mkdir()
+        (d / "hosts").write_text(f"127.0.0.1 localhost # {d.name}\n")
+    foreign = _in_own_node_namespace(theirs / "hosts")
+    try:
+        deadline = time.monotonic() + timing.bound(20)
+        while open(f"/proc/{foreign.pid}/comm").read().strip() != "sleep":
+            assert time.monotonic() < deadline, "the namespaced process did not start"
+            time.sleep(0.1)
+        # the other cluster's node got the id our stale file names
+        (ours / "node-node1.ns").write_text(os.readlink(f"/proc/{foreign.pid}/ns/uts") + "\n")
+        killed = _cluster("kill-node", ours, dict(os.environ), "node1", idle_s=60)
+        assert killed.returncode == 0, killed.stderr
+        assert foreign.poll() is None, "kill-node killed another cluster's process"
+        # and a process of its own cluster in that namespace id is killed
+        (ours / "node-node1.ns").write_text(os.readlink(f"/proc/{foreign.pid}/ns/uts") + "\n")
+        (theirs / "node-node1.ns").write_text((ours / "node-node1.ns").read_text())
+        killed = _cluster("kill-node", theirs, dict(os.environ), "node1", idle_s=60)
+        assert killed.returncode == 0, killed.stderr
+        assert foreign.wait(timeout=timing.bound(30)) == -9
+    finally:
+        if foreign.poll() is None:
+            foreign.kill()
+            foreign.wait()
+
+
 def test_tp2_pp2_sp_over_two_nodes_matches_golden_and_resumes(cluster, run_dir):
     started = time.monotonic()
     result = subprocess.run(
