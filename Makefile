@@ -26,9 +26,9 @@ demo: setup
 # one process, then one pytest session per rank under torchrun: each session runs the tests
 # marked for its world size (tests/conftest.py); then the wheel and the GPU preparation. The
 # lint (ruff, mypy) opens that lane.
-# make test builds the megatron-core 0.20 environment first and trains its four recipes after the
-# functional runs; the 0.20 unit sessions (1, 2, 4 ranks) run in make test-mcore-0.20 (the suite
-# was over its 30 minutes with them, and they had not run whole on the merged tree).
+# make test builds the megatron-core 0.20 environment first; the 0.20 lane's steps
+# (scripts/mcore_020_lane.sh) are shared out so the two lanes end together: its four recipes and
+# 4-rank session after the functional runs, its single-process and 2-rank sessions in the unit lane.
 test: setup
 	@$(MAKE) --no-print-directory test-mcore-0.20-env
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional-lane test-lanes
@@ -36,12 +36,15 @@ test: setup
 test-functional-lane:
 	@$(MAKE) --no-print-directory test-functional
 	@$(MCORE020) recipes
+	@$(MCORE020) 4ranks
 
 test-lanes:
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-2ranks
 	@$(MAKE) --no-print-directory test-4ranks
+	@$(MCORE020) unit
+	@$(MCORE020) 2ranks
 	@$(MAKE) --no-print-directory test-install
 	@$(MAKE) --no-print-directory test-gpu-prep
 
@@ -79,7 +82,7 @@ lint:
 mypy:
 	.venv/bin/mypy $(MYPY_PATHS)
 
-# --durations: the log shows where the time goes (make test must stay under 20 minutes).
+# --durations: the log shows where the time goes (make test must stay under 30 minutes, both megatron-cores).
 test-single: test-unit test-functional
 
 test-unit:
@@ -88,11 +91,15 @@ test-unit:
 test-functional:
 	$(PY) -m pytest tests/functional_tests --durations=15
 
+# A multi-rank session collects only the files holding tests for its world (tests/conftest.py):
+# every rank importing the whole suite to deselect most of it cost each session seconds of CPU.
+rank_test_files = $(shell grep -rlE 'world_size\($(1)\)' tests/unit_tests | sort)
+
 test-2ranks:
-	$(TORCHRUN) --nproc_per_node 2 -m pytest tests/unit_tests --durations=10
+	$(TORCHRUN) --nproc_per_node 2 -m pytest $(call rank_test_files,2) --durations=10
 
 test-4ranks:
-	$(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests --durations=10
+	$(TORCHRUN) --nproc_per_node 4 -m pytest $(call rank_test_files,4) --durations=10
 
 # The soak tier of the two-node Slurm tests (root; a two-node cluster on this machine,
 # scripts/slurm_cluster.sh): a lost node with and without requeue, the stop signal to a
@@ -110,6 +117,7 @@ MEGATRON_CORE_WHEEL_PP ?= ../shared/wheels/megatron-core-0.20-mhc-pp
 MEGATRON_CORE_WHEEL_MAIN ?= ../shared/wheels/megatron-core-0.20-main
 test-soak: setup
 	MEGATRON_EXT_SOAK=1 $(PY) -m pytest tests/functional_tests --durations=0
+	MEGATRON_EXT_SOAK=1 $(TORCHRUN) --nproc_per_node 4 -m pytest tests/unit_tests/checkpoint/test_resharding_4ranks.py --durations=0
 	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_PP) $(MCORE020) soak
 	MEGATRON_CORE_WHEEL=$(MEGATRON_CORE_WHEEL_MAIN) $(MCORE020) soak
 

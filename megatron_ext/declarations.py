@@ -727,6 +727,22 @@ declare(
 
 declare(
     Seam(
+        "multiprocessing.process:current_process()._config",
+        "private_attribute",
+        "A rank of the local launcher takes the run's multiprocessing temporary directory as its "
+        "own (launch.mp_temp_dir.share_with_children) before it starts any worker: the "
+        "processes it starts inherit this dict, so every DataLoader worker's listener-* socket "
+        "lies in the one directory the launcher removes, however the workers end (issue 41 item "
+        "13: a signal ends them without multiprocessing's clean-up, and each left a pymp-* "
+        "directory). Its 'tempdir' key is what multiprocessing.util.get_temp_dir reads and "
+        "sets; Python has no public way to choose the directory.",
+        None,
+        _PYTHON,
+    )
+)
+
+declare(
+    Seam(
         "atexit:_run_exitfuncs",
         "private_function",
         "The megatron-ext program and the training entries (after a returned training, "

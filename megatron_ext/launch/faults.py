@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.errors import EnvVariableError, MegatronExtError
-from megatron_ext.launch import heartbeat
+from megatron_ext.launch import heartbeat, mp_temp_dir
 
 FAULT_ENV = "MEGATRON_EXT_FAULT"
 KILL_WHILE_SAVING = "kill-while-saving"
@@ -193,11 +193,13 @@ FULL_DISK_BYTES = 1 << 20
 
 
 def _save_dir() -> str | None:
-    """The rank's ``--save`` directory, when megatron's arguments are parsed."""
+    """The rank's ``--save`` directory, when megatron's arguments are parsed (never before
+    megatron.training is imported: a failing process that never trained does not import it)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None:
+        return None
     try:
-        from megatron.training.global_vars import get_args
-
-        return getattr(get_args(), "save", None)
+        return getattr(global_vars.get_args(), "save", None)
     except Exception:  # noqa: BLE001 - not initialised yet, or no megatron: no save dir
         return None
 
@@ -315,7 +317,10 @@ def report_failure(exc: BaseException, stream: Any = None) -> str:
 def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``work(*args, **kwargs)``; on an exception report it and exit with status 1 at once.
     Also starts the rank's heartbeat when the launcher watches for stalls, and arms a
-    ``kill-while-saving`` fault."""
+    ``kill-while-saving`` fault. The rank's multiprocessing temporary directory is settled first,
+    before any worker starts: its workers share it, so no signal that ends them leaves one of
+    theirs behind (:mod:`megatron_ext.launch.mp_temp_dir`)."""
+    mp_temp_dir.share_with_children()
     heartbeat.start(_global_rank())
     arm_save_fault()
     try:
@@ -333,9 +338,11 @@ def run_failing_fast(work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 def _clean_up_multiprocessing() -> None:
     """What multiprocessing's exit handler does (shut a Manager's server down, stop Pool
-    workers, remove its pymp-* temporary directory), which os._exit skips: without it a failing
-    rank that had started a Manager (megatron's dist-checkpoint results queue outside
-    megatron.training) left the server process and its directory behind (issue 41, item 13).
+    workers and DataLoader workers, remove this rank's pymp-* temporary directory unless the
+    launcher owns it), which os._exit skips: without it a failing rank that had started a
+    Manager (megatron's dist-checkpoint results queue outside megatron.training) left the server
+    process and its directory behind (issue 41, item 13). The workers it stops with a signal
+    leave their sockets in the rank's directory (:mod:`megatron_ext.launch.mp_temp_dir`).
     Errors are ignored: the rank is already failing and must still exit."""
     from megatron_ext import registry
 

@@ -16,7 +16,8 @@ ranks' heartbeats (:mod:`megatron_ext.launch.heartbeat`): when no rank has progr
 stall limit, every rank is stopped and the stalled one is named. Ranks die with the launcher
 (Linux parent-death signal), so even a SIGKILLed launcher leaves no training behind. Every rank runs in its own process group, so checkpoint
 writers and resource trackers it spawned stop with it, and what a dead rank leaves in its
-group is ended when the run ends.
+group is ended when the run ends. The ranks and their workers share one multiprocessing
+temporary directory, removed when the run ends (:mod:`megatron_ext.launch.mp_temp_dir`).
 
 Only the processes this launcher started are ever signalled, by their ids.
 """
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.launch import heartbeat
+from megatron_ext.launch import heartbeat, mp_temp_dir
 
 POLL_S = 0.2
 GRACE_S = 10.0
@@ -363,7 +364,12 @@ def launch(
         )
         ask_ranks_to_save()
 
-    with stop_signals_interrupt(on_save_stop if job.save_signal else None):
+    # the ranks' multiprocessing directory goes once the ranks and their groups have ended
+    # (reap_groups below), whatever ended them: no worker's socket is left (issue 41, item 13)
+    with (
+        stop_signals_interrupt(on_save_stop if job.save_signal else None),
+        mp_temp_dir.for_the_ranks() as ranks_temp_dir,
+    ):
         try:
             for rank in range(job.nproc):
                 env = {
@@ -371,6 +377,7 @@ def launch(
                     **job.env,
                     **rank_environment(rank, job.nproc, port, agent_store=True),
                     heartbeat.DIR_ENV: str(job.heartbeat_dir),
+                    mp_temp_dir.DIR_ENV: ranks_temp_dir,
                 }
                 with open(job.log_path(rank), "w") as log:
                     procs[rank] = subprocess.Popen(

@@ -5,11 +5,14 @@ saves and stops: tests/functional_tests/test_stop_resume.py)."""
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +33,32 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_ctrl_c_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
+@pytest.fixture
+def temp_root():
+    """A fresh, empty TMPDIR for the run's processes: a ``pymp-*`` directory found there was left
+    by the run (issue 41 item 13: its DataLoader workers' when a signal ended them). Short: a
+    socket path under it must fit in 108 bytes. torch's compile cache stays where it was."""
+    root = Path(tempfile.mkdtemp(prefix="t41-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _with_temp_root(env: dict, root: Path) -> dict:
+    cache = env.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"
+    )
+    return {**env, "TMPDIR": str(root), "TORCHINDUCTOR_CACHE_DIR": cache}
+
+
+def _left_behind(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("pymp-*"))
+
+
+def test_ctrl_c_of_run_stops_every_rank_and_writes_the_summary(tmp_path, temp_root):
     run_dir = tmp_path / "run"
-    env = {**os.environ, **timing.watchdog_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env = _with_temp_root(
+        {**os.environ, **timing.watchdog_env(), "CUDA_VISIBLE_DEVICES": ""}, temp_root
+    )
     cli = subprocess.Popen(
         [
             sys.executable,
@@ -85,6 +111,7 @@ def test_ctrl_c_of_run_stops_every_rank_and_writes_the_summary(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert summary["phases"][-1]["reason"] == "interrupted (Ctrl-C)"
+    assert _left_behind(temp_root) == []
 
 
 # ---- MEGATRON_EXT_FAULT: a failing rank ends the run, and the CLI names it --------------------
@@ -155,18 +182,21 @@ def _run_cli(args: list[str], env: dict, timeout: float) -> subprocess.Completed
 @pytest.mark.parametrize(
     "case", FAULT_CASES if os.environ.get("MEGATRON_EXT_SOAK") == "1" else CI_FAULT_CASES
 )
-def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
+def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path, temp_root):
     from megatron_ext.launch import faults
 
     recipe_args, fault = FAULT_CASES[case]
     spec = faults.parse_fault(fault)
     run_dir = tmp_path / "run"
-    env = {
-        **os.environ,
-        **timing.watchdog_env(),
-        "CUDA_VISIBLE_DEVICES": "",
-        faults.FAULT_ENV: fault,
-    }
+    env = _with_temp_root(
+        {
+            **os.environ,
+            **timing.watchdog_env(),
+            "CUDA_VISIBLE_DEVICES": "",
+            faults.FAULT_ENV: fault,
+        },
+        temp_root,
+    )
     if spec.kind == "hang":  # the stall limit, scaled: a slow healthy step is no stall
         recipe_args = [*recipe_args, f"launch.stall_timeout_s={timing.bound(5):.0f}"]
     result = _run_cli(
@@ -205,6 +235,7 @@ def test_a_failing_rank_ends_every_rank_and_is_named(case, tmp_path):
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "training-failed"
+    assert _left_behind(temp_root) == []
 
 
 # ---- a rank killed while saving: the tracker never points at a broken checkpoint ---------------

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ext.config import MHCMLATransformerConfig, MHCTransformerConfig
+from megatron_ext.testing import timing
 from megatron_ext.testing.continuation import (
     Continued,
     Link,
@@ -76,6 +77,11 @@ DENSE_CHAIN = [
 ]
 
 
+@pytest.mark.skipif(
+    not timing.soak(),
+    reason="soak tier: the longest chain (five moves); make test moves dense mHC checkpoints in "
+    "test_layouts_4ranks.py and continues a run under another layout in functional_tests",
+)
 def test_dense_mhc_n4_continues_at_every_layout_and_a_fresh_optimizer_does_not():
     """TP2xPP2+SP -> TP1xPP4; 1F1B -> ZB-H1 (PP4); zb-h1 -> PP4xVPP2 (1F1B interleaved);
     PP4xVPP2 -> PP2; PP2 -> PP2xVPP2 (DP2 both). The chain's first checkpoint loaded at

@@ -390,7 +390,12 @@ def test_ranks_die_with_a_killed_launcher(job, tmp_path):
         f"log_dir=Path({str(tmp_path / 'logs')!r}), cwd=Path({str(tmp_path)!r}), "
         f"env={{'EXTRA': 'x', 'PYTHONPATH': {str(tmp_path)!r}}}))\n"
     )
-    launcher = subprocess.Popen([sys.executable, "-c", script])
+    # a killed launcher cannot remove its ranks' multiprocessing directory (launch/mp_temp_dir.py):
+    # it is left in the test's own directory, not in the system's
+    (tmp_path / "tmp").mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    )
     try:
         started = timing.bound(30)
         deadline = time.monotonic() + started
