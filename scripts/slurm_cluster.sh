@@ -185,8 +185,9 @@ start_node() {   # slurmd of node $1 in its own UTS + mount namespace; records p
         node "$name" "$DIR/hosts" "$CONF" >"$DIR/log/slurmd-$name.stdout" 2>&1 &
     pid=$!
     echo "$pid" >"$DIR/node-$name.pid"
-    # the namespace's id: stop and kill-node end every process in it, not only slurmd
-    for _ in $(seq 1 50); do
+    # the namespace's id: stop and kill-node end every process in it, not only slurmd.
+    # Up to 60 s: on a loaded machine unshare, hostname, mount and exec take seconds
+    for _ in $(seq 1 600); do
         [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = slurmd ] && break
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.1
@@ -201,7 +202,7 @@ node_states() { timeout 5 sinfo -h -N -o '%N %T' 2>/dev/null || true; }
 
 wait_idle() {   # every node named in $@ idle
     local states=""
-    for _ in $(seq 1 120); do
+    for _ in $(seq 1 360); do   # 3 min: slurmd registers slowly on a loaded machine
         states=$(node_states)
         local all=1
         for n in "$@"; do grep -qx "$n idle" <<<"$states" || all=0; done
@@ -252,27 +253,38 @@ stop_pid() {
     log "killed $name ($pid)"
 }
 
-ns_members() {   # pids of the processes in the namespace $1 (a readlink of /proc/PID/ns/uts)
+ns_members() {   # pids of this cluster's processes in the namespace $1 (a readlink of /proc/PID/ns/uts)
+    # One stat for all processes (a readlink each takes seconds on a loaded machine). A
+    # namespace's id is reused once it has ended: a node whose processes all died (its slurmd
+    # stopped) leaves a stale id that another cluster's new node may get a second later, and
+    # stop or kill-node would kill that node (seen: a parallel session's stop killed this
+    # cluster's node1). So a member must also see this cluster's hosts file on /etc/hosts.
     local p
-    for p in /proc/[0-9]*; do
-        [ "$(readlink "$p/ns/uts" 2>/dev/null)" = "$1" ] && echo "${p#/proc/}"
+    for p in $(QUOTING_STYLE=shell-always stat -c '%N' /proc/[0-9]*/ns/uts 2>/dev/null \
+        | awk -v ns="'$1'" '$3 == ns { split($1, part, "/"); print part[3] }'); do
+        [ /proc/"$p"/root/etc/hosts -ef "$DIR/hosts" ] && echo "$p"
     done
     return 0
 }
 
 kill_node() {   # SIGKILL every process of node $1 (its namespace dies with the last of them)
-    local name=$1 ns pids
+    local name=$1 ns pids end
     [ -s "$DIR/node-$name.ns" ] || die "no node $name in $DIR"
     ns=$(cat "$DIR/node-$name.ns")
-    # up to 30 s: on a loaded machine a killed rank's memory takes seconds to be released
-    for _ in $(seq 1 300); do
+    # up to SLURM_CI_KILL_WAIT_S (60 s) of wall clock: on a loaded machine a killed rank's
+    # memory (or its write in progress) takes seconds to be released
+    end=$(( SECONDS + ${SLURM_CI_KILL_WAIT_S:-60} ))
+    while :; do
         pids=$(ns_members "$ns")
         [ -z "$pids" ] && { log "$name: no process left"; return 0; }
+        [ "$SECONDS" -ge "$end" ] && break
         # shellcheck disable=SC2086
         kill -KILL $pids 2>/dev/null || true
         sleep 0.1
     done
-    die "$name: processes survive SIGKILL: $pids"
+    # shellcheck disable=SC2086
+    ps -o pid=,stat=,wchan:24=,etime=,args= -p "$(echo $pids | tr ' ' ',')" >&2 || true
+    die "$name: processes survive SIGKILL for ${SLURM_CI_KILL_WAIT_S:-60} s: $pids (above: state, wait channel)"
 }
 
 stop() {

@@ -1,5 +1,6 @@
 """megatron_ext.testing.timing: a test's wall-clock bound is its idle figure times the
-machine's present slowdown, and the idle figure itself in the soak tier."""
+machine's present slowdown, and the idle figure itself in the soak tier (a harness wait is scaled
+there too)."""
 
 from megatron_ext.testing import timing
 
@@ -36,3 +37,13 @@ def test_runs_started_by_tests_get_a_scaled_start_up_allowance(monkeypatch):
     assert timing.watchdog_env() == {heartbeat.STARTUP_ENV: f"{4 * heartbeat.STARTUP_S:.0f}"}
     monkeypatch.setenv(heartbeat.STARTUP_ENV, "77")
     assert timing.watchdog_env() == {}, "an allowance the user set is kept"
+
+
+def test_a_harness_wait_scales_with_the_load_even_in_the_soak_tier(monkeypatch):
+    monkeypatch.setenv(timing.SOAK_ENV, "1")
+    monkeypatch.setattr(timing, "_measured", None)
+    monkeypatch.setattr(timing, "reference_slowdown", lambda: 2.0)
+    monkeypatch.setattr(timing, "load_per_core", lambda: 3.5)  # load 7 on 2 cores
+    wait = timing.harness_bound(600)
+    assert (float(wait), wait.idle_s, wait.factor) == (2100.0, 600, 3.5)
+    assert timing.bound(600) == 600.0, "the claims' bounds keep their idle figures"
