@@ -150,7 +150,10 @@ def test_a_split_string_megatron_cannot_read_is_a_data_error():
 def test_a_bad_environment_variable_is_an_env_variable_error(monkeypatch):
     from megatron_ext.launch import faults, stop_signals
 
+    # fault_from_env reads the variable once per process (an earlier test may have read it):
+    # read afresh here
     monkeypatch.setenv(faults.FAULT_ENV, "rank=x,step=2")
+    monkeypatch.setattr(faults, "_fault_read", False)
     with pytest.raises(EnvVariableError, match=faults.FAULT_ENV):
         faults.fault_from_env()
     with pytest.raises(EnvVariableError, match="unknown signal 'NOPE'"):
