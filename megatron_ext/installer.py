@@ -17,8 +17,12 @@ def install() -> None:
     records its pipeline schedule (:mod:`megatron_ext.schedules.trace`)."""
     from megatron_ext import declarations  # noqa: F401  (every Patch and Seam)
 
-    registry.apply("core")
-    registry.verify_seams()
+    # Patching imports the patched modules; megatron-core 0.20's hyper_connection, imported
+    # that way after an entry's import window, decorates methods with torch.compile, which
+    # would import torch's compiler (seconds of CPU in every rank) for functions no CPU run calls.
+    with registry.applied_for("startup"):  # (megatron_ext.launch.startup)
+        registry.apply("core")
+        registry.verify_seams()
     from megatron_ext.schedules.trace import start_from_environment
 
     start_from_environment()

@@ -252,6 +252,20 @@ def undo(group: str) -> None:
 
 
 @contextlib.contextmanager
+def applied_for(group: str) -> Iterator[None]:
+    """Run a block with ``group`` applied; undone afterwards unless the whole group was applied
+    already when the block began (then whoever applied it undoes it)."""
+    already = all(is_applied(p.target) for p in patches(group))
+    if not already:
+        apply(group)
+    try:
+        yield
+    finally:
+        if not already:
+            undo(group)
+
+
+@contextlib.contextmanager
 def suspended(target: str) -> Iterator[None]:
     """Run with one applied patch's original in place (tests that show why a patch exists);
     install() leaves it alone meanwhile, and the patch is back afterwards."""

@@ -34,7 +34,7 @@ import gc
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from megatron_ext import registry
@@ -99,14 +99,10 @@ def end_entry_imports() -> None:
         gc.enable()
 
 
-@contextlib.contextmanager
-def torch_compile_deferred() -> Iterator[None]:
-    """Run a block that imports megatron (lazily, e.g. the CLI's recipe checks) with the patch."""
-    defer_torch_compile()
-    try:
-        yield
-    finally:
-        restore_torch_compile()
+def torch_compile_deferred() -> contextlib.AbstractContextManager[None]:
+    """A block that imports megatron (lazily, e.g. the CLI's recipe checks) with the patch;
+    inside an entry's import window it leaves that window's patch in place."""
+    return registry.applied_for(STARTUP_GROUP)
 
 
 def exit_now(status: int | None) -> None:
