@@ -199,18 +199,36 @@ class CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return (
-                name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-            )
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], CPU) + tuple(args[2:])
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs["device"] = CPU
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
+        # Every torch call of a CPU run comes through here (most of them small ops in a
+        # layer's loop), so the common case, no placement to change, returns at once.
+        if func in _TENSOR_METHODS_TO_REDIRECT:
+            return _redirected_tensor_method(func, args, kwargs or {})
+        if not kwargs:
+            return func(*args)
+        if "device" in kwargs or "pin_memory" in kwargs:
+            kwargs = _on_cpu_unpinned(kwargs)
         return func(*args, **kwargs)
+
+
+_TENSOR_METHODS_TO_REDIRECT = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+
+
+def _redirected_tensor_method(func, args: tuple, kwargs: dict):
+    if func is torch.Tensor.cuda:
+        return args[0]
+    if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        name = func(*args)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+        args = (args[0], CPU) + tuple(args[2:])
+    return func(*args, **_on_cpu_unpinned(kwargs))
+
+
+def _on_cpu_unpinned(kwargs: dict) -> dict:
+    """``device=`` of CUDA becomes the CPU, ``pin_memory=True`` is dropped."""
+    kwargs = dict(kwargs)
+    if "device" in kwargs and _is_cuda(kwargs["device"]):
+        kwargs["device"] = CPU
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
