@@ -29,14 +29,16 @@ demo: setup
 # make test builds the megatron-core 0.20 environment first; the 0.20 lane's steps
 # (scripts/mcore_020_lane.sh) are shared out so the two lanes end together: its four recipes and
 # 4-rank session after the functional runs, its single-process and 2-rank sessions in the unit lane.
+# To save time the 0.20 multi-rank sessions run each test function's first case and the
+# recipes train once each against their golden values (make test-mcore-0.20 runs them whole).
 test: setup
 	@$(MAKE) --no-print-directory test-mcore-0.20-env
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-functional-lane test-lanes
 
 test-functional-lane:
 	@$(MAKE) --no-print-directory test-functional
-	@$(MCORE020) recipes
-	@$(MCORE020) 4ranks
+	@$(MCORE020) recipes --once
+	@$(MCORE020) 4ranks --one-case-per-test
 
 test-lanes:
 	@$(MAKE) --no-print-directory lint
@@ -44,7 +46,7 @@ test-lanes:
 	@$(MAKE) --no-print-directory test-2ranks
 	@$(MAKE) --no-print-directory test-4ranks
 	@$(MCORE020) unit
-	@$(MCORE020) 2ranks
+	@$(MCORE020) 2ranks --one-case-per-test
 	@$(MAKE) --no-print-directory test-install
 	@$(MAKE) --no-print-directory test-gpu-prep
 

@@ -9,6 +9,14 @@
 #   scripts/mcore_020_lane.sh recipes    four recipes against their golden values
 #   scripts/mcore_020_lane.sh soak       every shipped recipe and the upstream-checkpoint move
 #
+# To save time make test runs lighter forms of three steps (make test-mcore-0.20
+# and the soak step run them whole):
+#   2ranks|4ranks --one-case-per-test    each test function's first parametrized case (the cases
+#                                        after it vary megatron-ext's own maps and layouts, which
+#                                        the 0.19.2 sessions run whole)
+#   recipes --once                       each recipe trained once against its golden values,
+#                                        without its ckpt-resume half
+#
 # The wheel: MEGATRON_CORE_WHEEL (a .whl, or a folder holding one), default the shared
 # megatron-core-0.20-mhc-pp build (Megatron-LM #4946: native mHC with pipeline parallelism).
 # Without one every step prints one line and succeeds, so the rest of `make test` runs on 0.19.2.
@@ -81,7 +89,17 @@ MEGATRON_FACING_TESTS=(
 # A multi-rank session collects only the files that hold tests for its world (tests/conftest.py).
 rank_test_files() { grep -rlE "world_size\($1\)" tests/unit_tests | sort; }
 
-step="${1:?usage: scripts/mcore_020_lane.sh env|unit|2ranks|4ranks|recipes|soak}"
+step="${1:?usage: scripts/mcore_020_lane.sh env|unit|2ranks|4ranks|recipes|soak [--one-case-per-test|--once]}"
+shift
+light=()
+once=0
+for option in "$@"; do
+  case "$option" in
+    --one-case-per-test) light=(--one-case-per-test) ;;
+    --once) once=1 ;;
+    *) say "unknown option $option"; exit 2 ;;
+  esac
+done
 wheel="$(find_wheel || true)"
 if [ -z "$wheel" ]; then
   say "no megatron-core 0.20 wheel at ${MEGATRON_CORE_WHEEL:-$DEFAULT_WHEEL_DIR} (set MEGATRON_CORE_WHEEL): lane skipped, 0.19.2 only"
@@ -95,12 +113,13 @@ TORCHRUN=("$PY" -m torch.distributed.run --standalone --local-ranks-filter 0)
 case "$step" in
   env) ;;
   unit) "$PY" -m pytest "${MEGATRON_FACING_TESTS[@]}" --durations=10 ;;
-  2ranks) "${TORCHRUN[@]}" --nproc_per_node 2 -m pytest $(rank_test_files 2) --durations=5 ;;
+  2ranks) "${TORCHRUN[@]}" --nproc_per_node 2 -m pytest $(rank_test_files 2) "${light[@]}" --durations=5 ;;
   4ranks) "${TORCHRUN[@]}" --nproc_per_node 4 -m pytest $(rank_test_files 4 | grep -v '^tests/unit_tests/checkpoint/') \
-      --durations=5 ;;
+      "${light[@]}" --durations=5 ;;
   recipes)
-    MEGATRON_EXT_RECIPES="$LANE_RECIPES" "$PY" -m pytest tests/functional_tests/test_recipes.py \
-      -k test_recipe_trains_on_cpu_and_matches_its_golden_values --durations=0 ;;
+    MEGATRON_EXT_RECIPES="$LANE_RECIPES" MEGATRON_EXT_RECIPES_ONCE="$once" "$PY" -m pytest \
+      tests/functional_tests/test_recipes.py -k test_recipe_trains_on_cpu_and_matches_its_golden_values \
+      --durations=0 ;;
   soak)
     all="$(cd recipes && ls *.yaml | sed 's/\.yaml$//' | paste -sd, -)"
     MEGATRON_EXT_RECIPES="$all" MEGATRON_EXT_SOAK=1 "$PY" -m pytest tests/functional_tests/test_recipes.py \

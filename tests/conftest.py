@@ -44,6 +44,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "world_size(n): run this test only in an n-rank torchrun session"
     )
     config.addinivalue_line(
+        "markers",
+        "every_case: every parametrized case runs, also under --one-case-per-test",
+    )
+    config.addinivalue_line(
         "markers", "gpu: needs a CUDA GPU (tests/gpu; skipped without one, run by make test-gpu)"
     )
     # megatron-core is chatty about optional dependencies that a CPU machine never has.
@@ -82,13 +86,37 @@ def _fresh_moe_aux_loss_scale():
     yield
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--one-case-per-test",
+        action="store_true",
+        help="run only the first parametrized case of each test function (make test's "
+        "megatron-core 0.20 multi-rank sessions: scripts/mcore_020_lane.sh)",
+    )
+
+
+def _first_cases(items: list[pytest.Item]) -> set[str]:
+    """Node ids of each test function's first collected case (every case of a function
+    marked every_case)."""
+    first: dict[str, str] = {}
+    chosen = set()
+    for item in items:
+        if item.get_closest_marker("every_case"):
+            chosen.add(item.nodeid)
+        else:
+            first.setdefault(item.nodeid.split("[", 1)[0], item.nodeid)
+    return chosen | set(first.values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     world = _session_world_size()
+    wanted_ids = _first_cases(items) if config.getoption("one_case_per_test") else None
     selected, deselected = [], []
     for item in items:
         marker = item.get_closest_marker("world_size")
         wanted = marker.args[0] if marker else 1
-        (selected if wanted == world else deselected).append(item)
+        chosen = wanted == world and (wanted_ids is None or item.nodeid in wanted_ids)
+        (selected if chosen else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

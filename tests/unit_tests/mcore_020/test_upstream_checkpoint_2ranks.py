@@ -141,6 +141,7 @@ def _continue(plan: TrainPlan, weights: dict[str, torch.Tensor]):
     return losses, [rank[0][1] for rank in gathered]
 
 
+@pytest.mark.every_case  # issue 39 item 6: PP2, PP2 x VPP2 and ZB-H1, in make test's 0.20 lane
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_upstream_mhc_checkpoint_continues_at_its_pp1_loss(upstream, layout):
     reference, weights = upstream
