@@ -48,6 +48,9 @@ def test_ctrl_c_interrupts_a_training_that_never_returns_to_python():
     """The trainers hold the main thread in native code; :func:`interruptible` waits for them
     in short steps so the signal is seen at once."""
     release = threading.Event()
+    # Python's own Ctrl-C handler, also where this session started with SIGINT ignored (a
+    # shell's background job): the test is of interruptible(), not of how pytest was started.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
@@ -56,6 +59,7 @@ def test_ctrl_c_interrupts_a_training_that_never_returns_to_python():
             tokenizer_training.interruptible(release.wait, 600)
     finally:
         release.set()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 60
     assert tokenizer_training.interruptible(sum, [1, 2]) == 3
     with pytest.raises(ZeroDivisionError):
