@@ -113,6 +113,19 @@ def read_text_bounded(path: str | os.PathLike, limit: int, what: str = "input") 
     return read_bounded(path, limit, what).decode("utf-8")
 
 
+RECORD_LIMIT = 64 << 20
+"""The JSON, YAML and tracker records beside a run or checkpoint (run.json, summary.json,
+recipe.yaml, traces, latest_checkpointed_iteration.txt) hold kilobytes: a file far beyond this
+is not one, and a directory given to ``--resume``, ``runs`` or ``checkpoint.load`` may be
+anyone's."""
+
+
+def read_record(path: str | os.PathLike, what: str = "record") -> str:
+    """A run's or checkpoint's small text record: a regular file, read within
+    :data:`RECORD_LIMIT` (OSError, or UnicodeDecodeError, otherwise)."""
+    return read_text_bounded(path, RECORD_LIMIT, what)
+
+
 def _size_words(limit: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if limit >= size and limit % size == 0:

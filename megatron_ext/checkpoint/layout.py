@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import files
 from megatron_ext.checkpoint import start_from
 
 RESUME_OVERRIDES = ("parallelism.", "training.iterations=")
@@ -105,7 +106,7 @@ def resume_args(ckpt_dir: Path, recipe: Any, layout_changed: bool) -> list[str]:
 def record(run_dir: Path, change: dict[str, list[Any]], iteration: int | None) -> None:
     """Append the change to run.json's ``layout_changes``."""
     path = Path(run_dir) / "run.json"
-    data = json.loads(path.read_text())
+    data = json.loads(files.read_record(path, "run record"))
     data.setdefault(CHANGES_KEY, []).append({"at_iteration": iteration, "changed": change})
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -133,7 +134,7 @@ def finished_run_continues(run_dir: Path, recipe: Any) -> bool:
 
     tracker = Path(run_dir) / "checkpoints" / safe_pickle.TRACKER
     try:
-        latest = int(tracker.read_text().strip())
+        latest = int(files.read_record(tracker, "tracker").strip())
     except (OSError, ValueError):
         return False
     return recipe.training.iterations > latest
@@ -148,7 +149,7 @@ def apply(
     change = changed(before, recipe)
     (Path(run_dir) / "recipe.yaml").write_text(request.display.recipe_yaml)
     path = Path(run_dir) / "run.json"
-    data = json.loads(path.read_text())
+    data = json.loads(files.read_record(path, "run record"))
     data["overrides"] = list(request.display.overrides)
     path.write_text(json.dumps(data, indent=2) + "\n")
     if change:

@@ -13,7 +13,6 @@ the recipe's directory (:func:`resolve_path`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import stat
@@ -41,6 +40,8 @@ FILE_FIELDS = {
     "Llama2Tokenizer": (("model", "--tokenizer-model"),),
     "TikTokenizer": (("model", "--tokenizer-model"),),
 }
+DIRECTORY_TYPES = ("HuggingFaceTokenizer", "TikTokenizer")
+"""Tokenizers whose --tokenizer-model may be a directory (the others read one file)."""
 HUB_NAMES = {"GPT2BPETokenizer": "gpt2"}
 OFFLINE_ALTERNATIVE = (
     "offline: HuggingFaceTokenizer with --tokenizer-model DIR, a directory with tokenizer.json, "
@@ -112,6 +113,10 @@ def tokenizer_problems(
         elif not Path(value).exists():
             fix = example_fix(value)
             problems.append(f"{label}: {value} does not exist" + (f"; {fix}" if fix else ""))
+        elif problem := _not_a_file_problem(
+            value, directory_allowed=tokenizer_type in DIRECTORY_TYPES
+        ):
+            problems.append(f"{label}: {problem}")
     if tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
         label = f"{where}model" if where else "--tokenizer-model"
         if not any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -123,7 +128,8 @@ def tokenizer_problems(
     note = hub_note(tokenizer_type)
     if note and hub_offline():
         problems.append(f"{where}type: {note}")
-    if tokenizer_type in SENTENCEPIECE_TYPES and model and Path(model).exists():
+    # (a path that is not a regular file was refused above, unread)
+    if tokenizer_type in SENTENCEPIECE_TYPES and model and Path(model).is_file():
         problem = sentencepiece_problem(model)
         if problem:
             problems.append(
@@ -163,12 +169,23 @@ def sentencepiece_problem(model: str) -> str | None:
     return None
 
 
+def _not_a_file_problem(path: str, directory_allowed: bool) -> str | None:
+    """Why an existing tokenizer path cannot be read as the file it names (None: it can): a
+    FIFO, socket or device is never opened (issue 40, items 6 and 15)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode) or (directory_allowed and stat.S_ISDIR(mode)):
+        return None
+    return f"{path} is {files.kind_of(mode)}, not a regular file; give the tokenizer's file"
+
+
 def _vocab_json_problem(vocab_file: str) -> str | None:
     """A GPT-2 vocab.json that is not a JSON mapping of tokens to ids (megatron reads it with
     json.load)."""
+    from megatron_ext.data.tokenizer_files import read_json
+
     try:
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        vocab = read_json(vocab_file, "vocab.json")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return (
             f"{vocab_file} is not JSON ({' '.join(str(e).split())}); GPT2BPETokenizer's vocab "
             "file is vocab.json, a mapping of tokens to ids"
@@ -189,7 +206,9 @@ def tokenizer_vocab_size(
     if tokenizer_type == "NullTokenizer":
         return vocab_size
     if tokenizer_type == "GPT2BPETokenizer" and vocab_file:
-        return len(json.loads(Path(vocab_file).read_text(encoding="utf-8")))
+        from megatron_ext.data.tokenizer_files import read_json
+
+        return len(read_json(vocab_file, "vocab.json"))
     if tokenizer_type == "HuggingFaceTokenizer" and model:
         tokenizer_json = Path(model) / "tokenizer.json"
         if tokenizer_json.is_file():

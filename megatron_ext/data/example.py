@@ -27,6 +27,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from megatron_ext import files
 from megatron_ext.data import corpus, tokenizer_training
 from megatron_ext.data.preprocess import preprocess
 
@@ -81,7 +82,7 @@ def builder_key() -> str:
 
 def _built_by(manifest: Path, key: str) -> bool:
     try:
-        return json.loads(manifest.read_text()).get("builder") == key
+        return json.loads(files.read_record(manifest, "manifest")).get("builder") == key
     except (OSError, ValueError, AttributeError):
         return False
 

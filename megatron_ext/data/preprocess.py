@@ -20,6 +20,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -112,8 +113,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise PrepareDataError(f"{flag} is required")
     if args.workers < 1:
         raise PrepareDataError(f"--workers must be a positive number, got {args.workers}")
-    if not Path(args.input).is_file():
-        raise PrepareDataError(f"--input {args.input}: no such file")
+    if problem := _input_file_problem(args.input):
+        raise PrepareDataError(f"--input {problem}")
     if not os.access(args.input, os.R_OK):
         raise PrepareDataError(f"--input {args.input}: not readable")
     if args.log_interval < 1:
@@ -244,11 +245,22 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
     return {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
 
 
+def _input_file_problem(path: str) -> str | None:
+    """Why the corpus ``path`` cannot be read line by line (None: a regular file)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return f"{path}: no such file"
+    if not stat.S_ISREG(mode):
+        return f"{path} is {files.kind_of(mode)}, not a regular file; give the JSONL corpus file"
+    return None
+
+
 def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
     """Each line, read at most MAX_LINE_BYTES at a time (see data.input_limits)."""
     from megatron_ext.data.input_limits import MAX_LINE_BYTES, line_too_long
 
-    with open(path, "rb") as f:
+    with files.open_regular(path) as f:  # a FIFO would block, a device never end
         line_no = 0
         while line := f.readline(MAX_LINE_BYTES + 1):
             line_no += 1

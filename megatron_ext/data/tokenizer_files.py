@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,11 +106,42 @@ def run_environment(
     return {}
 
 
+MAX_FILE_BYTES = 1 << 30
+"""A tokenizer's files are read whole (by us and by the tokenizer libraries); the largest
+vocabularies' ``tokenizer.json`` hold tens of MiB."""
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """A tokenizer's JSON file, a regular file read within :data:`MAX_FILE_BYTES` (OSError,
+    UnicodeDecodeError or ValueError otherwise)."""
+    from megatron_ext import files
+
+    return json.loads(files.read_text_bounded(path, MAX_FILE_BYTES, what))
+
+
 def _read_json(path: Path) -> tuple[Any, str | None]:
     try:
-        return json.loads(path.read_text(encoding="utf-8")), None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return read_json(path, "tokenizer configuration"), None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"{path} is not readable JSON ({' '.join(str(e).split())})"
+
+
+def irregular_entries(directory: Path) -> list[str]:
+    """One line for each entry of a tokenizer directory that is neither a regular file nor a
+    directory (a FIFO would block the tokenizer library's read, a device never end)."""
+    from megatron_ext import files
+
+    lines = []
+    for entry in sorted(directory.iterdir()):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a dangling link: the library reports a missing file itself
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            lines.append(
+                f"{entry} is {files.kind_of(mode)}, not a regular file; replace or remove it"
+            )
+    return lines
 
 
 def _token_text(value: Any) -> str | None:
@@ -140,6 +172,8 @@ def directory_problems(model: str, need_eos: bool = True) -> list[str]:
     directory = Path(model)
     if not directory.is_dir():
         return []
+    if irregular := irregular_entries(directory):
+        return irregular
     tokenizer_json = directory / "tokenizer.json"
     vocabulary = None
     if tokenizer_json.is_file():

@@ -5,10 +5,15 @@ point it at any file of yours)."""
 
 from __future__ import annotations
 
+import stat
+
 from megatron_ext.errors import Problem
-from megatron_ext.files import inside
+from megatron_ext.files import inside, kind_of, read_text_bounded
 from megatron_ext.launch.shell import LINE_BREAKING
 from megatron_ext.recipes.loader import LoadedRecipe
+
+MAX_GOLDEN_BYTES = 256 << 20
+"""Golden values are read whole; a file far beyond a run's metrics is not golden values."""
 
 
 def golden_values_problem(loaded: LoadedRecipe) -> Problem | None:
@@ -30,7 +35,23 @@ def golden_values_problem(loaded: LoadedRecipe) -> Problem | None:
             f"{text!r} is not a golden-value file: give a path ending in .json, "
             "e.g. golden/{name}/golden_values_{platform}.json",
         )
-    return None
+    return _not_regular_problem(loaded)
+
+
+def _not_regular_problem(loaded: LoadedRecipe) -> Problem | None:
+    """Golden values that exist but are a FIFO, device or socket: the comparison at the end of
+    the run would block on them or never end (refused before anything starts)."""
+    golden = loaded.golden_path()
+    try:
+        mode = golden.stat().st_mode if golden is not None else None
+    except OSError:
+        return None  # absent: a note says the run is not compared
+    if mode is None or stat.S_ISREG(mode):
+        return None
+    return Problem(
+        "test.golden_values",
+        f"{golden} is {kind_of(mode)}, not a regular file; give golden-value JSON",
+    )
 
 
 def golden_write_problem(loaded: LoadedRecipe) -> str | None:
@@ -53,7 +74,7 @@ def golden_write_problem(loaded: LoadedRecipe) -> str | None:
         )
     if golden.exists():
         try:
-            data = json.loads(golden.read_text())
+            data = json.loads(read_text_bounded(golden, MAX_GOLDEN_BYTES, "golden values"))
         except (OSError, ValueError, RecursionError):
             data = None
         if not isinstance(data, dict):

@@ -500,9 +500,9 @@ def load(
 def platforms_of(path: str | Path) -> list[str]:
     """The platforms a recipe file defines, cpu first ([cpu] when it cannot be read)."""
     path = Path(path)
-    try:
-        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+    try:  # bounded, regular files only: loading it again then names what is wrong in one line
+        raw = parse_yaml(_read_recipe_text(path)) or {}
+    except (RecipeError, OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return [DEFAULT_PLATFORM]
     if upstream.is_test_case(raw):
         return [

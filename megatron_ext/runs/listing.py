@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.runs import metrics as met, resume as rsm
 
@@ -36,7 +37,7 @@ def is_run_dir(path: Path) -> bool:
 
 def _json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(files.read_record(path))
     except (OSError, ValueError, RecursionError):  # a 100k-deep document is unreadable too
         return {}
     return data if isinstance(data, dict) else {}
@@ -46,7 +47,7 @@ def _iterations(run_dir: Path) -> int | None:
     import yaml
 
     try:
-        data = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        data = yaml.safe_load(files.read_record(run_dir / "recipe.yaml", "recipe")) or {}
         return int(data["training"]["iterations"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, ArithmeticError):
         return None  # .inf iterations: OverflowError

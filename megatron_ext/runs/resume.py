@@ -29,6 +29,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext import files
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.runs import metrics as met
 
@@ -57,7 +58,7 @@ def read_run_record(run_dir: Path) -> dict:
             "megatron-ext could resume have none)"
         )
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(files.read_record(path, "run record"))
     except (OSError, ValueError) as exc:
         raise ResumeError(f"{path}: unreadable ({exc})") from None
     if not isinstance(record, dict):
@@ -77,7 +78,9 @@ def existing_run_problem(run_dir: Path) -> str | None:
         return None
     status = "unknown"
     try:
-        status = str(json.loads((run_dir / "summary.json").read_text()).get("status"))[:40]
+        status = str(
+            json.loads(files.read_record(run_dir / "summary.json", "summary")).get("status")
+        )[:40]
     except (OSError, ValueError, AttributeError, RecursionError):
         pass
     fresh = f"give another --run-dir to start afresh (or move {run_dir} away first)"
@@ -109,8 +112,8 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def latest_complete(ckpt_dir: Path) -> int | None:
     """The iteration of the latest complete checkpoint (Megatron's tracker), None when none."""
     try:
-        text = (Path(ckpt_dir) / TRACKER).read_text().strip()
-    except OSError:
+        text = files.read_record(Path(ckpt_dir) / TRACKER, "tracker").strip()
+    except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
 

@@ -782,6 +782,6 @@ def _resume_in(
 
 def _summary_status(run_dir: Path) -> str | None:
     try:
-        return json.loads((run_dir / "summary.json").read_text()).get("status")
+        return json.loads(files.read_record(run_dir / "summary.json", "summary")).get("status")
     except (OSError, ValueError, AttributeError):
         return None

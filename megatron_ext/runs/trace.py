@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import files
 from megatron_ext.schedules.report import zb_h1_textbook_bubble
 from megatron_ext.schedules.schedule import (
     ZB_H1,
@@ -42,7 +43,7 @@ def read_ranks(trace_dir: Path) -> list[dict]:
     for path in sorted(
         Path(trace_dir).glob("trace-rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])
     ):
-        data = json.loads(path.read_text())
+        data = json.loads(files.read_record(path, "trace"))
         data["events"] = [Event.from_dict(e) for e in data["events"]]
         ranks.append(data)
     return ranks

@@ -339,19 +339,26 @@ def read_schedule_file(path: str | Path, plan: SchedulePlan | None = None) -> Sc
 
 
 def read_text(path: str | Path) -> str:
-    """A schedule file's text; refuses what is not a small UTF-8 text file, in one line."""
-    target = Path(path)
+    """A schedule file's text; refuses what is not a small UTF-8 text file, in one line. The
+    bound is on the bytes read (a device claims 0) and only a regular file is opened (a FIFO
+    would block)."""
+    from megatron_ext import files
+
     try:
-        if target.stat().st_size > MAX_TEXT_BYTES:
-            raise ScheduleTextError(
-                f"{path}: larger than {MAX_TEXT_BYTES // 2**20} MiB; a schedule text is one "
-                "line of actions per rank"
-            )
-        return target.read_text(encoding="utf-8")
+        return files.read_text_bounded(path, MAX_TEXT_BYTES, "schedule text")
+    except files.InputTooLarge:
+        raise ScheduleTextError(
+            f"{path}: larger than {MAX_TEXT_BYTES // 2**20} MiB; a schedule text is one "
+            "line of actions per rank"
+        ) from None
     except FileNotFoundError:
         raise ScheduleTextError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ScheduleTextError(f"{path} is a directory; give the schedule's text file") from None
+    except files.NotRegularFile as exc:
+        raise ScheduleTextError(
+            f"{path} is {exc.kind}, not a regular file; give the schedule's text file"
+        ) from None
     except UnicodeDecodeError:
         raise ScheduleTextError(f"{path}: not UTF-8 text") from None
     except OSError as exc:
