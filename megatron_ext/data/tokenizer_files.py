@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import files
+
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 EOS_FIX = (
@@ -114,8 +116,6 @@ vocabularies' ``tokenizer.json`` hold tens of MiB."""
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """A tokenizer's JSON file, a regular file read within :data:`MAX_FILE_BYTES` (OSError,
     UnicodeDecodeError or ValueError otherwise)."""
-    from megatron_ext import files
-
     return json.loads(files.read_text_bounded(path, MAX_FILE_BYTES, what))
 
 
@@ -129,8 +129,6 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
 def irregular_entries(directory: Path) -> list[str]:
     """One line for each entry of a tokenizer directory that is neither a regular file nor a
     directory (a FIFO would block the tokenizer library's read, a device never end)."""
-    from megatron_ext import files
-
     lines = []
     for entry in sorted(directory.iterdir()):
         try:
