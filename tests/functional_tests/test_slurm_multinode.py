@@ -409,6 +409,7 @@ def _lose_node2(cluster, run_dir: Path, at_iteration: int, bring_back: bool, sub
 
 @soak
 def test_a_lost_node_requeues_and_the_job_finishes_with_the_uninterrupted_losses(cluster, run_dir):
+    _both_nodes_up(cluster)  # an earlier test may have left node2 down
     submit = subprocess.Popen(
         _submit_command(
             TP2_PP2_SP,
@@ -457,7 +458,8 @@ def _both_nodes_up(cluster) -> None:
     would otherwise pend until its test times out."""
     env = cluster["env"]
     if _node_state(env, "node2") not in SCHEDULABLE:  # down, or "mixed*": not answering
-        back = _cluster("start-node", cluster["state"], env, "node2")
+        # retried while a killed node's processes are still exiting ("node2 is running")
+        back = _cluster_retried("start-node", cluster, "node2", timing.harness_bound(120))
         assert back.returncode == 0 or "node2 is running" in back.stderr, (
             f"harness: start-node node2 failed: {back.stderr}"
         )
@@ -540,6 +542,7 @@ def test_a_requeued_job_is_not_killed_by_signals_meant_for_its_lost_start(
 
 @soak
 def test_a_lost_node_without_requeue_ends_the_job_naming_the_node_and_ranks(cluster, run_dir):
+    _both_nodes_up(cluster)  # an earlier test may have left node2 down
     submit = subprocess.Popen(
         _submit_command(TP2_PP2_SP, run_dir, "--skip-megatron-checks"),
         cwd=REPO_ROOT,
@@ -554,9 +557,7 @@ def test_a_lost_node_without_requeue_ends_the_job_naming_the_node_and_ranks(clus
     finally:
         if submit.poll() is None:
             submit.kill()
-        # the next test needs both nodes
-        if "down" in _node_state(cluster["env"], "node2"):
-            _cluster("start-node", cluster["state"], cluster["env"], "node2")
+    # node2 stays down: each two-node test first brings it back (_both_nodes_up)
     assert submit.returncode != 0, out[-3000:]
     assert "state NODE_FAIL" in out, out[-3000:]
     assert "node node2 lost (ranks 2-3)" in out, out[-3000:]
@@ -565,6 +566,7 @@ def test_a_lost_node_without_requeue_ends_the_job_naming_the_node_and_ranks(clus
 
 @soak
 def test_a_stop_signal_to_a_two_node_job_saves_once_and_requeues(cluster, run_dir):
+    _both_nodes_up(cluster)  # an earlier test may have left node2 down
     submit = subprocess.Popen(
         _submit_command(
             TP2_PP2_SP,
@@ -620,6 +622,7 @@ def test_a_stop_signal_to_a_two_node_job_saves_once_and_requeues(cluster, run_di
 
 @soak
 def test_multimodule_encoder_on_one_node_language_model_on_the_other(cluster, run_dir):
+    _both_nodes_up(cluster)  # an earlier test may have left node2 down
     result = subprocess.run(
         _submit_command("recipes/multimodule_encoder_llm_mhc_pp2.yaml", run_dir),
         cwd=REPO_ROOT,
