@@ -45,6 +45,19 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+def irregular_kind(path: str | os.PathLike, directory_ok: bool = False) -> str | None:
+    """What ``path`` is, in words, when it exists but is not a regular file (nor, with
+    ``directory_ok``, a directory): a FIFO, socket or device a reader must not open. None when
+    it is one, or cannot be examined (absent: the caller's own "no such file")."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or (directory_ok and stat.S_ISDIR(mode)):
+        return None
+    return kind_of(mode)
+
+
 class NotRegularFile(MegatronExtError, OSError):
     """An input that is a FIFO, socket, device or directory where a file is read (one line).
     An OSError too, so every caller that reports a failed read reports this one."""

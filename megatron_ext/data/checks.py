@@ -172,10 +172,8 @@ def sentencepiece_problem(model: str) -> str | None:
 def _not_a_file_problem(path: str, directory_allowed: bool) -> str | None:
     """Why an existing tokenizer path cannot be read as the file it names (None: it can): a
     FIFO, socket or device is never opened (issue 40, items 6 and 15)."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISREG(mode) or (directory_allowed and stat.S_ISDIR(mode)):
-        return None
-    return f"{path} is {files.kind_of(mode)}, not a regular file; give the tokenizer's file"
+    kind = files.irregular_kind(path, directory_ok=directory_allowed)
+    return f"{path} is {kind}, not a regular file; give the tokenizer's file" if kind else None
 
 
 def _vocab_json_problem(vocab_file: str) -> str | None:

@@ -20,7 +20,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -247,12 +246,10 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
 
 def _input_file_problem(path: str) -> str | None:
     """Why the corpus ``path`` cannot be read line by line (None: a regular file)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
+    if not os.path.exists(path):
         return f"{path}: no such file"
-    if not stat.S_ISREG(mode):
-        return f"{path} is {files.kind_of(mode)}, not a regular file; give the JSONL corpus file"
+    if kind := files.irregular_kind(path):
+        return f"{path} is {kind}, not a regular file; give the JSONL corpus file"
     return None
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,17 +128,12 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
 def irregular_entries(directory: Path) -> list[str]:
     """One line for each entry of a tokenizer directory that is neither a regular file nor a
     directory (a FIFO would block the tokenizer library's read, a device never end)."""
-    lines = []
-    for entry in sorted(directory.iterdir()):
-        try:
-            mode = entry.stat().st_mode
-        except OSError:  # a dangling link: the library reports a missing file itself
-            continue
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            lines.append(
-                f"{entry} is {files.kind_of(mode)}, not a regular file; replace or remove it"
-            )
-    return lines
+    # (a dangling link is skipped: the library reports a missing file itself)
+    return [
+        f"{entry} is {kind}, not a regular file; replace or remove it"
+        for entry in sorted(directory.iterdir())
+        if (kind := files.irregular_kind(entry, directory_ok=True))
+    ]
 
 
 def _token_text(value: Any) -> str | None:

@@ -5,10 +5,8 @@ point it at any file of yours)."""
 
 from __future__ import annotations
 
-import stat
-
 from megatron_ext.errors import Problem
-from megatron_ext.files import inside, kind_of, read_text_bounded
+from megatron_ext.files import inside, irregular_kind, read_text_bounded
 from megatron_ext.launch.shell import LINE_BREAKING
 from megatron_ext.recipes.loader import LoadedRecipe
 
@@ -41,16 +39,12 @@ def golden_values_problem(loaded: LoadedRecipe) -> Problem | None:
 def _not_regular_problem(loaded: LoadedRecipe) -> Problem | None:
     """Golden values that exist but are a FIFO, device or socket: the comparison at the end of
     the run would block on them or never end (refused before anything starts)."""
-    golden = loaded.golden_path()
-    try:
-        mode = golden.stat().st_mode if golden is not None else None
-    except OSError:
-        return None  # absent: a note says the run is not compared
-    if mode is None or stat.S_ISREG(mode):
+    golden = loaded.golden_path()  # absent: a note says the run is not compared
+    kind = irregular_kind(golden) if golden is not None else None
+    if kind is None:
         return None
     return Problem(
-        "test.golden_values",
-        f"{golden} is {kind_of(mode)}, not a regular file; give golden-value JSON",
+        "test.golden_values", f"{golden} is {kind}, not a regular file; give golden-value JSON"
     )
 
 
